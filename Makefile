@@ -1,0 +1,42 @@
+# Quickstart: `make demo` and `make test`. Both create .venv and install on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: install demo test lint typecheck unit protos bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -e '.[dev,demo]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/paramplane demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check client node coordinator tests benchmarks examples scripts
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q -ra
+
+test: lint typecheck unit
+
+protos: $(STAMP)
+	$(BIN)/python scripts/gen_protos.py
+
+bench: $(STAMP)
+	$(BIN)/python -m pip install -q torch==2.13.0 || echo "torch not installed: peers are skipped"
+	$(BIN)/paramplane bench collectives --out benchmarks/results/collectives.jsonl
+	$(BIN)/python benchmarks/rendezvous.py --out benchmarks/results/rendezvous.jsonl
+	$(BIN)/python benchmarks/ddp.py --out benchmarks/results/ddp.jsonl
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

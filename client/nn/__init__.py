@@ -1,0 +1,1 @@
+"""Reference neural-network modules with explicit backward (numpy and cupy)."""

@@ -1,0 +1,1 @@
+"""Optimizers over paramplane.nn parameters."""

@@ -1,0 +1,1 @@
+"""Coordinator: rendezvous, key/value store, barriers, heartbeats and abort events."""

@@ -1,0 +1,1 @@
+"""Node runtime: the event loop, coordinator client, peer server, transports and collectives."""

@@ -1,0 +1,1 @@
+"""Protobuf sources and their generated modules (see scripts/gen_protos.py)."""

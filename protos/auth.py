@@ -1,0 +1,69 @@
+"""What both planes share on the wire: the job-token metadata and the one auth interceptor.
+
+Kept beside the protos because the coordinator and the node runtime may both
+import from here and from nowhere else of ours (see DESIGN.md, Layout).
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+TOKEN_METADATA_KEY = "x-paramplane-token"
+# Health probes carry no token (load balancers, orchestrators).
+UNAUTHENTICATED_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
+
+
+def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """Call metadata that carries ``token`` (empty when there is none)."""
+    return ((TOKEN_METADATA_KEY, token),) if token else ()
+
+
+def _rejecting(handler: grpc.RpcMethodHandler, details: str) -> grpc.RpcMethodHandler:
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
+
+    async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
+        yield  # pragma: no cover - makes this an async generator
+
+    kw = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(deny, **kw)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(deny_stream, **kw)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(deny, **kw)
+    return grpc.stream_stream_rpc_method_handler(deny_stream, **kw)
+
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Refuses every call whose metadata lacks the job token (UNAUTHENTICATED).
+
+    With ``token=None`` every call is admitted. The comparison is constant-time
+    and the token never appears in an error message.
+    """
+
+    def __init__(self, token: str | None) -> None:
+        self._token = token.encode() if token else None
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if self._token is None or handler is None or details.method in UNAUTHENTICATED_METHODS:
+            return handler
+        sent = dict(details.invocation_metadata or ()).get(TOKEN_METADATA_KEY)
+        if sent is None:
+            return _rejecting(handler, "no job token: set PARAMPLANE_TOKEN (or --token-file) to the job's token")
+        if not hmac.compare_digest(str(sent).encode(), self._token):
+            return _rejecting(handler, "wrong job token: every rank must use the coordinator's token")
+        return handler
