@@ -22,6 +22,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check client node coordinator tests benchmarks examples scripts
 
 typecheck: $(STAMP)
+	$(BIN)/python scripts/typecheck_tree.py >/dev/null
 	$(BIN)/mypy
 
 unit: $(STAMP)

@@ -63,7 +63,9 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return handler
         sent = dict(details.invocation_metadata or ()).get(TOKEN_METADATA_KEY)
         if sent is None:
-            return _rejecting(handler, "no job token: set PARAMPLANE_TOKEN (or --token-file) to the job's token")
+            return _rejecting(
+                handler, "no job token: set PARAMPLANE_TOKEN (or --token-file) to the job's token"
+            )
         if not hmac.compare_digest(str(sent).encode(), self._token):
             return _rejecting(handler, "wrong job token: every rank must use the coordinator's token")
         return handler

@@ -1,0 +1,68 @@
+"""numpy / cupy dispatch and the dtypes the plane moves.
+
+One code path serves both array libraries: ``array_module(x)`` answers the
+module that owns ``x``; cupy is imported lazily and is optional.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+# Wire names of the dtypes the plane moves; bfloat16 comes from ml_dtypes on the host.
+DTYPES: dict[str, np.dtype[Any]] = {
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "int8": np.dtype(np.int8),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "uint8": np.dtype(np.uint8),
+    "bool": np.dtype(np.bool_),
+}
+
+
+@functools.cache
+def cupy_module() -> ModuleType | None:
+    """The cupy module, or None where it is not installed or finds no device."""
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return None
+        return cupy
+    except Exception:
+        return None
+
+
+def is_cupy(x: Any) -> bool:
+    """True when ``x`` is a cupy array (without importing cupy when it was never imported)."""
+    return type(x).__module__.startswith("cupy")
+
+
+def array_module(x: Any) -> ModuleType:
+    """numpy or cupy, whichever owns ``x``."""
+    if is_cupy(x):
+        import cupy
+
+        return cupy
+    return np
+
+
+def dtype_name(dtype: Any) -> str:
+    """The wire name of ``dtype``; ValueError for one the plane does not move."""
+    dt = np.dtype(dtype)
+    for name, known in DTYPES.items():
+        if dt == known:
+            return name
+    raise ValueError(f"dtype {dt} is not supported; use one of {', '.join(DTYPES)}")
+
+
+def to_host(x: Any) -> np.ndarray[Any, Any]:
+    """A numpy copy (cupy) or the array itself (numpy)."""
+    return x.get() if is_cupy(x) else np.asarray(x)
