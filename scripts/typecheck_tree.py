@@ -7,8 +7,9 @@ the Makefile's typecheck target points it at this tree (see pyproject [tool.mypy
 from __future__ import annotations
 
 import shutil
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 TREE = ROOT / ".typecheck"
