@@ -1,0 +1,115 @@
+"""``paramplane coordinator``: run one coordinator until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+from paramplane.coordinator.server import CoordinatorConfig, CoordinatorServer
+
+TOKEN_ENV = "PARAMPLANE_TOKEN"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="paramplane coordinator", description="Run the coordinator of one world."
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1; others need a token)"
+    )
+    p.add_argument("--port", type=int, default=29400, help="TCP port (0 = pick a free one; default 29400)")
+    p.add_argument("--world-size", type=int, required=True, help="number of ranks in the world")
+    p.add_argument("--token-file", type=Path, help=f"file holding the job token (else ${TOKEN_ENV})")
+    p.add_argument("--tls-cert", type=Path, help="PEM certificate chain (with --tls-key)")
+    p.add_argument("--tls-key", type=Path, help="PEM private key (with --tls-cert)")
+    p.add_argument(
+        "--join-timeout", type=float, default=300.0, help="seconds to wait for all ranks (default 300)"
+    )
+    p.add_argument(
+        "--heartbeat-timeout", type=float, default=10.0, help="silence that kills a rank (default 10 s)"
+    )
+    p.add_argument(
+        "--heartbeat-interval", type=float, default=1.0, help="heartbeat period told to ranks (default 1 s)"
+    )
+    p.add_argument(
+        "--progress-timeout",
+        type=float,
+        default=300.0,
+        help="stall that kills a lagging rank (default 300 s, 0 = off)",
+    )
+    p.add_argument("--port-file", type=Path, help="write the bound port to this file once listening")
+    p.add_argument(
+        "--grace", type=float, default=1.0, help="seconds in-flight calls get on shutdown (default 1)"
+    )
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _config(args: argparse.Namespace) -> CoordinatorConfig:
+    token = args.token_file.read_text().strip() if args.token_file else os.environ.get(TOKEN_ENV) or None
+    if args.token_file and not token:
+        raise ValueError(f"token file {args.token_file} is empty")
+    return CoordinatorConfig(
+        host=args.host,
+        port=args.port,
+        world_size=args.world_size,
+        token=token,
+        tls_cert=args.tls_cert.read_bytes() if args.tls_cert else None,
+        tls_key=args.tls_key.read_bytes() if args.tls_key else None,
+        join_timeout_s=args.join_timeout,
+        heartbeat_interval_s=args.heartbeat_interval,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        progress_timeout_s=args.progress_timeout,
+    )
+
+
+async def _serve(config: CoordinatorConfig, port_file: Path | None, grace: float) -> None:
+    server = await CoordinatorServer.start(config)
+    try:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        if port_file is not None:
+            _write_atomically(port_file, f"{server.port}\n")
+        print(
+            f"paramplane coordinator listening on {server.address} (world size {config.world_size})",
+            flush=True,
+        )
+        await stop.wait()
+    finally:
+        await server.stop(grace)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a coordinator until SIGTERM/SIGINT; 0 on a clean stop, 2 on bad arguments, 1 if it cannot start."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = _config(args)
+    except (ValueError, OSError) as e:
+        parser.error(str(e))
+    try:
+        asyncio.run(_serve(config, args.port_file, args.grace))
+    except OSError as e:
+        print(f"paramplane coordinator: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,141 @@
+"""Values the coordinator's state machine trades in, and the rank assignment (pure)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+class ErrorKind(enum.Enum):
+    """Why a call was refused; the names are the gRPC status codes the server answers with."""
+
+    INVALID_ARGUMENT = enum.auto()
+    ALREADY_EXISTS = enum.auto()
+    RESOURCE_EXHAUSTED = enum.auto()
+    FAILED_PRECONDITION = enum.auto()
+    DEADLINE_EXCEEDED = enum.auto()
+    ABORTED = enum.auto()
+    UNAVAILABLE = enum.auto()
+
+
+class StateError(Exception):
+    """A refused call. ``rank`` names the culprit of an abort; ``mismatch`` marks a barrier disagreement."""
+
+    def __init__(self, kind: ErrorKind, message: str, *, rank: int = -1, mismatch: bool = False) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.rank = rank
+        self.mismatch = mismatch
+
+
+@dataclass(frozen=True)
+class Joiner:
+    """One join request."""
+
+    instance_id: str
+    host_id: str
+    peer_address: str
+    rank_hint: int = -1
+    world_size: int = 0
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class Peer:
+    rank: int
+    address: str
+    host_id: str
+    node_rank: int
+    local_rank: int
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """What a joiner learns once the world has formed."""
+
+    rank: int
+    world_size: int
+    node_rank: int
+    num_nodes: int
+    local_rank: int
+    local_world_size: int
+    epoch: int
+    job_id: str
+    peers: tuple[Peer, ...]
+
+
+class EventKind(enum.Enum):
+    MEMBERSHIP = enum.auto()
+    ABORT = enum.auto()
+    LEFT = enum.auto()
+    SHUTDOWN = enum.auto()
+
+
+@dataclass(frozen=True)
+class Event:
+    """A watch event; ``rank`` is -1 when no rank is named."""
+
+    kind: EventKind
+    epoch: int
+    rank: int = -1
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """Answer for one waiter: ``value`` (Assignment, None or bytes) unless ``error`` is set."""
+
+    waiter: int
+    value: object = None
+    error: StateError | None = None
+
+
+@dataclass
+class Effects:
+    resolved: list[Resolution] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    formed: tuple[Assignment, ...] = ()
+
+
+def group_by_host(joiners: Sequence[Joiner]) -> list[list[Joiner]]:
+    """Joiners (given in arrival order) as hosts in node order, each in local-rank order.
+
+    Hosts are ordered by first arrival and, within a host, hinted joiners come
+    first by hint, then the others by arrival. When every joiner gave a hint and
+    each host's hints are one consecutive run, the hints are the ranks.
+    """
+    hosts: dict[str, list[Joiner]] = {}
+    for joiner in joiners:
+        hosts.setdefault(joiner.host_id, []).append(joiner)
+    hints = sorted(j.rank_hint for j in joiners)
+    contiguous = all(
+        max(j.rank_hint for j in g) - min(j.rank_hint for j in g) == len(g) - 1 for g in hosts.values()
+    )
+    if hints == list(range(len(joiners))) and contiguous:
+        ordered = sorted(hosts.values(), key=lambda g: min(j.rank_hint for j in g))
+        return [sorted(g, key=lambda j: j.rank_hint) for g in ordered]
+    return [sorted(g, key=lambda j: (j.rank_hint < 0, j.rank_hint)) for g in hosts.values()]
+
+
+def assign_ranks(joiners: Sequence[Joiner], epoch: int, job_id: str) -> dict[str, Assignment]:
+    """The world formed by ``joiners`` (in arrival order): instance id -> assignment."""
+    hosts = group_by_host(joiners)
+    placed = [(j, node, local) for node, host in enumerate(hosts) for local, j in enumerate(host)]
+    peers = tuple(
+        Peer(r, j.peer_address, j.host_id, node, local) for r, (j, node, local) in enumerate(placed)
+    )
+    return {
+        j.instance_id: Assignment(
+            rank=r,
+            world_size=len(placed),
+            node_rank=node,
+            num_nodes=len(hosts),
+            local_rank=local,
+            local_world_size=len(hosts[node]),
+            epoch=epoch,
+            job_id=job_id,
+            peers=peers,
+        )
+        for r, (j, node, local) in enumerate(placed)
+    }

@@ -1,0 +1,481 @@
+"""The coordinator's decisions: pure functions of state and an explicit ``now``.
+
+No I/O, no asyncio, no clock reads. A blocking call (join, barrier, kv wait) is
+registered as a *waiter* under an id the caller picks; every method leaves its
+consequences in a buffer that ``take_effects()`` hands over: waiters to resolve
+(with a value or a ``StateError``) and watch events to publish.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from paramplane.coordinator.model import (
+    Assignment,
+    Effects,
+    ErrorKind,
+    Event,
+    EventKind,
+    Joiner,
+    Resolution,
+    StateError,
+    assign_ranks,
+)
+
+MAX_KEY_BYTES = 1024
+MAX_VALUE_BYTES = 4 * 1024 * 1024
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+@dataclass
+class _Pending:
+    joiner: Joiner
+    waiter: int
+    arrived: float
+
+
+@dataclass
+class _Barrier:
+    ranks: tuple[int, ...]
+    first_rank: int
+    arrived: dict[int, int] = field(default_factory=dict)  # rank -> waiter
+
+
+@dataclass
+class _Wait:
+    """A waiting barrier or kv-get call."""
+
+    kind: str  # "barrier" | "kv"
+    key: str  # barrier name or kv key
+    rank: int
+    timeout_s: float
+    deadline: float
+
+
+@dataclass
+class _Progress:
+    issued: int
+    completed: int
+    changed_at: float
+
+
+@dataclass
+class _World:
+    members: dict[str, Assignment]  # instance id -> assignment
+    joiners: tuple[Joiner, ...]  # by rank
+    formed_at: float
+    last_seen: list[float | None]
+    left: set[int] = field(default_factory=set)
+    progress: dict[str, dict[int, _Progress]] = field(default_factory=dict)  # group -> rank -> progress
+    abort: Event | None = None
+
+
+class CoordinatorState:
+    """Rendezvous, KV store, barriers and liveness of one world, driven by explicit time."""
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        join_timeout_s: float = 300.0,
+        heartbeat_timeout_s: float = 10.0,
+        progress_timeout_s: float = 300.0,
+        new_job_id: Callable[[], str] = lambda: secrets.token_hex(8),
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.epoch = 1
+        self._join_timeout_s = join_timeout_s
+        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._progress_timeout_s = progress_timeout_s
+        self._new_job_id = new_job_id
+        self._pending: dict[str, _Pending] = {}  # instance id -> joiner, in arrival order
+        self.world: _World | None = None
+        self._kv: dict[str, bytes] = {}
+        self._barriers: dict[str, _Barrier] = {}
+        self._waits: dict[int, _Wait] = {}
+        self._effects = Effects()
+
+    # -- plumbing ---------------------------------------------------------------------------------
+    def take_effects(self) -> Effects:
+        """Hand over (and forget) what the calls since the last take decided."""
+        effects, self._effects = self._effects, Effects()
+        return effects
+
+    def _resolve(self, waiter: int, value: object = None, error: StateError | None = None) -> None:
+        self._effects.resolved.append(Resolution(waiter, value, error))
+
+    def next_deadline(self) -> float | None:
+        """The earliest time at which ``tick`` would time out a waiter (None when nothing waits)."""
+        deadlines = [w.deadline for w in self._waits.values()]
+        if self._pending:
+            deadlines.append(min(p.arrived for p in self._pending.values()) + self._join_timeout_s)
+        return min(deadlines, default=None)
+
+    @property
+    def aborted(self) -> Event | None:
+        return self.world.abort if self.world else None
+
+    # -- rendezvous -------------------------------------------------------------------------------
+    def join(self, joiner: Joiner, waiter: int, now: float) -> None:
+        """Wait for the world; the waiter is resolved with an Assignment once N have joined."""
+        n = self.world_size
+        if not joiner.instance_id or not joiner.host_id:
+            raise StateError(ErrorKind.INVALID_ARGUMENT, "join needs a non-empty instance_id and host_id")
+        if self.world is not None:
+            if self.world.abort is not None:
+                raise self._aborted_error(self.world.abort)
+            if joiner.instance_id in self.world.members:
+                rank = self.world.members[joiner.instance_id].rank
+                raise StateError(
+                    ErrorKind.ALREADY_EXISTS, f"instance {joiner.instance_id} already joined (rank {rank})"
+                )
+            raise StateError(
+                ErrorKind.RESOURCE_EXHAUSTED,
+                f"world is full ({n} ranks): the world already formed; is an extra rank running, "
+                "or does --world-size disagree with the number of ranks started?",
+            )
+        if joiner.world_size not in (0, n):
+            raise StateError(
+                ErrorKind.FAILED_PRECONDITION,
+                f"this rank expects world size {joiner.world_size} but the coordinator was started "
+                f"with --world-size {n}: start both with the same size",
+            )
+        if joiner.instance_id in self._pending:
+            raise StateError(ErrorKind.ALREADY_EXISTS, f"instance {joiner.instance_id} already joined")
+        if not -1 <= joiner.rank_hint < n:
+            raise StateError(
+                ErrorKind.INVALID_ARGUMENT,
+                f"rank hint {joiner.rank_hint} is outside 0..{n - 1} (or -1 for none)",
+            )
+        for p in self._pending.values():
+            if joiner.rank_hint >= 0 and p.joiner.rank_hint == joiner.rank_hint:
+                raise StateError(
+                    ErrorKind.ALREADY_EXISTS,
+                    f"rank hint {joiner.rank_hint} is already taken by instance {p.joiner.instance_id} "
+                    f"(host {p.joiner.host_id}, pid {p.joiner.pid}): give every rank a different hint",
+                )
+        self._pending[joiner.instance_id] = _Pending(joiner, waiter, now)
+        if len(self._pending) == n:
+            self._form(now)
+
+    def _form(self, now: float) -> None:
+        pending = list(self._pending.values())
+        self._pending.clear()
+        members = assign_ranks([p.joiner for p in pending], self.epoch, self._new_job_id())
+        joiners = sorted((p.joiner for p in pending), key=lambda j: members[j.instance_id].rank)
+        self.world = _World(members, tuple(joiners), now, [None] * self.world_size)
+        for p in pending:
+            self._resolve(p.waiter, members[p.joiner.instance_id])
+        self._effects.formed = tuple(sorted(members.values(), key=lambda a: a.rank))
+
+    def cancel(self, waiter: int) -> None:
+        """Forget a waiter whose caller went away (its join or barrier arrival is withdrawn)."""
+        for instance_id, p in list(self._pending.items()):
+            if p.waiter == waiter:
+                del self._pending[instance_id]
+        wait = self._waits.pop(waiter, None)
+        if wait is not None and wait.kind == "barrier":
+            barrier = self._barriers.get(wait.key)
+            if barrier is not None:
+                barrier.arrived.pop(wait.rank, None)
+                if not barrier.arrived:
+                    del self._barriers[wait.key]
+
+    # -- world checks -----------------------------------------------------------------------------
+    def _aborted_error(self, abort: Event) -> StateError:
+        return StateError(ErrorKind.ABORTED, f"the world aborted: {abort.reason}", rank=abort.rank)
+
+    def member(self, epoch: int, rank: int | None = None, *, allow_aborted: bool = False) -> _World:
+        """The world, if ``epoch`` is current (and ``rank`` in it); raises StateError otherwise."""
+        world = self.world
+        if world is None:
+            raise StateError(ErrorKind.FAILED_PRECONDITION, "the world has not formed yet: join first")
+        if epoch != self.epoch:
+            raise StateError(
+                ErrorKind.FAILED_PRECONDITION,
+                f"epoch {epoch} is not the current epoch {self.epoch}: join again",
+            )
+        if world.abort is not None and not allow_aborted:
+            raise self._aborted_error(world.abort)
+        if rank is not None and not 0 <= rank < self.world_size:
+            raise StateError(
+                ErrorKind.INVALID_ARGUMENT, f"rank {rank} is not in the world of {self.world_size}"
+            )
+        return world
+
+    def snapshot_events(self, epoch: int, rank: int) -> list[Event]:
+        """What a new watch subscriber is told first: membership, and the abort if there was one."""
+        world = self.member(epoch, rank, allow_aborted=True)
+        events = [Event(EventKind.MEMBERSHIP, self.epoch, rank)]
+        return events + ([world.abort] if world.abort else [])
+
+    # -- key/value store --------------------------------------------------------------------------
+    @staticmethod
+    def _check_key(key: str) -> None:
+        if not key or len(key.encode()) > MAX_KEY_BYTES:
+            raise StateError(ErrorKind.INVALID_ARGUMENT, f"key must be 1..{MAX_KEY_BYTES} bytes of UTF-8")
+
+    def _store(self, key: str, value: bytes) -> None:
+        if len(value) > MAX_VALUE_BYTES:
+            raise StateError(
+                ErrorKind.INVALID_ARGUMENT,
+                f"value for key {key!r} is {len(value)} bytes; the limit is {MAX_VALUE_BYTES} bytes",
+            )
+        self._kv[key] = value
+        for waiter, wait in list(self._waits.items()):
+            if wait.kind == "kv" and wait.key == key:
+                del self._waits[waiter]
+                self._resolve(waiter, value)
+
+    def kv_set(self, epoch: int, key: str, value: bytes) -> None:
+        self.member(epoch)
+        self._check_key(key)
+        self._store(key, value)
+
+    def kv_get(self, epoch: int, key: str) -> bytes | None:
+        self.member(epoch)
+        self._check_key(key)
+        return self._kv.get(key)
+
+    def kv_wait(self, epoch: int, key: str, timeout_s: float, waiter: int, now: float) -> None:
+        """Resolve ``waiter`` with the value of ``key`` once it exists, or fail after ``timeout_s``."""
+        value = self.kv_get(epoch, key)
+        if timeout_s <= 0:
+            raise StateError(
+                ErrorKind.INVALID_ARGUMENT, f"a waiting get needs timeout_s > 0, got {timeout_s}"
+            )
+        if value is not None:
+            self._resolve(waiter, value)
+        else:
+            self._waits[waiter] = _Wait("kv", key, -1, timeout_s, now + timeout_s)
+
+    def kv_add(self, epoch: int, key: str, delta: int) -> int:
+        old = self.kv_get(epoch, key)
+        try:
+            total = (int(old.decode("ascii")) if old is not None else 0) + delta
+        except (UnicodeDecodeError, ValueError):
+            raise StateError(
+                ErrorKind.INVALID_ARGUMENT, f"key {key!r} does not hold a decimal integer: cannot add to it"
+            ) from None
+        if not _INT64[0] <= total <= _INT64[1]:
+            raise StateError(ErrorKind.INVALID_ARGUMENT, f"adding {delta} to key {key!r} overflows int64")
+        self._store(key, str(total).encode("ascii"))
+        return total
+
+    def kv_compare_set(
+        self, epoch: int, key: str, expected: bytes | None, desired: bytes
+    ) -> tuple[bool, bytes | None]:
+        """Store ``desired`` if the value is ``expected`` (None: absent); answers (swapped, value after)."""
+        current = self.kv_get(epoch, key)
+        if current != expected:
+            return False, current
+        self._store(key, desired)
+        return True, desired
+
+    def kv_delete(self, epoch: int, key: str) -> bool:
+        self.member(epoch)
+        self._check_key(key)
+        return self._kv.pop(key, None) is not None
+
+    # -- barriers ---------------------------------------------------------------------------------
+    def barrier(
+        self,
+        epoch: int,
+        name: str,
+        rank: int,
+        ranks: Sequence[int],
+        timeout_s: float,
+        waiter: int,
+        now: float,
+    ) -> None:
+        """Arrive at barrier ``name``; every participant is released once all of them arrived."""
+        self.member(epoch, rank)
+        n = self.world_size
+        participants = tuple(sorted(ranks)) if ranks else tuple(range(n))
+        if not name:
+            raise StateError(ErrorKind.INVALID_ARGUMENT, "a barrier needs a name")
+        if timeout_s <= 0:
+            raise StateError(
+                ErrorKind.INVALID_ARGUMENT, f"barrier {name!r} needs timeout_s > 0, got {timeout_s}"
+            )
+        if len(set(participants)) != len(participants) or not all(0 <= r < n for r in participants):
+            raise StateError(
+                ErrorKind.INVALID_ARGUMENT,
+                f"barrier {name!r}: ranks {list(ranks)} must be distinct ranks in 0..{n - 1}",
+            )
+        if rank not in participants:
+            raise StateError(
+                ErrorKind.INVALID_ARGUMENT, f"barrier {name!r}: rank {rank} is not among {list(participants)}"
+            )
+        barrier = self._barriers.setdefault(name, _Barrier(participants, rank))
+        if barrier.ranks != participants:
+            del self._barriers[name]
+            error = StateError(
+                ErrorKind.FAILED_PRECONDITION,
+                f"barrier {name!r}: rank {rank} passed ranks {list(participants)} but rank {barrier.first_rank} "
+                f"arrived first with ranks {list(barrier.ranks)}: every participant must pass the same ranks",
+                mismatch=True,
+            )
+            for other in barrier.arrived.values():
+                del self._waits[other]
+                self._resolve(other, error=error)
+            raise error
+        if rank in barrier.arrived:
+            raise StateError(
+                ErrorKind.FAILED_PRECONDITION, f"barrier {name!r}: rank {rank} is already waiting there"
+            )
+        barrier.arrived[rank] = waiter
+        self._waits[waiter] = _Wait("barrier", name, rank, timeout_s, now + timeout_s)
+        if len(barrier.arrived) == len(participants):
+            del self._barriers[name]
+            for other in barrier.arrived.values():
+                del self._waits[other]
+                self._resolve(other)
+
+    # -- liveness ---------------------------------------------------------------------------------
+    def heartbeat(
+        self, epoch: int, rank: int, progress: Mapping[str, tuple[int, int]], now: float
+    ) -> tuple[bool, str]:
+        """Record that ``rank`` is alive and its (issued, completed) per group; answers (aborted, reason)."""
+        world = self.member(epoch, rank, allow_aborted=True)
+        if world.abort is not None:
+            return True, world.abort.reason
+        for group, (issued, completed) in progress.items():
+            if not 0 <= completed <= issued:
+                raise StateError(
+                    ErrorKind.INVALID_ARGUMENT,
+                    f"group {group!r}: progress needs 0 <= completed <= issued, got ({issued}, {completed})",
+                )
+        world.last_seen[rank] = now
+        for group, (issued, completed) in progress.items():
+            per_rank = world.progress.setdefault(group, {})
+            old = per_rank.get(rank)
+            if old is None or (old.issued, old.completed) != (issued, completed):
+                per_rank[rank] = _Progress(issued, completed, now)
+        return False, ""
+
+    def leave(self, epoch: int, rank: int) -> None:
+        """``rank`` is done: its silence is no longer a death."""
+        world = self.member(epoch, rank, allow_aborted=True)
+        if rank not in world.left and world.abort is None:
+            world.left.add(rank)
+            self._effects.events.append(Event(EventKind.LEFT, self.epoch, rank, f"rank {rank} left"))
+
+    def abort(self, epoch: int, rank: int, reason: str) -> None:
+        """``rank`` reports a fatal error: the world aborts (a second abort changes nothing)."""
+        world = self.member(epoch, rank, allow_aborted=True)
+        if world.abort is None:
+            self._abort(world, rank, f"rank {rank} aborted: {reason or 'no reason given'}")
+
+    def _abort(self, world: _World, rank: int, reason: str) -> None:
+        world.abort = Event(EventKind.ABORT, self.epoch, rank, reason)
+        self._effects.events.append(world.abort)
+        error = self._aborted_error(world.abort)
+        for waiter in self._waits:
+            self._resolve(waiter, error=error)
+        self._waits.clear()
+        self._barriers.clear()
+
+    def shutdown(self) -> None:
+        """The coordinator stops: every waiter fails and watchers are told."""
+        error = StateError(ErrorKind.UNAVAILABLE, "the coordinator is shutting down")
+        for waiter in [p.waiter for p in self._pending.values()] + list(self._waits):
+            self._resolve(waiter, error=error)
+        self._pending.clear()
+        self._waits.clear()
+        self._barriers.clear()
+        self._effects.events.append(
+            Event(EventKind.SHUTDOWN, self.epoch, -1, "the coordinator is shutting down")
+        )
+
+    # -- time -------------------------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        """Time out waiters, declare silent ranks dead and stuck ranks stuck."""
+        self._tick_join(now)
+        for waiter, wait in list(self._waits.items()):
+            if now >= wait.deadline:
+                self._resolve(waiter, error=self._timeout_error(wait))
+                self.cancel(waiter)
+        world = self.world
+        if world is not None and world.abort is None:
+            self._tick_heartbeats(world, now)
+        if world is not None and world.abort is None and self._progress_timeout_s > 0:
+            self._tick_progress(world, now)
+
+    def _tick_join(self, now: float) -> None:
+        if not self._pending:
+            return
+        started = min(p.arrived for p in self._pending.values())
+        if now < started + self._join_timeout_s:
+            return
+        k, n = len(self._pending), self.world_size
+        hosts = sorted({p.joiner.host_id for p in self._pending.values()})
+        error = StateError(
+            ErrorKind.DEADLINE_EXCEEDED,
+            f"{k}/{n} joined after {now - started:.1f} s; waiting for {n - k} more (joined from hosts {hosts}): "
+            f"check that all {n} ranks were started, point at this coordinator and use the same token",
+        )
+        for p in self._pending.values():
+            self._resolve(p.waiter, error=error)
+        self._pending.clear()
+
+    def _timeout_error(self, wait: _Wait) -> StateError:
+        if wait.kind == "kv":
+            return StateError(
+                ErrorKind.DEADLINE_EXCEEDED, f"key {wait.key!r} was not set within {wait.timeout_s:.1f} s"
+            )
+        barrier = self._barriers[wait.key]
+        missing = [r for r in barrier.ranks if r not in barrier.arrived]
+        return StateError(
+            ErrorKind.DEADLINE_EXCEEDED,
+            f"barrier {wait.key!r}: {len(barrier.arrived)}/{len(barrier.ranks)} arrived after "
+            f"{wait.timeout_s:.1f} s; missing ranks {missing}",
+        )
+
+    def _tick_heartbeats(self, world: _World, now: float) -> None:
+        for rank, seen in enumerate(world.last_seen):
+            silent = now - (world.formed_at if seen is None else seen)
+            if rank in world.left or silent <= self._heartbeat_timeout_s:
+                continue
+            joiner = world.joiners[rank]
+            last = (
+                "never since the world formed"
+                if seen is None
+                else f"{seen - world.formed_at:.1f} s after the world formed"
+            )
+            self._abort(
+                world,
+                rank,
+                f"rank {rank} missed heartbeats for {silent:.1f} s (last seen {last}; host {joiner.host_id}, "
+                f"pid {joiner.pid}): the process died, hangs, or cannot reach the coordinator",
+            )
+            return
+
+    def _tick_progress(self, world: _World, now: float) -> None:
+        for group, per_rank in world.progress.items():
+            stuck = []
+            for rank, p in per_rank.items():
+                ahead = max((q.issued for r, q in per_rank.items() if r != rank), default=-1)
+                if (
+                    rank not in world.left
+                    and p.completed < ahead
+                    and now - p.changed_at > self._progress_timeout_s
+                ):
+                    stuck.append(rank)
+            if not stuck:
+                continue
+            rank = min(stuck, key=lambda r: (per_rank[r].issued, per_rank[r].completed, r))
+            p = per_rank[rank]
+            leader = max(per_rank, key=lambda r: per_rank[r].issued)
+            self._abort(
+                world,
+                rank,
+                f"rank {rank} made no progress on group {group!r} for {now - p.changed_at:.1f} s "
+                f"(issued {p.issued}, completed {p.completed}) while rank {leader} issued "
+                f"{per_rank[leader].issued}: rank {rank} is stuck or waits on something outside the plane",
+            )
+            return

@@ -1,0 +1,330 @@
+"""The node runtime's link to the coordinator: an asyncio gRPC client with typed errors.
+
+Every call has a deadline and carries the job token; gRPC failures become
+``paramplane.PlaneError`` subclasses in one place (``_plane_error``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import cast
+
+import grpc
+
+from paramplane.node.errors import (
+    AuthError,
+    CollectiveMismatch,
+    CollectiveTimeout,
+    CoordinatorUnavailable,
+    PlaneClosed,
+    PlaneError,
+    RendezvousError,
+    TransportError,
+    WorldAborted,
+)
+from paramplane.protos import coordinator_pb2 as pb
+from paramplane.protos import coordinator_pb2_grpc as pb_grpc
+from paramplane.protos.auth import token_metadata
+
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# Trailing metadata set by the coordinator (coordinator/server.py uses the same keys).
+ABORT_RANK_METADATA_KEY = "x-paramplane-abort-rank"
+MISMATCH_METADATA_KEY = "x-paramplane-mismatch"
+# Extra time a blocking call gets beyond its own wait, so that the server's answer arrives first.
+WAIT_MARGIN_S = 5.0
+_JOIN_BACKOFF_S = (0.05, 1.0)
+_KINDS = {
+    pb.WatchEvent.MEMBERSHIP: "membership",
+    pb.WatchEvent.ABORT: "abort",
+    pb.WatchEvent.LEFT: "left",
+    pb.WatchEvent.SHUTDOWN: "shutdown",
+}
+
+
+@dataclass(frozen=True)
+class PeerEntry:
+    rank: int
+    address: str
+    host_id: str
+    node_rank: int
+    local_rank: int
+
+
+@dataclass(frozen=True)
+class Membership:
+    """This rank's place in the world, as the coordinator assigned it."""
+
+    rank: int
+    world_size: int
+    node_rank: int
+    num_nodes: int
+    local_rank: int
+    local_world_size: int
+    epoch: int
+    peers: tuple[PeerEntry, ...]
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+    job_id: str
+
+
+@dataclass(frozen=True)
+class WatchEventInfo:
+    kind: str  # "membership" | "abort" | "left" | "shutdown"
+    rank: int
+    reason: str
+    epoch: int
+
+
+def _plane_error(e: grpc.aio.AioRpcError, address: str, call: str) -> PlaneError | ValueError:
+    """The typed error for a failed coordinator call (``call`` is "join", "barrier", "kv_wait" or another name)."""
+    code, details = e.code(), e.details() or ""
+    # grpc.aio hands (key, value) pairs; grpc-stubs type them otherwise.
+    pairs = cast("Iterable[tuple[str, str | bytes]]", e.trailing_metadata() or ())
+    trailers = {key: str(value) for key, value in pairs}
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return AuthError(f"the coordinator at {address} refused the call: {details}")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return CoordinatorUnavailable(
+            f"cannot reach the coordinator at {address}: is it running? check PARAMPLANE_COORDINATOR ({details})"
+        )
+    if code == grpc.StatusCode.ABORTED:
+        return WorldAborted(details, rank=int(trailers.get(ABORT_RANK_METADATA_KEY, -1)))
+    if call == "join":
+        return RendezvousError(details)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return CollectiveTimeout(f"coordinator call {call} timed out: {details}")
+    if trailers.get(MISMATCH_METADATA_KEY):
+        return CollectiveMismatch(details)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ValueError(details)
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return RendezvousError(details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return TransportError(f"coordinator call {call}: message too large ({details})")
+    if code == grpc.StatusCode.CANCELLED:
+        return PlaneClosed(f"coordinator call {call} was cancelled: the client is closing ({details})")
+    return PlaneError(f"coordinator call {call} failed with {code.name}: {details}")
+
+
+class CoordinatorClient:
+    """Async client of one coordinator; create and use it inside one running event loop."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        tls_root_cert: bytes | None = None,
+        call_timeout_s: float = 30.0,
+    ) -> None:
+        host, sep, port = address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"coordinator address must be HOST:PORT, got {address!r}")
+        if call_timeout_s <= 0:
+            raise ValueError(f"call_timeout_s must be > 0, got {call_timeout_s}")
+        self.address = address
+        self._timeout_s = call_timeout_s
+        self._metadata = token_metadata(token)
+        options = [
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            # Ranks may start before the coordinator: keep reconnect attempts frequent.
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
+        if tls_root_cert is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=tls_root_cert)
+            self._channel = grpc.aio.secure_channel(address, creds, options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(address, options=options)
+        self._stub = pb_grpc.CoordinatorStub(self._channel)
+        self.membership: Membership | None = None
+
+    def _member(self) -> Membership:
+        if self.membership is None:
+            raise RendezvousError("not joined: call join() before any other coordinator call")
+        return self.membership
+
+    async def _call(
+        self,
+        call: str,
+        method: grpc.aio.UnaryUnaryMultiCallable,
+        request: object,
+        timeout_s: float | None = None,
+    ) -> object:
+        try:
+            return await method(request, timeout=timeout_s or self._timeout_s, metadata=self._metadata)
+        except grpc.aio.AioRpcError as e:
+            raise _plane_error(e, self.address, call) from None
+
+    async def join(
+        self,
+        *,
+        host_id: str,
+        peer_address: str,
+        instance_id: str,
+        rank_hint: int = -1,
+        world_size: int = 0,
+        timeout_s: float,
+    ) -> Membership:
+        """Wait until the world forms; retries while the coordinator is not up yet, until ``timeout_s``."""
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        request = pb.JoinRequest(
+            host_id=host_id,
+            peer_address=peer_address,
+            rank_hint=rank_hint,
+            world_size=world_size,
+            instance_id=instance_id,
+            pid=os.getpid(),
+        )
+        deadline = time.monotonic() + timeout_s
+        backoff = _JOIN_BACKOFF_S[0]
+        while True:
+            try:
+                response = await self._stub.Join(
+                    request, timeout=max(deadline - time.monotonic(), 0.001), metadata=self._metadata
+                )
+                break
+            except grpc.aio.AioRpcError as e:
+                left = deadline - time.monotonic()
+                if e.code() == grpc.StatusCode.UNAVAILABLE and left > 0:
+                    await asyncio.sleep(min(backoff, left))
+                    backoff = min(backoff * 2, _JOIN_BACKOFF_S[1])
+                    continue
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and left <= 0:
+                    raise RendezvousError(
+                        f"the world did not form within this rank's join timeout of {timeout_s:.1f} s: check that "
+                        f"every rank was started and points at the coordinator {self.address} ({e.details()})"
+                    ) from None
+                raise _plane_error(e, self.address, "join") from None
+        assert isinstance(response, pb.JoinResponse)
+        self.membership = Membership(
+            rank=response.rank,
+            world_size=response.world_size,
+            node_rank=response.node_rank,
+            num_nodes=response.num_nodes,
+            local_rank=response.local_rank,
+            local_world_size=response.local_world_size,
+            epoch=response.epoch,
+            peers=tuple(
+                PeerEntry(p.rank, p.address, p.host_id, p.node_rank, p.local_rank) for p in response.peers
+            ),
+            heartbeat_interval_s=response.heartbeat_interval_s,
+            heartbeat_timeout_s=response.heartbeat_timeout_s,
+            job_id=response.job_id,
+        )
+        return self.membership
+
+    async def kv_set(self, key: str, value: bytes) -> None:
+        await self._call(
+            "kv_set", self._stub.KVSet, pb.KVSetRequest(epoch=self._member().epoch, key=key, value=value)
+        )
+
+    async def kv_get(self, key: str, *, wait: bool = False, timeout_s: float | None = None) -> bytes | None:
+        """The value of ``key`` (None if absent); with ``wait``, block until it is set (CollectiveTimeout after timeout_s)."""
+        wait_s = (timeout_s or self._timeout_s) if wait else 0.0
+        request = pb.KVGetRequest(epoch=self._member().epoch, key=key, wait=wait, timeout_s=wait_s)
+        response = await self._call(
+            "kv_wait" if wait else "kv_get",
+            self._stub.KVGet,
+            request,
+            wait_s + WAIT_MARGIN_S if wait else None,
+        )
+        assert isinstance(response, pb.KVGetResponse)
+        return response.value if response.found else None
+
+    async def kv_add(self, key: str, delta: int = 1) -> int:
+        """Atomically add ``delta`` to the integer at ``key`` (absent = 0); answers the new value."""
+        response = await self._call(
+            "kv_add", self._stub.KVAdd, pb.KVAddRequest(epoch=self._member().epoch, key=key, delta=delta)
+        )
+        assert isinstance(response, pb.KVAddResponse)
+        return response.value
+
+    async def kv_compare_set(
+        self, key: str, expected: bytes | None, desired: bytes
+    ) -> tuple[bool, bytes | None]:
+        """Set ``key`` to ``desired`` if it holds ``expected`` (None: absent); answers (swapped, value now)."""
+        request = pb.KVCompareSetRequest(
+            epoch=self._member().epoch,
+            key=key,
+            expect_absent=expected is None,
+            expected=expected or b"",
+            desired=desired,
+        )
+        response = await self._call("kv_compare_set", self._stub.KVCompareSet, request)
+        assert isinstance(response, pb.KVCompareSetResponse)
+        return response.swapped, response.current if response.present else None
+
+    async def kv_delete(self, key: str) -> bool:
+        response = await self._call(
+            "kv_delete", self._stub.KVDelete, pb.KVDeleteRequest(epoch=self._member().epoch, key=key)
+        )
+        assert isinstance(response, pb.KVDeleteResponse)
+        return response.deleted
+
+    async def barrier(self, name: str, *, ranks: Sequence[int] | None = None, timeout_s: float) -> None:
+        """Wait until every rank of ``ranks`` (default: the world) reached barrier ``name``."""
+        m = self._member()
+        request = pb.BarrierRequest(
+            epoch=m.epoch, name=name, rank=m.rank, ranks=list(ranks or ()), timeout_s=timeout_s
+        )
+        await self._call("barrier", self._stub.Barrier, request, timeout_s + WAIT_MARGIN_S)
+
+    async def heartbeat(self, progress: Mapping[str, tuple[int, int]]) -> tuple[bool, str]:
+        """Report liveness and (issued, completed) per group; answers (aborted, reason)."""
+        m = self._member()
+        request = pb.HeartbeatRequest(
+            epoch=m.epoch,
+            rank=m.rank,
+            progress=[pb.GroupProgress(group=g, issued=i, completed=c) for g, (i, c) in progress.items()],
+        )
+        response = await self._call("heartbeat", self._stub.Heartbeat, request)
+        assert isinstance(response, pb.HeartbeatResponse)
+        return response.aborted, response.reason
+
+    async def watch(self) -> AsyncIterator[WatchEventInfo]:
+        """Membership first, then abort / left / shutdown events until the stream ends.
+
+        The stream is long-lived and has no deadline; it ends after an abort or shutdown
+        event, and a lost coordinator raises CoordinatorUnavailable.
+        """
+        m = self._member()
+        stream = self._stub.Watch(pb.WatchRequest(epoch=m.epoch, rank=m.rank), metadata=self._metadata)
+        try:
+            async for event in stream:
+                yield WatchEventInfo(_KINDS.get(event.kind, "unknown"), event.rank, event.reason, event.epoch)
+        except grpc.aio.AioRpcError as e:
+            raise _plane_error(e, self.address, "watch") from None
+        finally:
+            stream.cancel()
+
+    async def abort(self, reason: str) -> None:
+        """Abort the world, naming this rank and ``reason``; every rank is told."""
+        m = self._member()
+        await self._call(
+            "abort", self._stub.Abort, pb.AbortRequest(epoch=m.epoch, rank=m.rank, reason=reason)
+        )
+
+    async def leave(self) -> None:
+        """Leave cleanly: this rank's silence from now on is not a death."""
+        m = self._member()
+        await self._call("leave", self._stub.Leave, pb.LeaveRequest(epoch=m.epoch, rank=m.rank))
+
+    async def close(self) -> None:
+        await self._channel.close(None)
+
+    async def __aenter__(self) -> CoordinatorClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()

@@ -1,0 +1,311 @@
+"""The coordinator's decisions, driven by a fake clock (no network, no event loop)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from paramplane.coordinator.model import (
+    Assignment,
+    ErrorKind,
+    EventKind,
+    Joiner,
+    StateError,
+    group_by_host,
+)
+from paramplane.coordinator.state import MAX_KEY_BYTES, MAX_VALUE_BYTES, CoordinatorState
+
+
+def joiner(i: int, host: str, hint: int = -1, world_size: int = 0) -> Joiner:
+    return Joiner(f"inst-{i}", host, f"10.0.0.{i}:7000", hint, world_size, 1000 + i)
+
+
+def state(n: int, **kw: float) -> CoordinatorState:
+    return CoordinatorState(n, new_job_id=lambda: "job-1", **kw)
+
+
+def form(s: CoordinatorState, hosts: list[str], now: float = 0.0) -> dict[int, Assignment]:
+    """Join one joiner per entry of ``hosts`` (waiter ids 0..n-1); answers waiter -> assignment."""
+    for i, host in enumerate(hosts):
+        s.join(joiner(i, host), waiter=i, now=now)
+    effects = s.take_effects()
+    out = {r.waiter: r.value for r in effects.resolved}
+    assert all(isinstance(a, Assignment) for a in out.values())
+    return out  # type: ignore[return-value]
+
+
+def errors(s: CoordinatorState) -> dict[int, StateError]:
+    return {r.waiter: r.error for r in s.take_effects().resolved if r.error is not None}
+
+
+def test_ranks_are_grouped_by_host_in_first_arrival_order() -> None:
+    s = state(4)
+    got = form(s, ["b", "a", "b", "a"])  # interleaved arrivals from two hosts
+    ranks = {w: a.rank for w, a in got.items()}
+    assert ranks == {0: 0, 2: 1, 1: 2, 3: 3}  # host b arrived first: its ranks come first
+    assert [(got[w].node_rank, got[w].local_rank, got[w].local_world_size) for w in (0, 2, 1, 3)] == [
+        (0, 0, 2),
+        (0, 1, 2),
+        (1, 0, 2),
+        (1, 1, 2),
+    ]
+    peers = got[0].peers
+    assert all(
+        a.peers == peers and a.num_nodes == 2 and a.epoch == 1 and a.job_id == "job-1" for a in got.values()
+    )
+    assert [(p.rank, p.host_id, p.address) for p in peers] == [
+        (0, "b", "10.0.0.0:7000"),
+        (1, "b", "10.0.0.2:7000"),
+        (2, "a", "10.0.0.1:7000"),
+        (3, "a", "10.0.0.3:7000"),
+    ]
+
+
+def test_consistent_hints_are_the_ranks_and_inconsistent_ones_only_order_a_host() -> None:
+    hinted = [joiner(0, "b", 3), joiner(1, "a", 0), joiner(2, "b", 2), joiner(3, "a", 1)]
+    assert [[j.rank_hint for j in host] for host in group_by_host(hinted)] == [[0, 1], [2, 3]]
+    # Hints that would split host a: hosts keep first-arrival order, hints order ranks within a host.
+    split = [joiner(0, "a", 0), joiner(1, "b", 1), joiner(2, "a", 2), joiner(3, "b", 3)]
+    assert [[j.instance_id for j in h] for h in group_by_host(split)] == [
+        ["inst-0", "inst-2"],
+        ["inst-1", "inst-3"],
+    ]
+    mixed = [joiner(0, "a"), joiner(1, "a", 1), joiner(2, "a", 0)]
+    assert [j.instance_id for j in group_by_host(mixed)[0]] == ["inst-2", "inst-1", "inst-0"]
+
+
+def test_join_timeout_fails_every_waiter_with_k_of_n_and_allows_a_new_attempt() -> None:
+    s = state(3, join_timeout_s=30.0)
+    s.join(joiner(0, "a"), waiter=0, now=100.0)
+    s.join(joiner(1, "a"), waiter=1, now=110.0)
+    assert s.next_deadline() == 130.0
+    s.tick(129.9)
+    assert not s.take_effects().resolved
+    s.tick(130.0)
+    failed = errors(s)
+    assert set(failed) == {0, 1}
+    assert failed[0].kind is ErrorKind.DEADLINE_EXCEEDED
+    assert str(failed[0]).startswith("2/3 joined after 30.0 s; waiting for 1 more")
+    assert "check that all 3 ranks were started" in str(failed[0])
+    assert s.next_deadline() is None
+    got = form(s, ["a", "a", "a"], now=200.0)  # the same instances may try again
+    assert sorted(a.rank for a in got.values()) == [0, 1, 2]
+
+
+def test_duplicate_extra_and_mismatched_joiners_are_refused() -> None:
+    s = state(2)
+    s.join(joiner(0, "a", hint=1), waiter=0, now=0.0)
+    with pytest.raises(StateError, match="already joined") as dup:
+        s.join(joiner(0, "a"), waiter=1, now=0.0)
+    assert dup.value.kind is ErrorKind.ALREADY_EXISTS
+    with pytest.raises(StateError, match="rank hint 1 is already taken") as hint:
+        s.join(joiner(1, "a", hint=1), waiter=1, now=0.0)
+    assert hint.value.kind is ErrorKind.ALREADY_EXISTS
+    with pytest.raises(
+        StateError, match="expects world size 3 but the coordinator was started with --world-size 2"
+    ):
+        s.join(joiner(1, "a", world_size=3), waiter=1, now=0.0)
+    with pytest.raises(StateError, match=r"outside 0\.\.1") as bad:
+        s.join(joiner(1, "a", hint=2), waiter=1, now=0.0)
+    assert bad.value.kind is ErrorKind.INVALID_ARGUMENT
+    s.join(joiner(1, "a", world_size=2), waiter=1, now=0.0)
+    assert len(s.take_effects().resolved) == 2
+    with pytest.raises(StateError, match=r"world is full \(2 ranks\)") as full:
+        s.join(joiner(2, "a"), waiter=2, now=1.0)
+    assert full.value.kind is ErrorKind.RESOURCE_EXHAUSTED
+    with pytest.raises(StateError, match="already joined") as member:
+        s.join(joiner(0, "a"), waiter=2, now=1.0)
+    assert member.value.kind is ErrorKind.ALREADY_EXISTS
+
+
+def test_a_cancelled_joiner_is_withdrawn() -> None:
+    s = state(2)
+    s.join(joiner(0, "a", hint=0), waiter=0, now=0.0)
+    s.cancel(0)
+    s.join(joiner(1, "a", hint=0), waiter=1, now=1.0)  # the hint is free again
+    assert s.world is None
+    assert s.next_deadline() == 1.0 + 300.0  # counted from the first joiner still waiting
+
+
+def test_kv_store_add_compare_set_wait_and_limits() -> None:
+    s = state(1, heartbeat_timeout_s=1e9)
+    form(s, ["a"])
+    assert s.kv_add(1, "n", 5) == 5 and s.kv_add(1, "n", -2) == 3
+    assert s.kv_get(1, "n") == b"3"
+    assert s.kv_compare_set(1, "lock", None, b"r0") == (True, b"r0")
+    assert s.kv_compare_set(1, "lock", None, b"r1") == (False, b"r0")
+    assert s.kv_compare_set(1, "lock", b"r0", b"r2") == (True, b"r2")
+    assert s.kv_delete(1, "lock") and not s.kv_delete(1, "lock")
+    s.kv_wait(1, "id", timeout_s=5.0, waiter=7, now=10.0)
+    assert not s.take_effects().resolved
+    s.kv_set(1, "id", b"\x00nccl")
+    assert [(r.waiter, r.value) for r in s.take_effects().resolved] == [(7, b"\x00nccl")]
+    s.kv_wait(1, "never", timeout_s=5.0, waiter=8, now=10.0)
+    s.tick(15.0)
+    assert "key 'never' was not set within 5.0 s" in str(errors(s)[8])
+    with pytest.raises(StateError, match="does not hold a decimal integer"):
+        s.kv_add(1, "id", 1)
+    with pytest.raises(StateError, match="overflows int64"):
+        s.kv_add(1, "n", 2**63)
+    with pytest.raises(StateError, match=re.escape(f"1..{MAX_KEY_BYTES} bytes")):
+        s.kv_set(1, "k" * (MAX_KEY_BYTES + 1), b"")
+    with pytest.raises(StateError, match="the limit is") as big:
+        s.kv_set(1, "big", bytes(MAX_VALUE_BYTES + 1))
+    assert big.value.kind is ErrorKind.INVALID_ARGUMENT
+    with pytest.raises(StateError, match="epoch 2 is not the current epoch 1") as stale:
+        s.kv_get(2, "n")
+    assert stale.value.kind is ErrorKind.FAILED_PRECONDITION
+
+
+def test_barrier_completes_and_its_name_can_be_reused() -> None:
+    s = state(3)
+    form(s, ["a", "a", "a"])
+    for round_ in range(2):
+        s.barrier(1, "step", 0, [], 5.0, waiter=10 * round_, now=0.0)
+        s.barrier(1, "step", 2, [], 5.0, waiter=10 * round_ + 2, now=0.0)
+        assert not s.take_effects().resolved
+        s.barrier(1, "step", 1, [], 5.0, waiter=10 * round_ + 1, now=0.0)
+        resolved = s.take_effects().resolved
+        assert sorted(r.waiter for r in resolved) == [10 * round_ + i for i in range(3)]
+        assert all(r.error is None for r in resolved)
+    s.barrier(1, "pair", 2, [2, 0], 5.0, waiter=30, now=0.0)
+    s.barrier(1, "pair", 0, [0, 2], 5.0, waiter=31, now=0.0)
+    assert {r.waiter for r in s.take_effects().resolved} == {30, 31}
+    assert s.next_deadline() is None
+
+
+def test_barrier_disagreement_fails_the_arrival_and_the_waiters() -> None:
+    s = state(3)
+    form(s, ["a", "a", "a"])
+    s.barrier(1, "x", 0, [0, 1], 5.0, waiter=1, now=0.0)
+    with pytest.raises(StateError) as err:
+        s.barrier(1, "x", 1, [0, 1, 2], 5.0, waiter=2, now=0.0)
+    assert err.value.mismatch and err.value.kind is ErrorKind.FAILED_PRECONDITION
+    assert "rank 1 passed ranks [0, 1, 2] but rank 0 arrived first with ranks [0, 1]" in str(err.value)
+    assert errors(s)[1] is err.value
+
+
+def test_barrier_timeout_names_the_missing_ranks() -> None:
+    s = state(4)
+    form(s, ["a"] * 4)
+    s.barrier(1, "x", 0, [], 2.0, waiter=1, now=0.0)
+    s.barrier(1, "x", 3, [], 2.0, waiter=2, now=1.0)
+    s.tick(2.0)
+    assert str(errors(s)[1]) == "barrier 'x': 2/4 arrived after 2.0 s; missing ranks [1, 2]"
+    s.tick(3.0)
+    assert str(errors(s)[2]) == "barrier 'x': 1/4 arrived after 2.0 s; missing ranks [0, 1, 2]"
+
+
+def test_silent_rank_is_declared_dead_at_the_heartbeat_timeout() -> None:
+    s = state(3, heartbeat_timeout_s=10.0)
+    form(s, ["a", "a", "b"], now=100.0)
+    s.barrier(1, "x", 0, [], 60.0, waiter=9, now=100.0)
+    for t in (101.0, 105.0, 109.0):
+        for rank in (0, 2):
+            assert s.heartbeat(1, rank, {}, now=t) == (False, "")
+        s.tick(t)
+    s.tick(110.0)
+    assert not s.take_effects().events
+    s.tick(110.5)  # rank 1 never sent one: silent since the world formed at 100
+    effects = s.take_effects()
+    [event] = effects.events
+    assert event.kind is EventKind.ABORT and event.rank == 1
+    assert event.reason.startswith(
+        "rank 1 missed heartbeats for 10.5 s (last seen never since the world formed"
+    )
+    assert [(r.waiter, r.error and r.error.kind) for r in effects.resolved] == [(9, ErrorKind.ABORTED)]
+    assert s.heartbeat(1, 0, {}, now=111.0) == (True, event.reason)
+    with pytest.raises(StateError) as after:
+        s.kv_get(1, "k")
+    assert after.value.kind is ErrorKind.ABORTED and after.value.rank == 1
+    s.tick(200.0)
+    assert not s.take_effects().events  # an aborted world stays aborted, once
+
+
+def test_a_rank_that_left_is_never_dead() -> None:
+    s = state(2, heartbeat_timeout_s=10.0)
+    form(s, ["a", "a"], now=0.0)
+    s.heartbeat(1, 0, {}, now=5.0)
+    s.leave(1, 0)
+    [left] = s.take_effects().events
+    assert left.kind is EventKind.LEFT and left.rank == 0
+    for t in (8.0, 16.0, 24.0):
+        s.heartbeat(1, 1, {}, now=t)
+        s.tick(t)
+    assert not s.take_effects().events
+    s.tick(40.0)
+    [dead] = s.take_effects().events
+    assert dead.rank == 1 and "last seen 24.0 s after the world formed" in dead.reason
+
+
+def test_progress_watchdog_names_the_lagging_rank() -> None:
+    s = state(2, heartbeat_timeout_s=1e9, progress_timeout_s=300.0)
+    form(s, ["a", "b"], now=0.0)
+    s.heartbeat(1, 0, {"world": (5, 4)}, now=0.0)
+    s.heartbeat(1, 1, {"world": (4, 4)}, now=0.0)
+    for t in (100.0, 200.0, 300.0):
+        s.heartbeat(1, 0, {"world": (5, 4)}, now=t)  # rank 0 waits in op 5 for rank 1
+        s.heartbeat(1, 1, {"world": (4, 4)}, now=t)  # rank 1 never issues op 5
+        s.tick(t)
+    assert not s.take_effects().events
+    s.tick(301.0)
+    [event] = s.take_effects().events
+    assert event.kind is EventKind.ABORT and event.rank == 1
+    assert (
+        "rank 1 made no progress on group 'world' for 301.0 s (issued 4, completed 4) while rank 0 issued 5"
+        in (event.reason)
+    )
+
+
+def test_progress_that_keeps_moving_is_not_stuck_and_zero_turns_the_watchdog_off() -> None:
+    s = state(2, heartbeat_timeout_s=1e9, progress_timeout_s=300.0)
+    form(s, ["a", "a"], now=0.0)
+    for step in range(1, 8):  # rank 1 is always one op behind, but moves every 200 s
+        t = step * 200.0
+        s.heartbeat(1, 0, {"g": (step + 1, step)}, now=t)
+        s.heartbeat(1, 1, {"g": (step, step - 1)}, now=t)
+        s.tick(t + 250.0)
+    assert not s.take_effects().events
+    s = state(2, heartbeat_timeout_s=1e9, progress_timeout_s=0.0)
+    form(s, ["a", "a"], now=0.0)
+    s.heartbeat(1, 0, {"g": (9, 9)}, now=0.0)
+    s.heartbeat(1, 1, {"g": (1, 1)}, now=0.0)
+    s.tick(1e6)
+    assert not s.take_effects().events
+
+
+def test_abort_by_a_rank_names_it_and_fails_waiters() -> None:
+    s = state(2)
+    form(s, ["a", "a"])
+    s.kv_wait(1, "k", timeout_s=9.0, waiter=5, now=0.0)
+    s.abort(1, 1, "CUDA error: out of memory")
+    effects = s.take_effects()
+    [event] = effects.events
+    assert (event.kind, event.rank, event.reason) == (
+        EventKind.ABORT,
+        1,
+        "rank 1 aborted: CUDA error: out of memory",
+    )
+    [res] = effects.resolved
+    assert (
+        res.waiter == 5
+        and res.error is not None
+        and res.error.kind is ErrorKind.ABORTED
+        and res.error.rank == 1
+    )
+    s.abort(1, 0, "second")
+    assert not s.take_effects().events
+    with pytest.raises(StateError) as late:
+        s.join(joiner(9, "a"), waiter=9, now=1.0)
+    assert late.value.kind is ErrorKind.ABORTED
+    assert [e.kind for e in s.snapshot_events(1, 0)] == [EventKind.MEMBERSHIP, EventKind.ABORT]
+
+
+def test_shutdown_fails_every_waiter() -> None:
+    s = state(2)
+    s.join(joiner(0, "a"), waiter=0, now=0.0)
+    s.shutdown()
+    effects = s.take_effects()
+    assert [r.error and r.error.kind for r in effects.resolved] == [ErrorKind.UNAVAILABLE]
+    assert [e.kind for e in effects.events] == [EventKind.SHUTDOWN]
