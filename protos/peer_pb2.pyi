@@ -68,23 +68,28 @@ Global___HelloResponse: _TypeAlias = HelloResponse  # noqa: Y015
 
 @_typing.final
 class StreamOpen(_message.Message):
-    """First message of every stream: who is sending."""
+    """First message of every stream: who sends, for which process group.
+    One stream carries the frames of one group, so groups never block each other.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     SRC_FIELD_NUMBER: _builtins.int
     JOB_ID_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
     src: _builtins.int
     job_id: _builtins.str
+    group: _builtins.str
     def __init__(
         self,
         *,
         src: _builtins.int = ...,
         job_id: _builtins.str = ...,
+        group: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "src", b"src"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "job_id", b"job_id", "src", b"src"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

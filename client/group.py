@@ -1,0 +1,381 @@
+"""``ProcessGroup``: the collectives a script calls (DESIGN.md, Client API).
+
+Every op checks its arguments before any communication, runs in issue order
+on the group's engine, and takes ``async_op=True`` to return a ``Work``; each
+also has an ``*_async`` coroutine form for asyncio scripts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from paramplane.node.arrays import array_module, is_cupy, to_host
+from paramplane.node.group import GroupEngine, check_array
+from paramplane.node.spec import OpSpec
+from paramplane.work import Work
+
+
+class ProcessGroup:
+    """A group of ranks; ``rank`` and ``size`` are this rank's index and the group's size."""
+
+    def __init__(self, engine: GroupEngine) -> None:
+        self._e = engine
+
+    @property
+    def rank(self) -> int:
+        return self._e.rank
+
+    @property
+    def size(self) -> int:
+        return self._e.size
+
+    @property
+    def ranks(self) -> list[int]:
+        """The global ranks of the members, in group order."""
+        return list(self._e.ranks)
+
+    @property
+    def name(self) -> str:
+        return self._e.name
+
+    @property
+    def timeout(self) -> float:
+        return self._e.timeout_s
+
+    def __repr__(self) -> str:
+        return f"<ProcessGroup {self.name} rank {self.rank}/{self.size} ranks {self.ranks}>"
+
+    # -- issuing ---------------------------------------------------------------------------------
+    def _issue(self, name: str, x: Any, body: Callable[[int], Any], async_op: bool, *, p2p: bool = False) -> Any:
+        e = self._e
+        fut = e.run(name, body, nbytes=int(x.nbytes), transport=e.transport_for(x, name), async_op=async_op, p2p=p2p)
+        if async_op:
+            return Work(fut, f"{name} on group '{self.name}'")
+        return fut.result()
+
+    def _host(self, x: Any) -> np.ndarray:
+        """A numpy view (numpy input) or host copy (cupy input on a host transport)."""
+        return to_host(x) if is_cupy(x) else x
+
+    @staticmethod
+    def _back(x: Any, host: np.ndarray) -> None:
+        if is_cupy(x):
+            x[...] = array_module(x).asarray(host)
+
+    def _grpc(self, coro: Any, deadline: float) -> Any:
+        e = self._e
+        return e.on_loop(coro, deadline, lambda exc: e.ctx.plane.fail_key(e.name, exc))
+
+    # -- collectives -----------------------------------------------------------------------------
+    def all_reduce(self, x: Any, op: str = "sum", *, async_op: bool = False) -> Any:
+        """Reduce ``x`` across the group in place (op: sum, mean, min, max, product); returns ``x``."""
+        check_array(x)
+        self._e.check_reduce(op, x)
+        e = self._e
+        transport = e.transport_for(x, "all_reduce")
+
+        def body(seq: int) -> Any:
+            spec = e.spec(seq, "all_reduce", x, op)
+            deadline = e._deadline()
+            if transport == "local":
+                return x
+            if transport == "nccl":
+                e.nccl().all_reduce(x, op)
+                return x
+            host = self._host(x)
+            flat = host.reshape(-1)
+            if transport == "shm":
+                e.shm().all_reduce(spec, flat, op, deadline)
+            elif transport == "hier":
+                self._hier_all_reduce(spec, flat, op, deadline)
+            else:
+                self._grpc(e._grpc.all_reduce(spec, flat, op), deadline)
+            self._back(x, host)
+            return x
+
+        return self._issue("all_reduce", x, body, async_op)
+
+    def _hier_all_reduce(self, spec: OpSpec, flat: np.ndarray, op: str, deadline: float) -> None:
+        e = self._e
+        local, cross, num_local = e.hierarchy()
+        piece = -(-flat.size // num_local)
+        padded = np.zeros(piece * num_local, flat.dtype)
+        padded[: flat.size] = flat
+        bounds = [(i * piece, (i + 1) * piece) for i in range(num_local)]
+        mine = np.empty(piece, flat.dtype)
+        partial = "sum" if op == "mean" else op
+        local.reduce_scatter(spec, padded, bounds, partial, mine, deadline)
+        cross_spec = OpSpec(f"{spec.group}/cross", spec.seq, "all_reduce", spec.dtype, (piece,), partial)
+        e.on_loop(cross.all_reduce(cross_spec, mine, partial), deadline, lambda exc: e.ctx.plane.fail_key(cross.key, exc))
+        local.all_gather(spec, mine, padded, deadline)
+        flat[...] = padded[: flat.size]
+        if op == "mean":
+            np.true_divide(flat, e.size, out=flat, casting="unsafe")
+
+    def broadcast(self, x: Any, src: int = 0, *, async_op: bool = False) -> Any:
+        """Overwrite ``x`` on every rank with ``src``'s ``x`` (``src`` is a group rank); returns ``x``."""
+        check_array(x)
+        e = self._e
+        e.check_root(src, "src")
+        transport = e.transport_for(x, "broadcast")
+
+        def body(seq: int) -> Any:
+            spec = e.spec(seq, "broadcast", x, f"src={src}")
+            deadline = e._deadline()
+            if transport == "local":
+                return x
+            if transport == "nccl":
+                e.nccl().broadcast(x, src)
+                return x
+            host = self._host(x)
+            flat = host.reshape(-1)
+            if transport == "shm":
+                e.shm().broadcast(spec, flat, src, deadline)
+            else:
+                self._grpc(e._grpc.broadcast(spec, flat, src), deadline)
+            self._back(x, host)
+            return x
+
+        return self._issue("broadcast", x, body, async_op)
+
+    def all_gather(self, x: Any, *, async_op: bool = False) -> Any:
+        """Every rank's ``x`` concatenated along axis 0 in group order (0-d inputs give shape (size,))."""
+        check_array(x, writable=False)
+        e = self._e
+        transport = e.transport_for(x, "all_gather")
+        xp = array_module(x)
+        rows = x.shape[0] if x.ndim else 1
+        out_shape = (rows * e.size, *x.shape[1:])
+
+        def body(seq: int) -> Any:
+            spec = e.spec(seq, "all_gather", x)
+            deadline = e._deadline()
+            out = xp.empty(out_shape, x.dtype)
+            if transport == "local":
+                out.reshape(-1)[...] = x.reshape(-1)
+                return out
+            if transport == "nccl":
+                e.nccl().all_gather(x, out)
+                return out
+            host_out = np.empty(out_shape, x.dtype)
+            piece = self._host(x).reshape(-1)
+            if transport == "shm":
+                e.shm().all_gather(spec, piece, host_out.reshape(-1), deadline)
+            else:
+                self._grpc(e._grpc.all_gather(spec, piece, host_out.reshape(-1)), deadline)
+            if is_cupy(x):
+                return xp.asarray(host_out)
+            return host_out
+
+        return self._issue("all_gather", x, body, async_op)
+
+    def reduce_scatter(self, x: Any, op: str = "sum", *, async_op: bool = False) -> Any:
+        """This rank's rows of the reduction of ``x`` along axis 0.
+
+        Rows are split like ``numpy.array_split``: with R rows and n ranks, the first R % n ranks
+        get R // n + 1 rows and the others R // n. ``x`` itself is left unchanged.
+        """
+        check_array(x, writable=False)
+        if x.ndim == 0:
+            raise ValueError("reduce_scatter needs an array with at least one axis (it splits axis 0)")
+        e = self._e
+        e.check_reduce(op, x)
+        transport = e.transport_for(x, "reduce_scatter")
+        xp = array_module(x)
+        row = int(np.prod(x.shape[1:], dtype=np.int64))
+        rows = e.split_rows(x.shape[0])
+        bounds = [(a * row, b * row) for a, b in rows]
+        a, b = rows[e.rank]
+        out_shape = (b - a, *x.shape[1:])
+
+        def body(seq: int) -> Any:
+            spec = e.spec(seq, "reduce_scatter", x, op)
+            deadline = e._deadline()
+            if transport == "local":
+                out = x.copy()
+                return out
+            if transport == "nccl":
+                return e.nccl().reduce_scatter(x, op, bounds)
+            flat = self._host(x).reshape(-1)
+            out = np.empty(out_shape, x.dtype)
+            if transport == "shm":
+                e.shm().reduce_scatter(spec, flat, bounds, op, out.reshape(-1), deadline)
+            else:
+                work = flat.copy()
+                self._grpc(e._grpc.reduce_scatter(spec, work, bounds, op), deadline)
+                out.reshape(-1)[...] = work[bounds[e.rank][0] : bounds[e.rank][1]]
+            return xp.asarray(out) if is_cupy(x) else out
+
+        return self._issue("reduce_scatter", x, body, async_op)
+
+    def gather(self, x: Any, dst: int = 0, *, async_op: bool = False) -> Any:
+        """On ``dst``: every rank's ``x`` concatenated along axis 0 in group order; elsewhere None."""
+        check_array(x, writable=False)
+        e = self._e
+        e.check_root(dst, "dst")
+        transport = "grpc" if e.transport_for(x, "gather") == "nccl" else e.transport_for(x, "gather")
+        xp = array_module(x)
+        rows = x.shape[0] if x.ndim else 1
+        out_shape = (rows * e.size, *x.shape[1:])
+
+        def body(seq: int) -> Any:
+            spec = e.spec(seq, "gather", x, f"dst={dst}")
+            deadline = e._deadline()
+            piece = self._host(x).reshape(-1)
+            out = np.empty(out_shape, x.dtype) if e.rank == dst else None
+            flat_out = out.reshape(-1) if out is not None else None
+            if transport == "local":
+                assert flat_out is not None
+                flat_out[...] = piece
+            elif transport == "shm":
+                e.shm().gather(spec, piece, dst, flat_out, deadline)
+            else:
+                self._grpc(e._grpc.gather(spec, piece, dst, flat_out), deadline)
+            return xp.asarray(out) if (out is not None and is_cupy(x)) else out
+
+        return self._issue("gather", x, body, async_op)
+
+    def scatter(self, chunks: Sequence[Any] | Any, src: int = 0, *, async_op: bool = False) -> Any:
+        """Give group rank i ``chunks[i]`` from ``src``; returns this rank's chunk.
+
+        On ``src``, ``chunks`` is a sequence of ``size`` arrays of one shape and dtype. On every other
+        rank, ``chunks`` is the receive buffer (an array of that shape and dtype), filled in place.
+        """
+        e = self._e
+        e.check_root(src, "src")
+        if e.rank == src:
+            if isinstance(chunks, (np.ndarray,)) or is_cupy(chunks) or len(chunks) != e.size:
+                raise ValueError(f"scatter on the source rank needs a sequence of {e.size} arrays (one per rank)")
+            for i, c in enumerate(chunks):
+                check_array(c, f"chunks[{i}]", writable=False)
+                if c.shape != chunks[0].shape or c.dtype != chunks[0].dtype:
+                    raise ValueError(
+                        f"chunks[{i}] has shape {c.shape} and dtype {c.dtype}; chunks[0] has "
+                        f"{chunks[0].shape} and {chunks[0].dtype}: every chunk must match"
+                    )
+            out = array_module(chunks[0]).empty_like(chunks[0])
+        else:
+            if not (isinstance(chunks, np.ndarray) or is_cupy(chunks)):
+                raise ValueError("scatter on a non-source rank needs the receive buffer (an array) as `chunks`")
+            check_array(chunks, "chunks")
+            out = chunks
+        transport = "grpc" if e.transport_for(out, "scatter") == "nccl" else e.transport_for(out, "scatter")
+
+        def body(seq: int) -> Any:
+            spec = e.spec(seq, "scatter", out, f"src={src}")
+            deadline = e._deadline()
+            host = np.empty(out.shape, out.dtype)
+            flat = host.reshape(-1)
+            pieces = [self._host(c).reshape(-1) for c in chunks] if e.rank == src else None
+            if transport == "local":
+                assert pieces is not None
+                flat[...] = pieces[0]
+            elif transport == "shm":
+                e.shm().scatter(spec, pieces, src, flat, deadline)
+            else:
+                self._grpc(e._grpc.scatter(spec, pieces, src, flat), deadline)
+            if is_cupy(out):
+                out[...] = array_module(out).asarray(host)
+            else:
+                out[...] = host
+            return out
+
+        return self._issue("scatter", out, body, async_op)
+
+    def barrier(self, *, async_op: bool = False) -> Any:
+        """Return once every rank of the group has called ``barrier``."""
+        e = self._e
+        token = np.empty(0, np.uint8)
+        transport = e.transport_for(token, "barrier")
+
+        def body(seq: int) -> None:
+            spec = e.spec(seq, "barrier", token)
+            deadline = e._deadline()
+            if transport == "shm":
+                e.shm().barrier(spec, deadline)
+            elif transport != "local":
+                self._grpc(e._grpc.barrier(spec), deadline)
+
+        return self._issue("barrier", token, body, async_op)
+
+    # -- point to point --------------------------------------------------------------------------
+    def _p2p_spec(self, op: str, x: Any, src: int, dst: int) -> OpSpec:
+        e = self._e
+        key = (src, dst)
+        e._p2p_seq[key] = e._p2p_seq.get(key, 0) + 1
+        return OpSpec(f"{e.name}/p2p", e._p2p_seq[key], "send/recv", e.spec(0, op, x).dtype, tuple(x.shape), f"{src}->{dst}")
+
+    def _check_peer(self, peer: int, what: str) -> None:
+        self._e.check_root(peer, what)
+        if peer == self.rank:
+            raise ValueError(f"{what}={peer} is this rank itself")
+
+    def send(self, x: Any, dst: int, *, async_op: bool = False) -> Any:
+        """Send ``x`` to group rank ``dst`` (matched by a ``recv`` there, in order)."""
+        check_array(x, writable=False)
+        self._check_peer(dst, "dst")
+        e = self._e
+
+        def body(_seq: int) -> None:
+            spec = self._p2p_spec("send", x, e.rank, dst)
+            deadline = e._deadline()
+            host = self._host(x).reshape(-1)
+            e.on_loop(e._p2p.send_to(spec, host, dst), deadline, lambda exc: e.ctx.plane.fail_key(e._p2p.key, exc))
+
+        return self._issue("send", x, body, async_op, p2p=True)
+
+    def recv(self, x: Any, src: int, *, async_op: bool = False) -> Any:
+        """Fill ``x`` with what group rank ``src`` sends (same shape and dtype); returns ``x``."""
+        check_array(x)
+        self._check_peer(src, "src")
+        e = self._e
+
+        def body(_seq: int) -> Any:
+            spec = self._p2p_spec("send", x, src, e.rank)
+            deadline = e._deadline()
+            host = self._host(x)
+            e.on_loop(
+                e._p2p.recv_from(spec, host.reshape(-1), src), deadline, lambda exc: e.ctx.plane.fail_key(e._p2p.key, exc)
+            )
+            self._back(x, host)
+            return x
+
+        return self._issue("recv", x, body, async_op, p2p=True)
+
+    # -- asyncio forms ---------------------------------------------------------------------------
+    @staticmethod
+    async def _await(work: Work[Any]) -> Any:
+        fut: concurrent.futures.Future[Any] = work.future
+        return await asyncio.wrap_future(fut)
+
+    async def all_reduce_async(self, x: Any, op: str = "sum") -> Any:
+        return await self._await(self.all_reduce(x, op, async_op=True))
+
+    async def broadcast_async(self, x: Any, src: int = 0) -> Any:
+        return await self._await(self.broadcast(x, src, async_op=True))
+
+    async def all_gather_async(self, x: Any) -> Any:
+        return await self._await(self.all_gather(x, async_op=True))
+
+    async def reduce_scatter_async(self, x: Any, op: str = "sum") -> Any:
+        return await self._await(self.reduce_scatter(x, op, async_op=True))
+
+    async def gather_async(self, x: Any, dst: int = 0) -> Any:
+        return await self._await(self.gather(x, dst, async_op=True))
+
+    async def scatter_async(self, chunks: Sequence[Any] | Any, src: int = 0) -> Any:
+        return await self._await(self.scatter(chunks, src, async_op=True))
+
+    async def barrier_async(self) -> None:
+        await self._await(self.barrier(async_op=True))
+
+    async def send_async(self, x: Any, dst: int) -> None:
+        await self._await(self.send(x, dst, async_op=True))
+
+    async def recv_async(self, x: Any, src: int) -> Any:
+        return await self._await(self.recv(x, src, async_op=True))

@@ -1,0 +1,65 @@
+"""The runtime's event loop on a thread of its own, for synchronous scripts."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    """An asyncio loop running in a daemon thread; coroutines are submitted from any other thread."""
+
+    def __init__(self, name: str = "paramplane-loop") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.close()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule ``coro`` on the loop; the returned future completes with its result."""
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("LoopThread.submit called from the loop itself: await the coroutine instead")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the loop and wait for its result (at most ``timeout`` seconds)."""
+        fut = self.submit(coro)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise
+
+    @property
+    def in_loop(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Cancel what is left on the loop, stop it and join the thread."""
+        if not self.loop.is_running():
+            return
+
+        async def _cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            asyncio.run_coroutine_threadsafe(_cancel_all(), self.loop).result(timeout)
+        except Exception:
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout)

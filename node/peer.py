@@ -1,0 +1,312 @@
+"""The peer plane: this rank's data-plane gRPC server, its outbound streams and its inboxes.
+
+Bulk data travels on long-lived client streams of raw bytes (identity
+serializers): the first message of a stream is an encoded ``StreamOpen``
+naming the sender and the stream key (one stream per process group and
+direction, so groups never block one another); after it the sender writes,
+for every frame, an encoded ``FrameHeader`` and then exactly ``num_chunks``
+raw payload chunks. Only headers are parsed; nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from paramplane.node.errors import (
+    CollectiveMismatch,
+    PeerLost,
+    PlaneClosed,
+    PlaneError,
+    TransportError,
+    WorldAborted,
+)
+from paramplane.node.inbox import Inbox
+from paramplane.protos import peer_pb2
+from paramplane.protos.auth import TokenAuthInterceptor, token_metadata
+
+log = logging.getLogger("paramplane.peer")
+
+SERVICE = "paramplane.v1.Peer"
+PUSH_METHOD = f"/{SERVICE}/Push"
+HELLO_METHOD = f"/{SERVICE}/Hello"
+CHUNK_BYTES = 1 << 20
+# Header plus one chunk; anything larger on the data plane is refused by gRPC itself.
+MAX_MESSAGE_BYTES = CHUNK_BYTES + (64 << 10)
+INBOX_DEPTH = 16
+CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+SERVER_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+# Failures travel between ranks as "<Kind>: message" in gRPC details and error frames.
+_KINDS: dict[str, type[PlaneError]] = {
+    "CollectiveMismatch": CollectiveMismatch,
+    "WorldAborted": WorldAborted,
+    "TransportError": TransportError,
+}
+
+
+def encode_failure(exc: BaseException) -> str:
+    kind = type(exc).__name__ if type(exc).__name__ in _KINDS else "TransportError"
+    return f"{kind}: {exc}"
+
+
+def decode_failure(text: str, default: type[PlaneError] = TransportError) -> PlaneError:
+    kind, _, message = text.partition(": ")
+    return _KINDS.get(kind, default)(message or text)
+
+
+class _Malformed(Exception):
+    pass
+
+
+def _parse_header(message: bytes) -> peer_pb2.FrameHeader:
+    try:
+        header = peer_pb2.FrameHeader.FromString(message)
+    except Exception as exc:
+        raise _Malformed(f"undecodable frame header ({len(message)} bytes)") from exc
+    if header.nbytes < 0 or header.num_chunks < 0 or header.num_chunks * CHUNK_BYTES < header.nbytes:
+        raise _Malformed(f"frame header with nbytes={header.nbytes}, num_chunks={header.num_chunks}")
+    return header
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """PEM material for the data plane; every rank serves with its cert and trusts ``root_cert``."""
+
+    cert: bytes
+    key: bytes
+    root_cert: bytes
+
+
+class OutStream:
+    """One outbound stream to a peer; writes are serialised by a lock."""
+
+    def __init__(self, call: Any, dst: int) -> None:
+        self.call = call
+        self.dst = dst
+        self.lock = asyncio.Lock()
+
+    async def write(self, data: bytes) -> None:
+        try:
+            await self.call.write(data)
+        except Exception as exc:
+            raise await self._failure(exc) from None
+
+    async def _failure(self, exc: BaseException) -> PlaneError:
+        details = ""
+        try:
+            if self.call.done():
+                details = (await self.call.details()) or ""
+        except Exception:
+            pass
+        if details.split(": ", 1)[0] in _KINDS:
+            return decode_failure(details)
+        return PeerLost(f"rank {self.dst} is unreachable: the data stream to it broke ({exc!r})", self.dst)
+
+
+class PeerPlane:
+    """The data-plane server, the outbound streams and the inboxes of one rank."""
+
+    def __init__(
+        self,
+        *,
+        token: str | None,
+        bind_host: str = "127.0.0.1",
+        advertise_host: str | None = None,
+        tls: TlsConfig | None = None,
+    ) -> None:
+        self._token = token
+        self._bind_host = bind_host
+        self._advertise_host = advertise_host or bind_host
+        self._tls = tls
+        self._server: Any = None
+        self.rank = -1
+        self.job_id = ""
+        self._addresses: dict[int, str] = {}
+        self._channels: dict[int, Any] = {}
+        self._streams: dict[tuple[int, str], OutStream] = {}
+        self._inboxes: dict[tuple[int, str], Inbox] = {}
+        self._stream_members: dict[str, frozenset[int]] = {}
+        self._failures: dict[str, PlaneError] = {}
+        self._global_failure: PlaneError | None = None
+        self._closing = False
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> str:
+        """Start the server on an ephemeral port; returns the address to advertise."""
+        server = grpc.aio.server(interceptors=[TokenAuthInterceptor(self._token)], options=SERVER_OPTIONS)
+        handlers = {
+            "Push": grpc.stream_unary_rpc_method_handler(self._push),
+            "Hello": grpc.unary_unary_rpc_method_handler(
+                self._hello,
+                request_deserializer=peer_pb2.HelloRequest.FromString,
+                response_serializer=peer_pb2.HelloResponse.SerializeToString,
+            ),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        target = f"{self._bind_host}:0"
+        if self._tls:
+            creds = grpc.ssl_server_credentials([(self._tls.key, self._tls.cert)])
+            port = server.add_secure_port(target, creds)
+        else:
+            port = server.add_insecure_port(target)
+        await server.start()
+        self._server = server
+        return f"{self._advertise_host}:{port}"
+
+    def configure(self, rank: int, job_id: str, addresses: dict[int, str]) -> None:
+        """Learn this rank's identity and every peer's address (after the world formed)."""
+        self.rank = rank
+        self.job_id = job_id
+        self._addresses = dict(addresses)
+
+    def register_stream_key(self, key: str, members: frozenset[int]) -> None:
+        """Declare which ranks talk on ``key``, so a lost peer fails exactly the keys it belongs to."""
+        self._stream_members[key] = members
+        if self._global_failure is not None:
+            self._failures.setdefault(key, self._global_failure)
+
+    async def close(self, grace: float = 1.0) -> None:
+        """Finish every outbound stream (delivering what was written), then stop the server."""
+        self._closing = True
+        streams = list(self._streams.values())
+        self._streams.clear()
+
+        async def finish(s: OutStream) -> None:
+            try:
+                await s.call.done_writing()
+                await s.call
+            except Exception:
+                pass
+
+        if streams:
+            await asyncio.wait([asyncio.ensure_future(finish(s)) for s in streams], timeout=grace)
+        for ch in self._channels.values():
+            await ch.close(grace=None)
+        self._channels.clear()
+        self.fail_all(PlaneClosed("the plane was shut down"))
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None
+
+    # -- failures --------------------------------------------------------------------------------
+    def failure(self, key: str) -> PlaneError | None:
+        return self._failures.get(key) or self._global_failure
+
+    def fail_key(self, key: str, exc: PlaneError) -> None:
+        """Fail every inbox of stream key ``key``: its pending and later receives raise ``exc``."""
+        self._failures.setdefault(key, exc)
+        first = self._failures[key]
+        for (_, k), inbox in self._inboxes.items():
+            if k == key:
+                inbox.fail(first)
+
+    def fail_all(self, exc: PlaneError) -> None:
+        if self._global_failure is None:
+            self._global_failure = exc
+        for key in {k for _, k in self._inboxes} | set(self._stream_members):
+            self.fail_key(key, exc)
+
+    def peer_lost(self, src: int, why: str) -> None:
+        exc = PeerLost(f"rank {src} was lost: {why}", src)
+        for key, members in self._stream_members.items():
+            if src in members:
+                self.fail_key(key, exc)
+
+    # -- receiving -------------------------------------------------------------------------------
+    def inbox(self, src: int, key: str) -> Inbox:
+        inbox = self._inboxes.get((src, key))
+        if inbox is None:
+            inbox = self._inboxes[(src, key)] = Inbox(INBOX_DEPTH)
+            failure = self.failure(key)
+            if failure is not None:
+                inbox.fail(failure)
+        return inbox
+
+    async def _hello(self, request: peer_pb2.HelloRequest, context: Any) -> peer_pb2.HelloResponse:
+        return peer_pb2.HelloResponse(rank=self.rank, job_id=self.job_id)
+
+    async def _push(self, requests: AsyncIterator[bytes], context: Any) -> bytes:
+        it = requests.__aiter__()
+        try:
+            opening = peer_pb2.StreamOpen.FromString(await it.__anext__())
+        except Exception:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "TransportError: malformed stream opening")
+        if opening.job_id != self.job_id or not 0 <= opening.src < len(self._addresses):
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"TransportError: stream from rank {opening.src} of job {opening.job_id!r} does not belong here",
+            )
+        src, key = opening.src, opening.group
+        inbox = self.inbox(src, key)
+        clean = False
+        try:
+            # Frame-aware: parse each header here, so an error frame fails the key at once
+            # even while the consumer waits on another peer's inbox.
+            remaining = 0
+            async for message in it:
+                if remaining:
+                    remaining -= 1
+                    await inbox.put(message)
+                    continue
+                header = _parse_header(message)
+                if header.error:
+                    self.fail_key(key, decode_failure(header.error))
+                    continue
+                remaining = header.num_chunks
+                await inbox.put(header)
+            clean = True
+        except _Malformed as exc:
+            self.fail_key(key, TransportError(f"malformed frame from rank {src}: {exc}"))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"TransportError: {exc}")
+        except PlaneError as exc:
+            await context.abort(grpc.StatusCode.ABORTED, encode_failure(exc))
+        finally:
+            if not clean and not self._closing and inbox.error is None:
+                self.peer_lost(src, "its data stream broke (process died or network failed)")
+        return b""
+
+    # -- sending ---------------------------------------------------------------------------------
+    def _channel(self, dst: int) -> Any:
+        ch = self._channels.get(dst)
+        if ch is None:
+            address = self._addresses[dst]
+            if self._tls:
+                creds = grpc.ssl_channel_credentials(root_certificates=self._tls.root_cert)
+                ch = grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+            else:
+                ch = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[dst] = ch
+        return ch
+
+    async def stream(self, dst: int, key: str) -> OutStream:
+        """The outbound stream to ``dst`` for ``key``, opened on first use."""
+        if self._closing:
+            raise PlaneClosed("the plane was shut down")
+        s = self._streams.get((dst, key))
+        if s is None:
+            method = self._channel(dst).stream_unary(PUSH_METHOD)
+            call = method(metadata=token_metadata(self._token), wait_for_ready=True)
+            s = self._streams[(dst, key)] = OutStream(call, dst)
+            opening = peer_pb2.StreamOpen(src=self.rank, job_id=self.job_id, group=key)
+            async with s.lock:
+                await s.write(opening.SerializeToString())
+        return s

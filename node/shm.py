@@ -1,0 +1,295 @@
+"""Shared-memory collectives for CPU ranks of one host.
+
+One segment per group: a control area (per rank: a phase counter, its pid and
+its current op's spec, double-buffered by op parity) and two banks of one data
+slot per rank, used alternately by successive rounds so that one barrier per
+round suffices where a round's readers finish before the bank is reused.
+Ranks wait on the phase counters, spinning briefly and then backing off, and
+notice a dead peer by its pid. The segment file is unlinked as soon as every
+rank has mapped it, so a crash never leaves anything in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from paramplane.node.errors import CollectiveMismatch, CollectiveTimeout, PeerLost, PlaneError
+from paramplane.node.spec import OpSpec, reduce_ufunc, split_bounds
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "paramplane-"
+CTRL_STRIDE = 1024  # bytes of control area per rank
+SPEC_OFFSET = 64  # spec texts start here within a rank's control area
+SPEC_BYTES = 448  # per parity
+DEFAULT_SLOT_BYTES = 4 << 20
+
+
+def slot_bytes_from_env() -> int:
+    mb = float(os.environ.get("PARAMPLANE_SHM_SLOT_MB", DEFAULT_SLOT_BYTES / (1 << 20)))
+    if mb <= 0:
+        raise ValueError("PARAMPLANE_SHM_SLOT_MB must be positive")
+    return max(4096, int(mb * (1 << 20)) // 64 * 64)
+
+
+def segment_size(num_ranks: int, slot_bytes: int) -> int:
+    return num_ranks * CTRL_STRIDE + 2 * num_ranks * slot_bytes
+
+
+def create_segment(name: str, size: int) -> mmap.mmap:
+    """Create and map /dev/shm/``name`` (which must not exist)."""
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def open_segment(name: str, size: int) -> mmap.mmap:
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    try:
+        if os.fstat(fd).st_size != size:
+            raise PlaneError(f"shm segment {name} has the wrong size (another job's?)")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def unlink_segment(name: str) -> None:
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        pass
+
+
+class ShmComm:
+    """Collectives of one group over a mapped segment; ops run in the calling thread."""
+
+    def __init__(
+        self,
+        mm: mmap.mmap,
+        ranks: Sequence[int],
+        index: int,
+        slot_bytes: int,
+        aborted: threading.Event,
+        abort_reason: Any,
+    ) -> None:
+        self.mm = mm
+        self.ranks = list(ranks)
+        self.n = len(self.ranks)
+        self.index = index
+        self.slot_bytes = slot_bytes
+        self._aborted = aborted
+        self._abort_reason = abort_reason
+        self._ctrl = np.ndarray((self.n, CTRL_STRIDE // 8), np.int64, buffer=mm)
+        self._ctrl_bytes = np.ndarray((self.n, CTRL_STRIDE), np.uint8, buffer=mm)
+        data_off = self.n * CTRL_STRIDE
+        self._data = np.ndarray((2, self.n, slot_bytes), np.uint8, buffer=mm, offset=data_off)
+        self._phase = int(self._ctrl[index, 0])
+        self._bank = 0
+        self._num_ops = 0
+        self._parity = 0
+        self.failure: PlaneError | None = None
+        self._ctrl[index, 1] = os.getpid()
+        self._data[:, index, :] = 0  # fault our pages in now, not in the first collective
+
+    def close(self) -> None:
+        del self._ctrl, self._ctrl_bytes, self._data
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
+
+    # -- synchronisation -------------------------------------------------------------------------
+    def _sync(self, deadline: float) -> None:
+        self._phase += 1
+        phase = self._phase
+        ctrl = self._ctrl
+        ctrl[self.index, 0] = phase
+        spins = 0
+        next_check = 0.0
+        while int(ctrl[:, 0].min()) < phase:
+            spins += 1
+            if spins < 64:
+                continue
+            if spins < 2048:
+                time.sleep(0)
+            else:
+                time.sleep(0.0002 if spins < 8192 else 0.001)
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + 0.02
+                self._check(phase, now, deadline)
+
+    def _check(self, phase: int, now: float, deadline: float) -> None:
+        if self._aborted.is_set():
+            raise self._fail(self._abort_reason())
+        lagging = [j for j in range(self.n) if int(self._ctrl[j, 0]) < phase]
+        for j in lagging:
+            pid = int(self._ctrl[j, 1])
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                raise self._fail(
+                    PeerLost(f"rank {self.ranks[j]} (pid {pid}) died during a shared-memory collective", self.ranks[j])
+                ) from None
+            except PermissionError:
+                pass
+        if now >= deadline:
+            names = [self.ranks[j] for j in lagging]
+            raise self._fail(
+                CollectiveTimeout(
+                    f"shared-memory collective timed out waiting for ranks {names}; raise the group timeout "
+                    "(PARAMPLANE_TIMEOUT) if they are merely slow, else check them for a hang"
+                )
+            )
+
+    def _fail(self, exc: PlaneError) -> PlaneError:
+        self.failure = self.failure or exc
+        return self.failure
+
+    def _begin(self, spec: OpSpec) -> None:
+        if self.failure is not None:
+            raise self.failure
+        # Spec areas alternate per op on this segment (not per seq: one group op may run several).
+        self._parity = self._num_ops % 2
+        self._num_ops += 1
+        text = f"{spec.seq}|{spec.op}|{spec.dtype}|{','.join(map(str, spec.shape))}|{spec.arg}".encode()[:SPEC_BYTES]
+        off = SPEC_OFFSET + self._parity * SPEC_BYTES
+        row = self._ctrl_bytes[self.index]
+        row[off : off + SPEC_BYTES] = 0
+        row[off : off + len(text)] = np.frombuffer(text, np.uint8)
+
+    def _check_specs(self, spec: OpSpec) -> None:
+        off = SPEC_OFFSET + self._parity * SPEC_BYTES
+        texts = [bytes(self._ctrl_bytes[j, off : off + SPEC_BYTES]).rstrip(b"\0").decode() for j in range(self.n)]
+        if len(set(texts)) == 1:
+            return
+        parts = []
+        for j, t in enumerate(texts):
+            seq, op, dtype, shape, arg = (t.split("|") + [""] * 5)[:5]
+            dims = tuple(int(d) for d in shape.split(",") if d)
+            parts.append(f"rank {self.ranks[j]}: {OpSpec(spec.group, int(seq or -1), op, dtype, dims, arg).describe()}")
+        raise self._fail(
+            CollectiveMismatch(
+                f"collective mismatch in group '{spec.group}' at op #{spec.seq}: " + "; ".join(parts)
+                + "; every rank of a group must issue the same collectives in the same order with the same "
+                "dtype and shape"
+            )
+        )
+
+    def _first_sync(self, spec: OpSpec, deadline: float, first: bool) -> None:
+        self._sync(deadline)
+        if first:
+            self._check_specs(spec)
+
+    def _slots(self, dtype: np.dtype[Any]) -> np.ndarray:
+        bank = self._data[self._bank]
+        self._bank ^= 1
+        usable = self.slot_bytes // dtype.itemsize * dtype.itemsize
+        return bank[:, :usable].view(dtype)
+
+    def _rounds(self, total: int, per_round: int) -> list[tuple[int, int]]:
+        return [(s, min(s + per_round, total)) for s in range(0, total, per_round)] or [(0, 0)]
+
+    # -- collectives (flat: 1-D contiguous numpy arrays) ------------------------------------------
+    def all_reduce(self, spec: OpSpec, flat: np.ndarray, op: str, deadline: float) -> None:
+        self._begin(spec)
+        ufunc = reduce_ufunc(op)
+        me = self.index
+        per_round = self.slot_bytes // flat.itemsize
+        for r, (s, e) in enumerate(self._rounds(flat.size, per_round)):
+            m = e - s
+            slots = self._slots(flat.dtype)
+            slots[me, :m] = flat[s:e]
+            self._first_sync(spec, deadline, r == 0)
+            bounds = split_bounds(m, self.n)
+            a, b = bounds[me]
+            if b > a:
+                acc = flat[s + a : s + b]
+                ufunc(slots[0, a:b], slots[1, a:b], out=acc)
+                for j in range(2, self.n):
+                    ufunc(acc, slots[j, a:b], out=acc)
+                slots[me, a:b] = acc
+            self._sync(deadline)
+            for j, (ja, jb) in enumerate(bounds):
+                if j != me:
+                    flat[s + ja : s + jb] = slots[j, ja:jb]
+        if op == "mean":
+            np.true_divide(flat, self.n, out=flat, casting="unsafe")
+
+    def reduce_scatter(
+        self, spec: OpSpec, flat: np.ndarray, bounds: list[tuple[int, int]], op: str, out: np.ndarray, deadline: float
+    ) -> None:
+        """``out`` receives the reduction of this rank's piece ``bounds[index]`` of ``flat``."""
+        self._begin(spec)
+        ufunc = reduce_ufunc(op)
+        a, b = bounds[self.index]
+        per_round = self.slot_bytes // flat.itemsize
+        for r, (s, e) in enumerate(self._rounds(flat.size, per_round)):
+            slots = self._slots(flat.dtype)
+            slots[self.index, : e - s] = flat[s:e]
+            self._first_sync(spec, deadline, r == 0)
+            lo, hi = max(a, s), min(b, e)
+            if hi > lo:
+                dst = out[lo - a : hi - a]
+                ufunc(slots[0, lo - s : hi - s], slots[1, lo - s : hi - s], out=dst)
+                for j in range(2, self.n):
+                    ufunc(dst, slots[j, lo - s : hi - s], out=dst)
+        if op == "mean":
+            np.true_divide(out, self.n, out=out, casting="unsafe")
+
+    def _exchange(
+        self, spec: OpSpec, piece: np.ndarray, out: np.ndarray | None, deadline: float, *, writer: int | None
+    ) -> None:
+        """Every rank (or only ``writer``) publishes ``piece``; ``out`` (if given) collects all pieces."""
+        self._begin(spec)
+        per_round = self.slot_bytes // piece.itemsize
+        size = piece.size
+        for r, (s, e) in enumerate(self._rounds(size, per_round)):
+            slots = self._slots(piece.dtype)
+            if writer is None or writer == self.index:
+                slots[self.index, : e - s] = piece[s:e]
+            self._first_sync(spec, deadline, r == 0)
+            if out is not None:
+                for j in range(self.n) if writer is None else [writer]:
+                    base = j * size if writer is None else 0
+                    out[base + s : base + e] = slots[j, : e - s]
+
+    def all_gather(self, spec: OpSpec, piece: np.ndarray, out: np.ndarray, deadline: float) -> None:
+        self._exchange(spec, piece, out, deadline, writer=None)
+
+    def gather(self, spec: OpSpec, piece: np.ndarray, root: int, out: np.ndarray | None, deadline: float) -> None:
+        self._exchange(spec, piece, out if self.index == root else None, deadline, writer=None)
+
+    def broadcast(self, spec: OpSpec, flat: np.ndarray, root: int, deadline: float) -> None:
+        self._exchange(spec, flat, None if self.index == root else flat, deadline, writer=root)
+
+    def scatter(
+        self, spec: OpSpec, pieces: Sequence[np.ndarray] | None, root: int, out: np.ndarray, deadline: float
+    ) -> None:
+        self._begin(spec)
+        per_round = self.slot_bytes // out.itemsize
+        for r, (s, e) in enumerate(self._rounds(out.size, per_round)):
+            slots = self._slots(out.dtype)
+            if self.index == root:
+                assert pieces is not None
+                for j in range(self.n):
+                    slots[j, : e - s] = pieces[j][s:e]
+            self._first_sync(spec, deadline, r == 0)
+            out[s:e] = slots[self.index, : e - s]
+
+    def barrier(self, spec: OpSpec, deadline: float) -> None:
+        self._begin(spec)
+        self._first_sync(spec, deadline, True)
