@@ -1,0 +1,145 @@
+"""The optimizer base class: parameter list, per-parameter state, step hooks, state_dict."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar, TypeAlias
+
+import numpy as np
+
+from paramplane.nn.module import Array, Parameter, RemovableHandle
+from paramplane.node.arrays import array_module, to_host
+
+StepHook: TypeAlias = Callable[["Optimizer"], None]
+
+
+def _copy_value(value: Any) -> Any:
+    return value.copy() if hasattr(value, "shape") else value
+
+
+class Optimizer:
+    """Updates a fixed list of parameters from their ``grad``.
+
+    Subclasses list their hyper-parameter attribute names in ``HYPERPARAMS``
+    (saved by ``state_dict``; assign e.g. ``opt.lr = 0.01`` to change one),
+    check them in ``_validate`` and update one parameter in ``_update``.
+    Per-parameter state lives in ``state[index]`` where ``index`` is the
+    parameter's position in ``params``; parameters whose grad is None are
+    skipped and get no state.
+    """
+
+    HYPERPARAMS: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, params: Iterable[Parameter]) -> None:
+        self.params: list[Parameter] = list(params)
+        if not self.params:
+            raise ValueError(f"{type(self).__name__} got an empty parameter list")
+        seen: set[int] = set()
+        for i, p in enumerate(self.params):
+            if not isinstance(p, Parameter):
+                raise ValueError(
+                    f"{type(self).__name__}: params[{i}] is a {type(p).__name__}, expected a Parameter"
+                )
+            if id(p) in seen:
+                raise ValueError(f"{type(self).__name__}: parameter {p.name or i} appears twice")
+            seen.add(id(p))
+        self.state: dict[int, dict[str, Any]] = {}
+        self._pre_hooks: dict[int, StepHook] = {}
+        self._post_hooks: dict[int, StepHook] = {}
+
+    def _validate(self) -> None:
+        """Raise ValueError for a bad hyper-parameter."""
+
+    def _update(self, index: int, param: Parameter, grad: Array) -> None:
+        raise NotImplementedError
+
+    def register_step_pre_hook(self, fn: StepHook) -> RemovableHandle:
+        """Call ``fn(optimizer)`` at the start of every ``step()``, before any parameter changes.
+
+        DDP waits for its gradient all-reduces here.
+        """
+        handle = RemovableHandle(self._pre_hooks)
+        self._pre_hooks[handle.id] = fn
+        return handle
+
+    def register_step_post_hook(self, fn: StepHook) -> RemovableHandle:
+        """Call ``fn(optimizer)`` at the end of every ``step()``, after all parameters changed."""
+        handle = RemovableHandle(self._post_hooks)
+        self._post_hooks[handle.id] = fn
+        return handle
+
+    def step(self) -> None:
+        """Run the pre-hooks, update every parameter that has a grad, run the post-hooks."""
+        for hook in list(self._pre_hooks.values()):
+            hook(self)
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                self._update(i, p, p.grad)
+        for hook in list(self._post_hooks.values()):
+            hook(self)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop gradients (``grad = None``), or zero them in place when ``set_to_none=False``."""
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad[...] = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"state": {index: {name: copy}}, "hyperparams": {name: value}}``."""
+        return {
+            "state": {i: {k: _copy_value(v) for k, v in s.items()} for i, s in self.state.items()},
+            "hyperparams": {name: getattr(self, name) for name in self.HYPERPARAMS},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore state and hyper-parameters saved by ``state_dict`` (arrays are copied).
+
+        Arrays move to the array module of the parameter they belong to. A
+        ValueError names anything that does not fit this optimizer.
+        """
+        name = type(self).__name__
+        if set(state_dict) != {"state", "hyperparams"}:
+            raise ValueError(
+                f"{name}.load_state_dict needs keys 'state' and 'hyperparams', got {sorted(state_dict)}"
+            )
+        hyper = state_dict["hyperparams"]
+        if set(hyper) != set(self.HYPERPARAMS):
+            raise ValueError(
+                f"{name}.load_state_dict: hyper-parameters {sorted(hyper)} do not match {sorted(self.HYPERPARAMS)}"
+            )
+        new_state: dict[int, dict[str, Any]] = {}
+        for index, entry in state_dict["state"].items():
+            if not isinstance(index, (int, np.integer)) or not 0 <= index < len(self.params):
+                raise ValueError(
+                    f"{name}.load_state_dict: state index {index!r} is not in [0, {len(self.params)})"
+                )
+            param = self.params[int(index)]
+            xp = array_module(param.data)
+            restored: dict[str, Any] = {}
+            for key, value in entry.items():
+                if hasattr(value, "shape"):
+                    if tuple(value.shape) != param.shape:
+                        raise ValueError(
+                            f"{name}.load_state_dict: state[{index}][{key!r}] has shape {tuple(value.shape)}, "
+                            f"parameter {param.name or index} has shape {param.shape}"
+                        )
+                    restored[key] = to_host(value).copy() if xp is np else xp.array(value, copy=True)
+                else:
+                    restored[key] = value
+            new_state[int(index)] = restored
+        old = {k: getattr(self, k) for k in self.HYPERPARAMS}
+        for key, value in hyper.items():
+            setattr(self, key, value)
+        try:
+            self._validate()
+        except ValueError:
+            for key, value in old.items():
+                setattr(self, key, value)
+            raise
+        self.state = new_state
+
+    def __repr__(self) -> str:
+        hyper = ", ".join(f"{k}={getattr(self, k)!r}" for k in self.HYPERPARAMS)
+        return f"{type(self).__name__}({len(self.params)} params, {hyper})"
