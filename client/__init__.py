@@ -1,5 +1,11 @@
-"""paramplane: an asyncio + gRPC parameter plane for distributed training."""
+"""paramplane: an asyncio + gRPC parameter plane for distributed training.
 
+``pp.init()`` joins the world; ``world.group`` and ``world.new_group`` give
+collectives; ``pp.nn`` / ``pp.optim`` hold the reference modules and optimizers.
+"""
+
+from paramplane import nn, optim
+from paramplane.group import ProcessGroup
 from paramplane.node.errors import (
     AuthError,
     CollectiveMismatch,
@@ -12,6 +18,8 @@ from paramplane.node.errors import (
     TransportError,
     WorldAborted,
 )
+from paramplane.work import Work
+from paramplane.world import KVStore, World, init
 
 __version__ = "0.1.0"
 
@@ -20,10 +28,17 @@ __all__ = [
     "CollectiveMismatch",
     "CollectiveTimeout",
     "CoordinatorUnavailable",
+    "KVStore",
     "PeerLost",
     "PlaneClosed",
     "PlaneError",
+    "ProcessGroup",
     "RendezvousError",
     "TransportError",
+    "Work",
+    "World",
     "WorldAborted",
+    "init",
+    "nn",
+    "optim",
 ]

@@ -43,12 +43,17 @@ TRANSPORTS = ("auto", "grpc", "shm")
 
 
 class Tracer(Protocol):
-    def record(self, name: str, group: str, seq: int, nbytes: int, start: float, end: float, transport: str) -> None: ...
+    def record(
+        self, name: str, group: str, seq: int, nbytes: int, start: float, end: float, transport: str
+    ) -> None: ...
+    def close(self) -> None: ...
 
 
 class KV(Protocol):
     async def kv_set(self, key: str, value: bytes) -> None: ...
-    async def kv_get(self, key: str, *, wait: bool = False, timeout_s: float | None = None) -> bytes | None: ...
+    async def kv_get(
+        self, key: str, *, wait: bool = False, timeout_s: float | None = None
+    ) -> bytes | None: ...
     async def barrier(self, name: str, *, ranks: Sequence[int] | None = None, timeout_s: float) -> None: ...
 
 
@@ -74,7 +79,9 @@ def check_array(x: Any, what: str = "x", *, writable: bool = True) -> None:
         raise ValueError(f"{what} must be a numpy or cupy array, got {type(x).__name__}")
     dtype_name(x.dtype)
     if not x.flags.c_contiguous:
-        raise ValueError(f"{what} is not C-contiguous: pass np.ascontiguousarray({what}) (collectives work in place)")
+        raise ValueError(
+            f"{what} is not C-contiguous: pass np.ascontiguousarray({what}) (collectives work in place)"
+        )
     if writable and not x.flags.writeable:
         raise ValueError(f"{what} is read-only: collectives write their result into it; pass a writable copy")
 
@@ -130,7 +137,14 @@ class GroupEngine:
             raise self.failure
 
     def run(
-        self, name: str, body: Callable[[int], T], *, nbytes: int, transport: str, async_op: bool, p2p: bool = False
+        self,
+        name: str,
+        body: Callable[[int], T],
+        *,
+        nbytes: int,
+        transport: str,
+        async_op: bool,
+        p2p: bool = False,
     ) -> concurrent.futures.Future[T]:
         """Issue ``body(seq)`` in order; failures are recorded so the group stays failed."""
 
@@ -197,7 +211,9 @@ class GroupEngine:
             mm = self.ctx.loop.run(attach())
             comm = ShmComm(mm, ranks, index, slot, self.ctx.aborted, self.ctx.abort_error)
             self.ctx.loop.run(
-                self.ctx.coord.barrier(f"shm/{key}", ranks=ranks, timeout_s=max(1.0, deadline - time.monotonic()))
+                self.ctx.coord.barrier(
+                    f"shm/{key}", ranks=ranks, timeout_s=max(1.0, deadline - time.monotonic())
+                )
             )
             return comm
         except BaseException:

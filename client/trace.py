@@ -1,0 +1,93 @@
+"""Chrome-trace timelines of collectives (``PARAMPLANE_TRACE=DIR``), and ``paramplane trace merge``.
+
+Each rank writes ``DIR/rank-<r>.json`` (Trace Event Format, opened by Perfetto
+and chrome://tracing): one complete event per collective with its name, bytes,
+group, sequence number and transport. Timestamps are wall-clock microseconds so
+ranks line up when merged.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+class ChromeTracer:
+    """Collects this rank's collective events and writes them on ``close()`` (and at exit)."""
+
+    def __init__(self, folder: str | os.PathLike[str]) -> None:
+        self.folder = Path(folder)
+        self.rank = -1
+        self._events: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._offset_us = (time.time() - time.monotonic()) * 1e6
+        self._closed = False
+
+    def open(self, rank: int) -> None:
+        self.rank = rank
+        self.folder.mkdir(parents=True, exist_ok=True)
+        atexit.register(self.close)
+
+    def record(self, name: str, group: str, seq: int, nbytes: int, start: float, end: float, transport: str) -> None:
+        event = {
+            "name": name,
+            "cat": "collective",
+            "ph": "X",
+            "ts": start * 1e6 + self._offset_us,
+            "dur": max(0.0, (end - start) * 1e6),
+            "pid": self.rank,
+            "tid": group,
+            "args": {"group": group, "seq": seq, "bytes": nbytes, "transport": transport},
+        }
+        with self._lock:
+            self._events.append(event)
+
+    def mark(self, name: str, start: float, end: float, **args: Any) -> None:
+        """A non-collective span (e.g. a layer's backward) on the ``compute`` track."""
+        with self._lock:
+            self._events.append(
+                {
+                    "name": name,
+                    "cat": "compute",
+                    "ph": "X",
+                    "ts": start * 1e6 + self._offset_us,
+                    "dur": max(0.0, (end - start) * 1e6),
+                    "pid": self.rank,
+                    "tid": "compute",
+                    "args": args,
+                }
+            )
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._events)
+
+    def close(self) -> None:
+        if self._closed or self.rank < 0:
+            return
+        self._closed = True
+        meta = [{"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}}]
+        path = self.folder / f"rank-{self.rank}.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({"traceEvents": meta + self.events, "displayTimeUnit": "ms"}))
+        tmp.replace(path)
+
+
+def merge(folder: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> Path:
+    """Join every ``rank-*.json`` in ``folder`` into one trace (default ``folder/merged.json``)."""
+    folder = Path(folder)
+    files = sorted(folder.glob("rank-*.json"))
+    if not files:
+        raise FileNotFoundError(f"no rank-*.json traces in {folder}: run with PARAMPLANE_TRACE={folder}")
+    events: list[dict[str, Any]] = []
+    for f in files:
+        events.extend(json.loads(f.read_text())["traceEvents"])
+    target = Path(out) if out else folder / "merged.json"
+    target.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    return target

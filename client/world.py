@@ -1,0 +1,183 @@
+"""``pp.init()`` and the ``World``: this rank's place in the job and its process groups."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from paramplane.group import ProcessGroup
+from paramplane.node.runtime import NodeRuntime, RuntimeConfig
+
+ENV_VARS = {
+    "PARAMPLANE_COORDINATOR": "host:port of the coordinator (required unless passed to init)",
+    "PARAMPLANE_WORLD_SIZE": "expected number of ranks (0 or unset: the coordinator's)",
+    "PARAMPLANE_RANK": "rank hint (the launcher sets it)",
+    "PARAMPLANE_TOKEN": "job token every RPC carries",
+    "PARAMPLANE_TOKEN_FILE": "file holding the job token",
+    "PARAMPLANE_HOST_ID": "host identity for rank grouping (default: hostname)",
+    "PARAMPLANE_TIMEOUT": "default collective timeout in seconds (default 300)",
+    "PARAMPLANE_JOIN_TIMEOUT": "seconds to wait for the world to form (default 300)",
+    "PARAMPLANE_TRANSPORT": "auto | grpc | shm (default auto)",
+    "PARAMPLANE_BIND": "address the data-plane server binds (default 127.0.0.1)",
+    "PARAMPLANE_ADVERTISE": "address peers use to reach this rank (default: the bind address)",
+    "PARAMPLANE_SHM_SLOT_MB": "shared-memory slot per rank and bank in MiB (default 4)",
+    "PARAMPLANE_TRACE": "folder for per-rank Chrome-trace JSON of every collective",
+}
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else default
+
+
+def _token(token: str | None) -> str | None:
+    if token:
+        return token
+    path = _env("PARAMPLANE_TOKEN_FILE")
+    if path:
+        with open(path) as f:
+            return f.read().strip() or None
+    return _env("PARAMPLANE_TOKEN")
+
+
+@dataclass(frozen=True)
+class KVStore:
+    """The coordinator's key/value store for this world (values are bytes)."""
+
+    _rt: NodeRuntime
+
+    def set(self, key: str, value: bytes) -> None:
+        self._rt.run(self._rt.coord.kv_set(key, value))
+
+    def get(self, key: str, *, wait: bool = False, timeout: float | None = None) -> bytes | None:
+        return self._rt.run(self._rt.coord.kv_get(key, wait=wait, timeout_s=timeout))  # type: ignore[no-any-return]
+
+    def add(self, key: str, delta: int = 1) -> int:
+        return self._rt.run(self._rt.coord.kv_add(key, delta))  # type: ignore[no-any-return]
+
+    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
+        return self._rt.run(self._rt.coord.kv_compare_set(key, expected, desired))  # type: ignore[no-any-return]
+
+    def delete(self, key: str) -> bool:
+        return self._rt.run(self._rt.coord.kv_delete(key))  # type: ignore[no-any-return]
+
+
+class World:
+    """This rank's view of the job; a context manager that shuts the plane down on exit."""
+
+    def __init__(self, runtime: NodeRuntime) -> None:
+        self._rt = runtime
+        m = runtime.membership
+        self.rank = m.rank
+        self.world_size = m.world_size
+        self.local_rank = m.local_rank
+        self.local_world_size = m.local_world_size
+        self.node_rank = m.node_rank
+        self.num_nodes = m.num_nodes
+        self.host_id = m.peers[m.rank].host_id
+        self.job_id = m.job_id
+        self.kv = KVStore(runtime)
+        self.group = ProcessGroup(runtime.group("world", list(range(m.world_size))))
+        self._num_groups = 0
+        self._num_barriers = 0
+
+    @property
+    def topology(self) -> Any:
+        return self._rt.topology
+
+    @property
+    def runtime(self) -> NodeRuntime:
+        return self._rt
+
+    def new_group(self, ranks: Sequence[int], *, timeout: float | None = None) -> ProcessGroup | None:
+        """A group of global ``ranks``; every rank must call this, in the same order (like torch).
+
+        Returns None on ranks that are not members.
+        """
+        members = sorted({int(r) for r in ranks})
+        if len(members) != len(list(ranks)) or not members:
+            raise ValueError(f"new_group needs distinct ranks, got {list(ranks)}")
+        if members[0] < 0 or members[-1] >= self.world_size:
+            raise ValueError(f"new_group ranks must lie in [0, {self.world_size}), got {list(ranks)}")
+        self._num_groups += 1
+        name = f"g{self._num_groups}"
+        if self.rank not in members:
+            return None
+        return ProcessGroup(self._rt.group(name, members, timeout))
+
+    def barrier(self, name: str | None = None, *, timeout: float | None = None) -> None:
+        """A world barrier through the coordinator (no data plane involved)."""
+        self._num_barriers += 1
+        label = name or f"world-{self._num_barriers}"
+        limit = timeout or self._rt.config.timeout_s
+        self._rt.run(self._rt.coord.barrier(label, timeout_s=limit))
+
+    def abort(self, reason: str) -> None:
+        """Abort the whole job: every rank's pending and later ops fail with WorldAborted."""
+        self._rt.run(self._rt.coord.abort(reason), timeout=30)
+
+    def shutdown(self) -> None:
+        """Leave the world and stop the runtime. Idempotent."""
+        self._rt.shutdown()
+
+    def __enter__(self) -> World:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"<World rank {self.rank}/{self.world_size} node {self.node_rank} local {self.local_rank}>"
+
+
+def init(
+    coordinator: str | None = None,
+    *,
+    world_size: int | None = None,
+    rank: int | None = None,
+    token: str | None = None,
+    host_id: str | None = None,
+    timeout: float | None = None,
+    join_timeout: float | None = None,
+    transport: str | None = None,
+    bind: str | None = None,
+    advertise: str | None = None,
+) -> World:
+    """Join the world; arguments override the PARAMPLANE_* variables (see ``ENV_VARS``)."""
+    address = coordinator or _env("PARAMPLANE_COORDINATOR")
+    if not address:
+        raise ValueError(
+            "no coordinator: pass init(coordinator='HOST:PORT') or set PARAMPLANE_COORDINATOR "
+            "(`paramplane launch --standalone` sets it for you)"
+        )
+    tracer = None
+    trace_dir = _env("PARAMPLANE_TRACE")
+    if trace_dir:
+        from paramplane.trace import ChromeTracer
+
+        tracer = ChromeTracer(trace_dir)
+    config = RuntimeConfig(
+        coordinator=address,
+        world_size=world_size if world_size is not None else int(_env("PARAMPLANE_WORLD_SIZE", "0") or 0),
+        rank_hint=rank if rank is not None else int(_env("PARAMPLANE_RANK", "-1") or -1),
+        token=_token(token),
+        host_id=host_id or _env("PARAMPLANE_HOST_ID") or socket.gethostname(),
+        timeout_s=timeout or float(_env("PARAMPLANE_TIMEOUT", "300") or 300),
+        join_timeout_s=join_timeout or float(_env("PARAMPLANE_JOIN_TIMEOUT", "300") or 300),
+        transport=transport or _env("PARAMPLANE_TRANSPORT", "auto") or "auto",
+        bind_host=bind or _env("PARAMPLANE_BIND", "127.0.0.1") or "127.0.0.1",
+        advertise_host=advertise or _env("PARAMPLANE_ADVERTISE"),
+        tracer=tracer,
+    )
+    runtime = NodeRuntime(config)
+    runtime.start()
+    world = World(runtime)
+    if tracer is not None:
+        tracer.open(world.rank)
+    return world

@@ -1,0 +1,122 @@
+"""NCCL collectives (``cupy.cuda.nccl``) for GPU ranks of one host.
+
+The group's first rank publishes an NCCL unique id in the coordinator's
+epoch-scoped key/value store; every member builds its communicator from it.
+Ops are enqueued on the current CUDA stream, so they are ordered with the
+caller's kernels; ``abort()`` tears the communicator down after a failure.
+NCCL frames carry no header: argument checks happen before the call, and
+mismatched shapes across ranks are caught only by the host transports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+from paramplane.node.arrays import dtype_name
+
+_UID_FORMAT = "128b"
+
+
+def _nccl() -> Any:
+    from cupy.cuda import nccl
+
+    return nccl
+
+
+def _dtype(x: Any) -> int:
+    nccl = _nccl()
+    table = {
+        "float16": nccl.NCCL_FLOAT16,
+        "float32": nccl.NCCL_FLOAT32,
+        "float64": nccl.NCCL_FLOAT64,
+        "int8": nccl.NCCL_INT8,
+        "int32": nccl.NCCL_INT32,
+        "int64": nccl.NCCL_INT64,
+        "uint8": nccl.NCCL_UINT8,
+    }
+    name = dtype_name(x.dtype)
+    if name not in table:
+        raise ValueError(f"the NCCL transport does not move {name}; use one of {', '.join(table)}")
+    return table[name]
+
+
+def _redop(op: str) -> int:
+    nccl = _nccl()
+    return {
+        "sum": nccl.NCCL_SUM,
+        "mean": nccl.NCCL_SUM,
+        "product": nccl.NCCL_PROD,
+        "min": nccl.NCCL_MIN,
+        "max": nccl.NCCL_MAX,
+    }[op]
+
+
+class NcclComm:
+    """One group's NCCL communicator."""
+
+    def __init__(self, comm: Any, size: int) -> None:
+        self.comm = comm
+        self.size = size
+
+    @classmethod
+    async def create(
+        cls, kv: Any, name: str, ranks: Sequence[int], index: int, timeout_s: float = 300.0
+    ) -> NcclComm:
+        nccl = _nccl()
+        key = f"nccl/{name}"
+        if index == 0:
+            uid = nccl.get_unique_id()
+            await kv.kv_set(key, struct.pack(_UID_FORMAT, *uid))
+        else:
+            raw = await kv.kv_get(key, wait=True, timeout_s=timeout_s)
+            assert raw is not None
+            uid = struct.unpack(_UID_FORMAT, raw)
+        loop = asyncio.get_running_loop()
+        comm = await loop.run_in_executor(None, lambda: nccl.NcclCommunicator(len(ranks), uid, index))
+        return cls(comm, len(ranks))
+
+    @staticmethod
+    def _stream() -> int:
+        import cupy
+
+        return int(cupy.cuda.get_current_stream().ptr)
+
+    def all_reduce(self, x: Any, op: str) -> None:
+        self.comm.allReduce(x.data.ptr, x.data.ptr, x.size, _dtype(x), _redop(op), self._stream())
+        if op == "mean":
+            x /= self.size
+
+    def broadcast(self, x: Any, root: int) -> None:
+        self.comm.broadcast(x.data.ptr, x.data.ptr, x.size, _dtype(x), root, self._stream())
+
+    def all_gather(self, x: Any, out: Any) -> None:
+        self.comm.allGather(x.data.ptr, out.data.ptr, x.size, _dtype(x), self._stream())
+
+    def reduce_scatter(self, x: Any, op: str, bounds: list[tuple[int, int]]) -> Any:
+        """This rank's piece ``bounds[rank]`` (flat element bounds) of the reduction; pads uneven pieces."""
+        import cupy
+
+        piece = max(b - a for a, b in bounds)
+        flat = x.reshape(-1)
+        padded = cupy.zeros(piece * self.size, x.dtype)
+        for i, (a, b) in enumerate(bounds):
+            padded[i * piece : i * piece + (b - a)] = flat[a:b]
+        out = cupy.empty(piece, x.dtype)
+        self.comm.reduceScatter(padded.data.ptr, out.data.ptr, piece, _dtype(x), _redop(op), self._stream())
+        if op == "mean":
+            out /= self.size
+        a, b = bounds[self.comm.rank_id()]
+        rows = x.shape[0] * (b - a) // max(1, x.size)
+        return out[: b - a].reshape((rows, *x.shape[1:]))
+
+    def abort(self) -> None:
+        try:
+            self.comm.abort()
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        self.abort()

@@ -1,0 +1,223 @@
+"""The node runtime inside every rank process: join, heartbeats, abort watch, peer plane, groups.
+
+It owns an asyncio loop on its own thread (so synchronous scripts and asyncio
+scripts use it alike), the coordinator client, the peer plane and one
+``GroupEngine`` per process group. A coordinator abort, a lost peer or a
+shutdown fails every pending op with a typed error at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from paramplane.node.coord_client import CoordinatorClient, Membership
+from paramplane.node.errors import PeerLost, PlaneClosed, PlaneError, WorldAborted
+from paramplane.node.group import TRANSPORTS, GroupEngine, Tracer
+from paramplane.node.loop import LoopThread
+from paramplane.node.peer import PeerPlane, TlsConfig
+from paramplane.node.topology import RankInfo, Topology
+
+log = logging.getLogger("paramplane.node")
+
+
+@dataclass
+class RuntimeConfig:
+    """How a rank joins its world (``pp.init`` fills it from arguments and PARAMPLANE_* variables)."""
+
+    coordinator: str
+    """host:port of the coordinator."""
+    world_size: int = 0
+    """Expected world size; 0 accepts the coordinator's."""
+    rank_hint: int = -1
+    """Requested rank (the launcher passes one); -1 lets the coordinator choose."""
+    token: str | None = None
+    """The job token every RPC carries (coordinator and peers)."""
+    host_id: str = field(default_factory=socket.gethostname)
+    """Ranks with the same host id share a host: they get consecutive ranks and use shm / NCCL."""
+    timeout_s: float = 300.0
+    """Default timeout of every group's collectives (and of group setup)."""
+    join_timeout_s: float = 300.0
+    """How long to wait for the world to form."""
+    bind_host: str = "127.0.0.1"
+    """Address the peer server listens on; set it to reach peers on other hosts."""
+    advertise_host: str | None = None
+    """Address other ranks use to reach this one (default: bind_host)."""
+    transport: str = "auto"
+    """auto (shm within a host, hierarchical across hosts, gRPC otherwise), grpc or shm."""
+    tls: TlsConfig | None = None
+    """TLS for the data plane."""
+    coordinator_root_cert: bytes | None = None
+    """Root certificate to verify a TLS coordinator."""
+    tracer: Tracer | None = None
+    """Receives one record per collective (PARAMPLANE_TRACE)."""
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.coordinator.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(
+                f"coordinator must be HOST:PORT, got {self.coordinator!r} (PARAMPLANE_COORDINATOR)"
+            )
+        if self.world_size < 0:
+            raise ValueError(f"world_size must be >= 0, got {self.world_size}")
+        if self.timeout_s <= 0 or self.join_timeout_s <= 0:
+            raise ValueError("timeouts must be positive")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(
+                f"transport must be one of {TRANSPORTS}, got {self.transport!r} (PARAMPLANE_TRANSPORT)"
+            )
+        if self.bind_host not in ("127.0.0.1", "localhost", "::1") and not self.token:
+            raise ValueError(
+                f"refusing to serve the data plane on {self.bind_host} without a job token (PARAMPLANE_TOKEN)"
+            )
+
+
+class NodeRuntime:
+    """One rank's runtime. ``start()`` joins the world; ``shutdown()`` leaves it."""
+
+    def __init__(self, config: RuntimeConfig) -> None:
+        self.config = config
+        self.loop = LoopThread()
+        self.plane = PeerPlane(
+            token=config.token,
+            bind_host=config.bind_host,
+            advertise_host=config.advertise_host,
+            tls=config.tls,
+        )
+        self.transport = config.transport
+        self.tracer = config.tracer
+        self.aborted = threading.Event()
+        self._abort_exc: PlaneError | None = None
+        self._groups: dict[str, GroupEngine] = {}
+        self._tasks: list[asyncio.Future[Any]] = []
+        self._closed = False
+        self.coord: CoordinatorClient
+        self.membership: Membership
+        self.topology: Topology
+        self.rank = -1
+        self.job_id = ""
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> Membership:
+        try:
+            return self.loop.run(self._start())
+        except BaseException:
+            self.loop.run(self._teardown(), timeout=10)
+            self.loop.stop()
+            raise
+
+    async def _start(self) -> Membership:
+        c = self.config
+        self.coord = CoordinatorClient(c.coordinator, token=c.token, tls_root_cert=c.coordinator_root_cert)
+        address = await self.plane.start()
+        m = await self.coord.join(
+            host_id=c.host_id,
+            peer_address=address,
+            instance_id=f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}",
+            rank_hint=c.rank_hint,
+            world_size=c.world_size,
+            timeout_s=c.join_timeout_s,
+        )
+        self.membership = m
+        self.rank = m.rank
+        self.job_id = m.job_id
+        self.topology = Topology(
+            tuple(RankInfo(p.rank, p.address, p.host_id, p.node_rank, p.local_rank) for p in m.peers)
+        )
+        self.plane.configure(m.rank, m.job_id, {p.rank: p.address for p in m.peers})
+        self._tasks = [asyncio.ensure_future(self._heartbeats()), asyncio.ensure_future(self._watch())]
+        return m
+
+    async def _heartbeats(self) -> None:
+        interval = max(0.05, self.membership.heartbeat_interval_s)
+        while True:
+            progress = {name: g.progress() for name, g in list(self._groups.items())}
+            try:
+                aborted, reason = await self.coord.heartbeat(progress)
+                if aborted:
+                    self._abort(WorldAborted(f"the coordinator aborted the world: {reason}"))
+            except (WorldAborted, PeerLost) as exc:
+                self._abort(exc)
+            except PlaneError as exc:
+                log.warning("heartbeat failed: %s", exc)
+            await asyncio.sleep(interval)
+
+    async def _watch(self) -> None:
+        try:
+            async for event in self.coord.watch():
+                if event.kind == "abort":
+                    if 0 <= event.rank != self.rank:
+                        self._abort(PeerLost(f"rank {event.rank} was lost: {event.reason}", event.rank))
+                    else:
+                        self._abort(WorldAborted(f"the world was aborted: {event.reason}", event.rank))
+                    return
+                if event.kind == "shutdown" and not self._closed:
+                    self._abort(WorldAborted("the coordinator shut down"))
+                    return
+        except PlaneError as exc:
+            if not self._closed:
+                log.warning("lost the coordinator's watch stream: %s", exc)
+
+    def _abort(self, exc: PlaneError) -> None:
+        """Fail every pending and later op with ``exc`` (call on the loop)."""
+        if self._abort_exc is None:
+            self._abort_exc = exc
+            if not self._closed:
+                log.error("%s", exc)
+        self.aborted.set()
+        self.plane.fail_all(self._abort_exc)
+
+    def abort_error(self) -> PlaneError:
+        return self._abort_exc or PlaneClosed("the plane was shut down")
+
+    def shutdown(self, grace: float = 5.0) -> None:
+        """Leave the world: finish outbound streams, stop serving, stop the loop. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for g in self._groups.values():
+            g.close()
+        if self.tracer is not None:
+            self.tracer.close()
+        try:
+            self.loop.run(self._teardown(grace), timeout=grace + 10)
+        finally:
+            self.loop.stop()
+
+    async def _teardown(self, grace: float = 1.0) -> None:
+        self._closed = True
+        for t in self._tasks:
+            t.cancel()
+        if hasattr(self, "coord"):
+            if hasattr(self, "membership"):
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.coord.leave(), grace)
+            await self.coord.close()
+        await self.plane.close(grace)
+        if self._abort_exc is None:
+            self._abort_exc = PlaneClosed("the plane was shut down: no collective can run after shutdown()")
+        self.aborted.set()
+
+    # -- groups ----------------------------------------------------------------------------------
+    def group(self, name: str, ranks: Sequence[int], timeout_s: float | None = None) -> GroupEngine:
+        """The engine of group ``name`` over global ``ranks`` (this rank must be one of them)."""
+        if name in self._groups:
+            return self._groups[name]
+        engine = GroupEngine(self, name, ranks, timeout_s or self.config.timeout_s)
+        self._groups[name] = engine
+        return engine
+
+    # -- synchronous coordinator helpers ---------------------------------------------------------
+    def run(self, coro: Any, timeout: float | None = None) -> Any:
+        if self._closed:
+            coro.close()
+            raise PlaneClosed("the plane was shut down")
+        return self.loop.run(coro, timeout)
