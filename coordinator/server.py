@@ -394,6 +394,8 @@ class CoordinatorServer:
         options = [
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.max_receive_message_length", config.max_message_bytes),
+            # Two coordinators on one port would split the world between them: fail the second bind.
+            ("grpc.so_reuseport", 0),
         ]
         server = grpc.aio.server(interceptors=[TokenAuthInterceptor(config.token)], options=options)
         service = _CoordinatorService(config)

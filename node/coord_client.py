@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import cast
@@ -290,7 +290,7 @@ class CoordinatorClient:
         assert isinstance(response, pb.HeartbeatResponse)
         return response.aborted, response.reason
 
-    async def watch(self) -> AsyncIterator[WatchEventInfo]:
+    async def watch(self) -> AsyncGenerator[WatchEventInfo, None]:
         """Membership first, then abort / left / shutdown events until the stream ends.
 
         The stream is long-lived and has no deadline; it ends after an abort or shutdown
