@@ -54,16 +54,16 @@ class KVStore:
         self._rt.run(self._rt.coord.kv_set(key, value))
 
     def get(self, key: str, *, wait: bool = False, timeout: float | None = None) -> bytes | None:
-        return self._rt.run(self._rt.coord.kv_get(key, wait=wait, timeout_s=timeout))  # type: ignore[no-any-return]
+        return self._rt.run(self._rt.coord.kv_get(key, wait=wait, timeout_s=timeout))
 
     def add(self, key: str, delta: int = 1) -> int:
-        return self._rt.run(self._rt.coord.kv_add(key, delta))  # type: ignore[no-any-return]
+        return self._rt.run(self._rt.coord.kv_add(key, delta))
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
-        return self._rt.run(self._rt.coord.kv_compare_set(key, expected, desired))  # type: ignore[no-any-return]
+        return self._rt.run(self._rt.coord.kv_compare_set(key, expected, desired))
 
     def delete(self, key: str) -> bool:
-        return self._rt.run(self._rt.coord.kv_delete(key))  # type: ignore[no-any-return]
+        return self._rt.run(self._rt.coord.kv_delete(key))
 
 
 class World:

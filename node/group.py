@@ -62,13 +62,15 @@ class PlaneContext(Protocol):
 
     loop: LoopThread
     plane: PeerPlane
-    coord: KV
     topology: Topology
     rank: int
     job_id: str
     transport: str
     aborted: threading.Event
     tracer: Tracer | None
+
+    @property
+    def coord(self) -> KV: ...
 
     def abort_error(self) -> PlaneError: ...
 
@@ -107,7 +109,7 @@ class GroupEngine:
         self._same_host = ctx.topology.same_host(self.ranks)
         self._hier = ctx.topology.hierarchy(self.ranks) if ctx.transport == "auto" else None
         self._shm: ShmComm | None = None
-        self._local: ShmComm | GrpcComm | None = None
+        self._local: ShmComm | None = None
         self._cross: GrpcComm | None = None
         self._nccl: Any = None
 
@@ -224,7 +226,7 @@ class GroupEngine:
             if index == 0 and name:
                 unlink_segment(name)
 
-    def hierarchy(self) -> tuple[ShmComm | GrpcComm, GrpcComm, int]:
+    def hierarchy(self) -> tuple[ShmComm, GrpcComm, int]:
         assert self._hier is not None
         local_groups, cross_groups = self._hier
         mine = next(h for h in local_groups if self.ctx.rank in h)
@@ -246,7 +248,7 @@ class GroupEngine:
         self.actor.close()
         self.p2p_actor.close()
         for comm in (self._shm, self._local):
-            if isinstance(comm, ShmComm):
+            if comm is not None:
                 comm.close()
         if self._nccl is not None:
             self._nccl.close()

@@ -99,7 +99,7 @@ class NodeRuntime:
         self._groups: dict[str, GroupEngine] = {}
         self._tasks: list[asyncio.Future[Any]] = []
         self._closed = False
-        self.coord: CoordinatorClient
+        self._coord: CoordinatorClient | None = None
         self.membership: Membership
         self.topology: Topology
         self.rank = -1
@@ -116,7 +116,7 @@ class NodeRuntime:
 
     async def _start(self) -> Membership:
         c = self.config
-        self.coord = CoordinatorClient(c.coordinator, token=c.token, tls_root_cert=c.coordinator_root_cert)
+        self._coord = CoordinatorClient(c.coordinator, token=c.token, tls_root_cert=c.coordinator_root_cert)
         address = await self.plane.start()
         m = await self.coord.join(
             host_id=c.host_id,
@@ -175,6 +175,12 @@ class NodeRuntime:
         self.aborted.set()
         self.plane.fail_all(self._abort_exc)
 
+    @property
+    def coord(self) -> CoordinatorClient:
+        if self._coord is None:
+            raise PlaneClosed("the runtime has not joined a world")
+        return self._coord
+
     def abort_error(self) -> PlaneError:
         return self._abort_exc or PlaneClosed("the plane was shut down")
 
@@ -196,7 +202,7 @@ class NodeRuntime:
         self._closed = True
         for t in self._tasks:
             t.cancel()
-        if hasattr(self, "coord"):
+        if self._coord is not None:
             if hasattr(self, "membership"):
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self.coord.leave(), grace)
