@@ -33,7 +33,9 @@ class ChromeTracer:
         self.folder.mkdir(parents=True, exist_ok=True)
         atexit.register(self.close)
 
-    def record(self, name: str, group: str, seq: int, nbytes: int, start: float, end: float, transport: str) -> None:
+    def record(
+        self, name: str, group: str, seq: int, nbytes: int, start: float, end: float, transport: str
+    ) -> None:
         event = {
             "name": name,
             "cat": "collective",
@@ -91,3 +93,24 @@ def merge(folder: str | os.PathLike[str], out: str | os.PathLike[str] | None = N
     target = Path(out) if out else folder / "merged.json"
     target.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``paramplane trace merge DIR [--out FILE]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="paramplane trace", description="Tools for PARAMPLANE_TRACE timelines."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("merge", help="join every rank-*.json of DIR into one Chrome trace")
+    m.add_argument("folder")
+    m.add_argument("--out", default=None, help="output file (default DIR/merged.json)")
+    args = parser.parse_args(argv)
+    try:
+        path = merge(args.folder, args.out)
+    except FileNotFoundError as exc:
+        print(f"paramplane trace: {exc}")
+        return 1
+    print(f"wrote {path} (open it in https://ui.perfetto.dev or chrome://tracing)")
+    return 0
