@@ -22,6 +22,8 @@ from paramplane.protos import peer_pb2
 
 # At or below this many bytes an all-reduce uses the direct (latency-optimal) exchange.
 SMALL_BYTES = 256 << 10
+# Payloads up to this size ride inside the frame header.
+INLINE_BYTES = 64 << 10
 Sink = Callable[[int, bytes], None]
 
 
@@ -64,7 +66,8 @@ class GrpcComm:
         """Send ``payload`` (a contiguous array, or None for an empty frame) to group index ``idx``."""
         data = payload.reshape(-1).view(np.uint8) if payload is not None else np.empty(0, np.uint8)
         nbytes = data.nbytes
-        num_chunks = -(-nbytes // CHUNK_BYTES)
+        inline = nbytes <= INLINE_BYTES
+        num_chunks = 0 if inline else -(-nbytes // CHUNK_BYTES)
         header = peer_pb2.FrameHeader(
             group=spec.group,
             seq=spec.seq,
@@ -77,6 +80,7 @@ class GrpcComm:
             nbytes=nbytes,
             num_chunks=num_chunks,
             arg=spec.arg,
+            inline_payload=data.tobytes() if inline and nbytes else b"",
         )
         stream = await self.plane.stream(self.ranks[idx], self.key)
         async with stream.lock:
@@ -101,6 +105,12 @@ class GrpcComm:
             )
         if text is not None:
             raise self.fail(CollectiveMismatch(text))
+        if header.num_chunks == 0:
+            if len(header.inline_payload) != nbytes:
+                raise self.fail(TransportError(f"rank {src} sent {len(header.inline_payload)} of {nbytes} bytes"))
+            if nbytes:
+                sink(0, header.inline_payload)
+            return
         offset = 0
         for _ in range(header.num_chunks):
             chunk = await inbox.get()
