@@ -1,0 +1,57 @@
+"""NCCL transport on cupy arrays (skipped where cupy finds no CUDA device)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from paramplane.node.arrays import cupy_module
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cupy_module() is None, reason="cupy finds no CUDA device")]
+
+
+def test_nccl_collectives_two_ranks(tmp_path: Path) -> None:
+    from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
+
+    cupy = cupy_module()
+    assert cupy is not None
+    n = 2
+    with CoordinatorThread(CoordinatorConfig(host="127.0.0.1", port=0, world_size=n)) as coord:
+        address = coord.address
+        procs = []
+        for r in range(n):
+            env = dict(
+                os.environ,
+                PARAMPLANE_COORDINATOR=address,
+                PARAMPLANE_RANK=str(r),
+                PARAMPLANE_WORLD_SIZE=str(n),
+            )
+            if cupy.cuda.runtime.getDeviceCount() < n:
+                # One GPU for two ranks: distinct NCCL host ids make NCCL use its socket transport.
+                env.update(NCCL_HOSTID=f"paramplane-test-{r}", NCCL_SOCKET_IFNAME="lo")
+            out = tmp_path / f"rank{r}.json"
+            procs.append(
+                (
+                    subprocess.Popen(
+                        [sys.executable, str(Path(__file__).with_name("_gpu_worker.py")), str(out)], env=env
+                    ),
+                    out,
+                )
+            )
+        try:
+            for p, _ in procs:
+                assert p.wait(timeout=120) == 0
+        finally:
+            for p, _ in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    for _, out in procs:
+        result = json.loads(out.read_text())
+        assert result.pop("transport") == "nccl"
+        assert all(result.values()), result
