@@ -8,6 +8,7 @@ consequences in a buffer that ``take_effects()`` hands over: waiters to resolve
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -244,9 +245,9 @@ class CoordinatorState:
     def kv_wait(self, epoch: int, key: str, timeout_s: float, waiter: int, now: float) -> None:
         """Resolve ``waiter`` with the value of ``key`` once it exists, or fail after ``timeout_s``."""
         value = self.kv_get(epoch, key)
-        if timeout_s <= 0:
+        if not 0 < timeout_s < math.inf:
             raise StateError(
-                ErrorKind.INVALID_ARGUMENT, f"a waiting get needs timeout_s > 0, got {timeout_s}"
+                ErrorKind.INVALID_ARGUMENT, f"a waiting get needs a finite timeout_s > 0, got {timeout_s}"
             )
         if value is not None:
             self._resolve(waiter, value)
@@ -298,9 +299,9 @@ class CoordinatorState:
         participants = tuple(sorted(ranks)) if ranks else tuple(range(n))
         if not name:
             raise StateError(ErrorKind.INVALID_ARGUMENT, "a barrier needs a name")
-        if timeout_s <= 0:
+        if not 0 < timeout_s < math.inf:
             raise StateError(
-                ErrorKind.INVALID_ARGUMENT, f"barrier {name!r} needs timeout_s > 0, got {timeout_s}"
+                ErrorKind.INVALID_ARGUMENT, f"barrier {name!r} needs a finite timeout_s > 0, got {timeout_s}"
             )
         if len(set(participants)) != len(participants) or not all(0 <= r < n for r in participants):
             raise StateError(

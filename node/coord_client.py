@@ -7,6 +7,7 @@ Every call has a deadline and carries the job token; gRPC failures become
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
@@ -111,6 +112,12 @@ def _plane_error(e: grpc.aio.AioRpcError, address: str, call: str) -> PlaneError
     return PlaneError(f"coordinator call {call} failed with {code.name}: {details}")
 
 
+def _check_timeout(timeout_s: float) -> float:
+    if not 0 < timeout_s < math.inf:
+        raise ValueError(f"timeout_s must be finite and > 0, got {timeout_s}")
+    return timeout_s
+
+
 class CoordinatorClient:
     """Async client of one coordinator; create and use it inside one running event loop."""
 
@@ -125,10 +132,8 @@ class CoordinatorClient:
         host, sep, port = address.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"coordinator address must be HOST:PORT, got {address!r}")
-        if call_timeout_s <= 0:
-            raise ValueError(f"call_timeout_s must be > 0, got {call_timeout_s}")
         self.address = address
-        self._timeout_s = call_timeout_s
+        self._timeout_s = _check_timeout(call_timeout_s)
         self._metadata = token_metadata(token)
         options = [
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -174,8 +179,7 @@ class CoordinatorClient:
         timeout_s: float,
     ) -> Membership:
         """Wait until the world forms; retries while the coordinator is not up yet, until ``timeout_s``."""
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        _check_timeout(timeout_s)
         request = pb.JoinRequest(
             host_id=host_id,
             peer_address=peer_address,
@@ -229,7 +233,7 @@ class CoordinatorClient:
 
     async def kv_get(self, key: str, *, wait: bool = False, timeout_s: float | None = None) -> bytes | None:
         """The value of ``key`` (None if absent); with ``wait``, block until it is set (CollectiveTimeout after timeout_s)."""
-        wait_s = (timeout_s or self._timeout_s) if wait else 0.0
+        wait_s = _check_timeout(timeout_s or self._timeout_s) if wait else 0.0
         request = pb.KVGetRequest(epoch=self._member().epoch, key=key, wait=wait, timeout_s=wait_s)
         response = await self._call(
             "kv_wait" if wait else "kv_get",
@@ -274,7 +278,11 @@ class CoordinatorClient:
         """Wait until every rank of ``ranks`` (default: the world) reached barrier ``name``."""
         m = self._member()
         request = pb.BarrierRequest(
-            epoch=m.epoch, name=name, rank=m.rank, ranks=list(ranks or ()), timeout_s=timeout_s
+            epoch=m.epoch,
+            name=name,
+            rank=m.rank,
+            ranks=list(ranks or ()),
+            timeout_s=_check_timeout(timeout_s),
         )
         await self._call("barrier", self._stub.Barrier, request, timeout_s + WAIT_MARGIN_S)
 
