@@ -1,0 +1,188 @@
+"""A reusable multi-process world for data-plane tests.
+
+``run_world(n, target)`` starts a coordinator (127.0.0.1, port 0) in this
+process, spawns ``n`` rank processes running ``target`` (a script path or a
+``-m`` module name) with the PARAMPLANE_* variables set, waits for them all,
+kills only its own processes (by PID) when the deadline passes, and stops the
+coordinator. Ranks report through JSON files: a worker writes
+``$PARAMPLANE_TEST_OUT/rank-<r>.json`` (see ``tests/workers/_common.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
+
+REPO = Path(__file__).resolve().parent.parent
+WORKERS = Path(__file__).resolve().parent / "workers"
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "paramplane-"
+
+
+@dataclass
+class RankOutcome:
+    """What one rank process left behind."""
+
+    rank: int
+    """The rank index the harness launched it as (PARAMPLANE_RANK)."""
+    returncode: int | None
+    """Exit status (negative: killed by that signal, e.g. -9 by the harness after the deadline)."""
+    output: str
+    """stdout and stderr together."""
+    result: dict[str, Any] | None
+    """The JSON the worker wrote, or None if it wrote none."""
+
+
+@dataclass
+class WorldOutcome:
+    """Every rank's outcome and whether the harness had to kill anyone."""
+
+    ranks: list[RankOutcome] = field(default_factory=list)
+    """Outcomes in rank order."""
+    timed_out: bool = False
+    """True when the deadline passed and remaining ranks were killed."""
+
+    def describe(self) -> str:
+        parts = []
+        for r in self.ranks:
+            parts.append(f"--- rank {r.rank} exit {r.returncode} ---\n{r.output[-6000:]}")
+        return ("TIMED OUT\n" if self.timed_out else "") + "\n".join(parts)
+
+    def check_ok(self) -> list[dict[str, Any]]:
+        """Assert every rank exited 0 and reported no failed checks; returns the results in rank order."""
+        assert not self.timed_out, self.describe()
+        assert all(r.returncode == 0 for r in self.ranks), self.describe()
+        results = []
+        for r in self.ranks:
+            assert r.result is not None, f"rank {r.rank} wrote no result\n{self.describe()}"
+            assert r.result.get("failures") == [], (
+                f"rank {r.rank}: {r.result.get('failures')}\n{self.describe()}"
+            )
+            results.append(r.result)
+        return results
+
+
+def shm_entries() -> set[str]:
+    """The paramplane segments currently in /dev/shm."""
+    if not SHM_DIR.is_dir():
+        return set()
+    return {p.name for p in SHM_DIR.iterdir() if p.name.startswith(SHM_PREFIX)}
+
+
+def _command(target: str, args: Sequence[str]) -> list[str]:
+    path = Path(target)
+    if target.endswith(".py"):
+        if not path.is_absolute():
+            path = WORKERS / path if (WORKERS / path).exists() else REPO / path
+        return [sys.executable, str(path), *args]
+    return [sys.executable, "-m", target, *args]
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    """Kill ``proc`` (ours, by PID; its own session so nothing else is touched) and reap it."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(10)
+
+
+def run_world(
+    n: int,
+    target: str,
+    *,
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    rank_env: Mapping[int, Mapping[str, str]] | None = None,
+    timeout: float = 60.0,
+    heartbeat_timeout_s: float = 10.0,
+    heartbeat_interval_s: float = 0.5,
+    token: str | None = None,
+    out_dir: str | os.PathLike[str] | None = None,
+) -> WorldOutcome:
+    """Run ``target`` as ranks 0..n-1 of one world and collect what each left behind.
+
+    ``env`` is added to every rank's environment, ``rank_env[r]`` to rank r's only. The ranks
+    get PARAMPLANE_COORDINATOR, _RANK, _WORLD_SIZE, _TOKEN (when ``token`` is given) and
+    PARAMPLANE_TEST_OUT (the folder for their JSON results). After ``timeout`` seconds the
+    ranks still running are killed and ``timed_out`` is set.
+    """
+    if n < 1:
+        raise ValueError(f"a world needs at least one rank, got {n}")
+    config = CoordinatorConfig(
+        host="127.0.0.1",
+        port=0,
+        world_size=n,
+        token=token,
+        join_timeout_s=max(10.0, timeout),
+        heartbeat_interval_s=heartbeat_interval_s,
+        heartbeat_timeout_s=heartbeat_timeout_s,
+    )
+    coordinator = CoordinatorThread(config)
+    address = coordinator.start()
+    procs: list[subprocess.Popen[bytes]] = []
+    logs: list[Any] = []
+    outcome = WorldOutcome()
+    with tempfile.TemporaryDirectory(prefix="pp-world-") as scratch:
+        results = Path(out_dir) if out_dir is not None else Path(scratch)
+        try:
+            for rank in range(n):
+                child_env = dict(os.environ)
+                child_env.update(
+                    PARAMPLANE_COORDINATOR=address,
+                    PARAMPLANE_RANK=str(rank),
+                    PARAMPLANE_WORLD_SIZE=str(n),
+                    PARAMPLANE_TEST_OUT=str(results),
+                    PARAMPLANE_JOIN_TIMEOUT=str(max(10.0, timeout)),
+                    PYTHONUNBUFFERED="1",
+                )
+                if token is not None:
+                    child_env["PARAMPLANE_TOKEN"] = token
+                child_env.update(env or {})
+                child_env.update((rank_env or {}).get(rank, {}))
+                log = open(Path(scratch) / f"log-{rank}.txt", "w+b")  # noqa: SIM115 (closed below)
+                logs.append(log)
+                procs.append(
+                    subprocess.Popen(
+                        _command(target, args),
+                        env=child_env,
+                        cwd=REPO,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+            deadline = time.monotonic() + timeout
+            for proc in procs:
+                try:
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    outcome.timed_out = True
+                    break
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    outcome.timed_out = True
+                _kill(proc)
+            coordinator.stop()
+        for rank, (proc, log) in enumerate(zip(procs, logs)):
+            log.seek(0)
+            text = log.read().decode(errors="replace")
+            log.close()
+            path = results / f"rank-{rank}.json"
+            result = json.loads(path.read_text()) if path.exists() else None
+            outcome.ranks.append(RankOutcome(rank, proc.returncode, text, result))
+    return outcome

@@ -1,0 +1,210 @@
+"""Rank worker: every collective x reduction x dtype x size against numpy references.
+
+Run by tests/test_collectives.py through tests/_world.py; the transport comes from
+PARAMPLANE_TRANSPORT. ``--full-big`` runs every op and dtype at the 1 MiB + 1 size (else
+only all_reduce sum and reduce_scatter there); ``--extras`` adds the subgroup, two
+groups in flight, point-to-point ring and asyncio checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from typing import Any
+
+import numpy as np
+from _common import DTYPES, RTOL, Report, data, digest, guarded, is_int, reference
+
+import paramplane as pp
+
+REDUCE_OPS = ("sum", "mean", "min", "max", "product")
+
+
+def shapes(dtype: np.dtype[Any]) -> list[tuple[str, tuple[int, ...]]]:
+    big = (1 << 20) // dtype.itemsize + 1
+    return [("one", (1,)), ("odd", (143, 7)), ("big", (big,))]
+
+
+def tol(dtype_name: str, op: str) -> float | None:
+    return None if op in ("min", "max") or dtype_name == "int64" else RTOL[dtype_name]
+
+
+def reductions(world: pp.World, rep: Report, full_big: bool) -> None:
+    g, n, me = world.group, world.world_size, world.rank
+    for dname, dtype in DTYPES.items():
+        for sname, shape in shapes(dtype):
+            for op in REDUCE_OPS:
+                tag = f"{dname}/{sname}/{op}"
+                if op == "mean" and is_int(dtype):
+                    x = data(me, tag, dtype, shape)
+                    rep.raises(
+                        f"all_reduce {tag} ValueError",
+                        ValueError,
+                        lambda x=x: g.all_reduce(x, "mean"),
+                        "mean",
+                    )
+                    rep.raises(
+                        f"reduce_scatter {tag} ValueError",
+                        ValueError,
+                        lambda x=x: g.reduce_scatter(x, "mean"),
+                    )
+                    continue
+                inputs = [data(r, tag, dtype, shape, op) for r in range(n)]
+                want = reference(inputs, op)
+                if sname != "big" or full_big or op == "sum":
+                    x = inputs[me].copy()
+                    got = g.all_reduce(x, op)
+                    rep.check(f"all_reduce {tag} returns x", got is x)
+                    rep.equal(
+                        f"all_reduce {tag}",
+                        x,
+                        want.astype(dtype) if tol(dname, op) is None else want,
+                        rtol=tol(dname, op),
+                    )
+                    rep.check(f"all_reduce {tag} dtype", x.dtype == dtype, str(x.dtype))
+                    rep.digests[f"all_reduce {tag}"] = digest(x)
+                if sname != "big" or full_big or op in ("sum", "max"):
+                    x = inputs[me].copy()
+                    piece = g.reduce_scatter(x, op)
+                    mine = np.array_split(want, n, axis=0)[me]
+                    rep.equal(
+                        f"reduce_scatter {tag}",
+                        piece,
+                        mine.astype(dtype) if tol(dname, op) is None else mine,
+                        rtol=tol(dname, op),
+                    )
+                    rep.check(f"reduce_scatter {tag} keeps x", np.array_equal(x, inputs[me]))
+
+
+def movement(world: pp.World, rep: Report, full_big: bool) -> None:
+    g, n, me = world.group, world.world_size, world.rank
+    for dname, dtype in DTYPES.items():
+        for sname, shape in shapes(dtype):
+            if sname == "big" and not full_big and dname != "float32":
+                continue
+            tag = f"{dname}/{sname}"
+            inputs = [data(r, tag, dtype, shape) for r in range(n)]
+            root = len(tag) % n
+
+            x = inputs[me].copy()
+            g.broadcast(x, src=root)
+            rep.equal(f"broadcast {tag} src={root}", x, inputs[root])
+
+            rep.equal(f"all_gather {tag}", g.all_gather(inputs[me]), np.concatenate(inputs))
+
+            got = g.gather(inputs[me], dst=root)
+            if me == root:
+                rep.equal(f"gather {tag} dst={root}", got, np.concatenate(inputs))
+            else:
+                rep.check(f"gather {tag} non-root gets None", got is None, repr(type(got)))
+
+            chunks = [data(root, f"{tag}/chunk{i}", dtype, shape) for i in range(n)]
+            if me == root:
+                got = g.scatter(chunks, src=root)
+            else:
+                buf = np.zeros(shape, dtype)
+                got = g.scatter(buf, src=root)
+                rep.check(f"scatter {tag} fills the buffer", got is buf)
+            rep.equal(f"scatter {tag} src={root}", got, chunks[me])
+    g.barrier()
+    # Async forms: Work handles complete in issue order with the same results.
+    x = data(me, "work", DTYPES["float64"], (1001,))
+    want = reference([data(r, "work", DTYPES["float64"], (1001,)) for r in range(n)], "sum")
+    w1 = g.all_reduce(x, async_op=True)
+    w2 = g.all_gather(np.array([me], np.int64), async_op=True)
+    rep.check("work wait returns x", w1.wait(30) is x)
+    rep.equal("work all_reduce", x, want, rtol=1e-12)
+    rep.equal("work all_gather", w2.wait(30), np.arange(n, dtype=np.int64))
+    rep.check("work completed", w1.is_completed() and w2.is_completed() and w1.exception() is None)
+
+    async def coro() -> Any:
+        y = np.full(3, me + 1, np.int64)
+        await g.all_reduce_async(y, "max")
+        await g.barrier_async()
+        return y
+
+    rep.equal("all_reduce_async", asyncio.run(coro()), np.full(3, n, np.int64))
+
+
+def extras(world: pp.World, rep: Report) -> None:
+    n, me = world.world_size, world.rank
+    g = world.group
+    # Point-to-point ring: send right, receive from the left, with sends in flight.
+    for sname, shape in (("odd", (1001,)), ("big", ((1 << 20) // 4 + 1,))):
+        tag = f"ring/{sname}"
+        x = data(me, tag, DTYPES["float32"], shape)
+        buf = np.zeros(shape, np.float32)
+        w = g.send(x, (me + 1) % n, async_op=True)
+        g.recv(buf, (me - 1) % n)
+        w.wait(30)
+        rep.equal(f"send/recv {tag}", buf, data((me - 1) % n, tag, DTYPES["float32"], shape))
+
+    if n < 4:
+        return
+    # Subgroup of 2 inside the world; non-members get None.
+    sub = world.new_group([1, 2])
+    if me in (1, 2):
+        assert sub is not None
+        rep.check(
+            "subgroup rank/size",
+            (sub.rank, sub.size, sub.ranks) == ([1, 2].index(me), 2, [1, 2]),
+            f"{sub.rank} {sub.size} {sub.ranks}",
+        )
+        for sname, shape in (("odd", (143, 7)), ("big", ((1 << 20) // 8 + 1,))):
+            tag = f"sub/{sname}"
+            x = data(me, tag, DTYPES["float64"], shape)
+            sub.all_reduce(x)
+            want = reference([data(r, tag, DTYPES["float64"], shape) for r in (1, 2)], "sum")
+            rep.equal(f"subgroup all_reduce {tag}", x, want, rtol=1e-12)
+            b = np.full(5, me, np.int64)
+            sub.broadcast(b, src=1)
+            rep.equal(f"subgroup broadcast {tag}", b, np.full(5, 2, np.int64))
+    else:
+        rep.check("non-member gets None", sub is None, repr(sub))
+    # Two groups with a big op in flight on each, issued in opposite orders by even and odd ranks.
+    other = world.new_group(list(range(n)))
+    assert other is not None
+    shape = ((1 << 20) // 4 + 1,)
+    a = data(me, "twoA", DTYPES["float32"], shape)
+    b = data(me, "twoB", DTYPES["float32"], shape)
+    if me % 2 == 0:
+        wa = g.all_reduce(a, async_op=True)
+        wb = other.all_reduce(b, "max", async_op=True)
+    else:
+        wb = other.all_reduce(b, "max", async_op=True)
+        wa = g.all_reduce(a, async_op=True)
+    wb.wait(60)
+    wa.wait(60)
+    rep.equal(
+        "two groups: world sum",
+        a,
+        reference([data(r, "twoA", DTYPES["float32"], shape) for r in range(n)], "sum"),
+        rtol=1e-5,
+    )
+    rep.equal(
+        "two groups: other max",
+        b,
+        reference([data(r, "twoB", DTYPES["float32"], shape) for r in range(n)], "max"),
+    )
+    world.group.barrier()
+
+
+def main() -> None:
+    rep = Report(int(os.environ["PARAMPLANE_RANK"]))
+
+    def body() -> None:
+        with pp.init() as world:
+            rep.rank = world.rank
+            full_big = "--full-big" in sys.argv
+            reductions(world, rep, full_big)
+            movement(world, rep, full_big)
+            if "--extras" in sys.argv:
+                extras(world, rep)
+            world.group.barrier()
+
+    guarded(rep, body)
+
+
+if __name__ == "__main__":
+    main()
