@@ -1,0 +1,463 @@
+"""``paramplane launch``: start N rank processes of a script on this host, like torchrun.
+
+Every rank runs ``sys.executable script.py args...`` (or ``-m module``) in its
+own process group, with the ``PARAMPLANE_*`` environment that ``pp.init()``
+reads. The launcher prefixes each output line with ``[rank i]``, forwards
+SIGINT/SIGTERM/SIGHUP, and when one rank fails it stops the others and exits
+with that rank's status. Every group it started is gone when it returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import queue
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from paramplane.node.errors import PlaneError
+
+if TYPE_CHECKING:
+    from paramplane.coordinator.server import CoordinatorThread
+
+# glibc keeps large blocks instead of returning them to the OS: chunk buffers are reused
+# without page faults (DESIGN.md Wire). Only defaults: a user's own setting wins.
+MALLOC_DEFAULTS = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_MAX_LINE = 1 << 16
+_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """What ``paramplane launch`` starts and how it supervises it."""
+
+    num_ranks: int
+    """Rank processes to start on this host (``-n``)."""
+    target: str
+    """Path of the script to run, or the module name when ``module`` is set."""
+    args: tuple[str, ...] = ()
+    """Arguments passed to every rank's script."""
+    module: bool = False
+    """Run ``target`` as ``python -m target``."""
+    standalone: bool = False
+    """Start an embedded coordinator on a free port of 127.0.0.1 for this launch."""
+    coordinator: str | None = None
+    """HOST:PORT of a running coordinator (exclusive with ``standalone``)."""
+    world_size: int | None = None
+    """Ranks in the whole job, on every host; ``None`` means ``num_ranks`` (a single-host job)."""
+    host_id: str | None = None
+    """Identity of this host for rank grouping; ``None`` means ``socket.gethostname()``."""
+    token: str | None = field(default=None, repr=False)
+    """Job token; ``None``: ``$PARAMPLANE_TOKEN``, else a fresh random one when standalone, else none."""
+    timeout_s: float | None = None
+    """Passed to ranks as ``PARAMPLANE_TIMEOUT`` (the default collective timeout) when set."""
+    join_timeout_s: float | None = None
+    """Embedded coordinator: how long joins wait for the whole world (``None``: its default)."""
+    heartbeat_timeout_s: float | None = None
+    """Embedded coordinator: silence after which a rank counts as dead (``None``: its default)."""
+    prefix: bool = True
+    """Prefix every output line with ``[rank i] ``; ``False`` passes output through untouched."""
+    grace_s: float = 5.0
+    """Seconds between SIGTERM and SIGKILL when stopping ranks (and the coordinator's stop grace)."""
+
+    def __post_init__(self) -> None:
+        if self.num_ranks < 1:
+            raise ValueError(f"-n must be at least 1, got {self.num_ranks}")
+        if not self.target:
+            raise ValueError("name a script to run (or -m MODULE)")
+        if not self.module and not Path(self.target).is_file():
+            raise ValueError(f"no such script: {self.target!r}")
+        if self.standalone == (self.coordinator is not None):
+            raise ValueError("pass exactly one of --standalone or --coordinator HOST:PORT")
+        if self.coordinator is not None:
+            parse_address(self.coordinator)
+        if self.world_size is not None and self.world_size < self.num_ranks:
+            raise ValueError(f"--world-size {self.world_size} is smaller than -n {self.num_ranks}")
+        if self.standalone and self.world_size not in (None, self.num_ranks):
+            raise ValueError(
+                "--standalone binds its coordinator to 127.0.0.1, so every rank runs on this host: "
+                f"--world-size must equal -n ({self.num_ranks}); use --coordinator for several hosts"
+            )
+        if not self.standalone and (self.join_timeout_s is not None or self.heartbeat_timeout_s is not None):
+            raise ValueError(
+                "--join-timeout and --heartbeat-timeout configure the --standalone coordinator only"
+            )
+        for name, value in (
+            ("--timeout", self.timeout_s),
+            ("--join-timeout", self.join_timeout_s),
+            ("--heartbeat-timeout", self.heartbeat_timeout_s),
+        ):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+        if not self.grace_s >= 0:
+            raise ValueError(f"grace must be >= 0 seconds, got {self.grace_s}")
+        if self.host_id is not None and (not self.host_id or any(c.isspace() for c in self.host_id)):
+            raise ValueError(f"--host-id must be a non-empty name without spaces, got {self.host_id!r}")
+        if self.token is not None and not self.token:
+            raise ValueError("the job token is empty")
+
+    @property
+    def total_ranks(self) -> int:
+        """The job's world size: ``world_size``, or ``num_ranks`` for a single-host job."""
+        return self.num_ranks if self.world_size is None else self.world_size
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Split ``HOST:PORT`` (``[v6]:PORT`` too) and check the port; ``ValueError`` if malformed."""
+    host, _, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"coordinator address must be HOST:PORT with a port in 1..65535, got {address!r}")
+    return host, int(port)
+
+
+def describe_exit(returncode: int) -> str:
+    """``exited with code 3`` or ``was killed by SIGKILL`` for a ``Popen.returncode``."""
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    return f"was killed by {name}"
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def _binary_writer(stream: IO[str]) -> Callable[[bytes], None]:
+    buffer: IO[bytes] | None = getattr(stream, "buffer", None)
+
+    def write(data: bytes) -> None:
+        if buffer is not None:
+            stream.flush()
+            buffer.write(data)
+            buffer.flush()
+        else:
+            stream.write(data.decode(errors="replace"))
+            stream.flush()
+
+    return write
+
+
+def _pump(source: IO[bytes], write: Callable[[bytes], None], lock: threading.Lock, prefix: bytes) -> None:
+    """Copy ``source`` line by line to ``write``, each line prefixed; a partial last line gets a newline."""
+    at_line_start = True
+    with source:
+        for piece in iter(lambda: source.readline(_MAX_LINE), b""):
+            out = prefix + piece if at_line_start else piece
+            at_line_start = piece.endswith(b"\n")
+            if not at_line_start and len(piece) < _MAX_LINE:  # short read without newline: EOF
+                out += b"\n"
+                at_line_start = True
+            try:
+                with lock:
+                    write(out)
+            except (OSError, ValueError):
+                pass  # our stdout is gone; keep draining so the rank never blocks on a full pipe
+
+
+def _live_process_groups() -> set[int] | None:
+    """Process group ids that have a running (non-zombie) member, or ``None`` without ``/proc``."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    groups: set[int] = set()
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat_file:
+                stat = stat_file.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2 :].split()  # state, ppid, pgrp, ...
+        if fields[0] != b"Z":
+            groups.add(int(fields[2]))
+    return groups
+
+
+def _embedded_coordinator(config: LaunchConfig, token: str | None) -> CoordinatorThread:
+    """The ``--standalone`` coordinator, on a free port of 127.0.0.1 (not started yet)."""
+    from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread  # only when used
+
+    settings = CoordinatorConfig(host="127.0.0.1", port=0, world_size=config.total_ranks, token=token)
+    if config.join_timeout_s is not None:
+        settings = dataclasses.replace(settings, join_timeout_s=config.join_timeout_s)
+    if config.heartbeat_timeout_s is not None:
+        settings = dataclasses.replace(settings, heartbeat_timeout_s=config.heartbeat_timeout_s)
+    return CoordinatorThread(settings)
+
+
+class _Rank:
+    def __init__(self, index: int, process: subprocess.Popen[bytes]) -> None:
+        self.index = index
+        self.process = process
+        self.returncode: int | None = None  # set when the leader exits; it stays unreaped until stopped
+        self.reaped = False
+        self.threads: list[threading.Thread] = []
+
+
+class Launcher:
+    """Runs one launch: starts the coordinator and ranks, supervises them, stops everything."""
+
+    def __init__(self, config: LaunchConfig) -> None:
+        self.config = config
+        self._ranks: list[_Rank] = []
+        self._events: queue.SimpleQueue[tuple[str, int, int]] = queue.SimpleQueue()
+        self._signal: int | None = None  # the first signal received
+        self._num_signals = 0
+        self._out = _binary_writer(sys.stdout)
+        self._err = _binary_writer(sys.stderr)
+        self._locks = (threading.Lock(), threading.Lock())
+
+    def run(self) -> int:
+        """Launch, wait, stop; return the launcher's exit status."""
+        config = self.config
+        token = config.token or os.environ.get("PARAMPLANE_TOKEN") or None
+        if token is None and config.standalone:
+            token = secrets.token_hex(16)
+        previous = self._install_signal_handlers()
+        coordinator: CoordinatorThread | None = None
+        code, message = 1, None
+        try:
+            if config.standalone:
+                coordinator = _embedded_coordinator(config, token)
+                address = coordinator.start()
+            else:
+                assert config.coordinator is not None
+                address = config.coordinator
+            for index in range(config.num_ranks):
+                if self._signal is not None:
+                    break
+                self._start_rank(index, address, token)
+            code, message = self._supervise()
+        finally:
+            try:
+                self._stop_all(self._signal or signal.SIGTERM)
+            finally:
+                # Pipes reach EOF once the groups are gone; a process that left its group may hold them.
+                deadline = time.monotonic() + 2.0
+                for rank in self._ranks:
+                    for thread in rank.threads:
+                        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+                if coordinator is not None:
+                    coordinator.stop(min(config.grace_s, 1.0))
+                for signum, handler in previous.items():
+                    signal.signal(signum, handler)
+        if message is not None:
+            with self._locks[1]:
+                self._err(f"paramplane launch: {message}\n".encode())
+        return code
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def on_signal(signum: int, _frame: object) -> None:
+            if self._signal is None:
+                self._signal = signum
+            self._num_signals += 1
+            self._events.put(("signal", signum, 0))  # SimpleQueue.put is safe in a signal handler
+
+        return {signum: signal.signal(signum, on_signal) for signum in FORWARDED_SIGNALS}
+
+    def _start_rank(self, index: int, address: str, token: str | None) -> None:
+        config = self.config
+        env = dict(os.environ)
+        env.pop("PARAMPLANE_RANK", None)  # a stale hint from an outer launch would be wrong here
+        for key, value in MALLOC_DEFAULTS.items():
+            env.setdefault(key, value)
+        env.update(
+            PARAMPLANE_COORDINATOR=address,
+            PARAMPLANE_WORLD_SIZE=str(config.total_ranks),
+            PARAMPLANE_HOST_ID=config.host_id or socket.gethostname(),
+            PARAMPLANE_LOCAL_RANK=str(index),
+            PYTHONUNBUFFERED="1",
+        )
+        if token is not None:  # without one, only a tokenless coordinator on loopback admits the ranks
+            env["PARAMPLANE_TOKEN"] = token
+        else:
+            env.pop("PARAMPLANE_TOKEN", None)
+        if config.total_ranks == config.num_ranks:
+            env["PARAMPLANE_RANK"] = str(index)
+        if config.timeout_s is not None:
+            env["PARAMPLANE_TIMEOUT"] = str(config.timeout_s)
+        argv = [sys.executable, *(["-m"] if config.module else []), config.target, *config.args]
+        pipe = subprocess.PIPE if config.prefix else None
+        process = subprocess.Popen(
+            argv, env=env, stdin=subprocess.DEVNULL, stdout=pipe, stderr=pipe, start_new_session=True
+        )
+        rank = _Rank(index, process)
+        self._ranks.append(rank)
+        targets: list[Any] = [(self._wait_leader, (rank,))]
+        if config.prefix:
+            assert process.stdout is not None and process.stderr is not None
+            prefix = f"[rank {index}] ".encode()
+            targets.append((_pump, (process.stdout, self._out, self._locks[0], prefix)))
+            targets.append((_pump, (process.stderr, self._err, self._locks[1], prefix)))
+        for target, args in targets:
+            thread = threading.Thread(target=target, args=args, name=f"launch-rank{index}", daemon=True)
+            thread.start()
+            rank.threads.append(thread)
+
+    def _wait_leader(self, rank: _Rank) -> None:
+        # WNOWAIT leaves the leader a zombie: its pid keeps naming our process group until we reap it.
+        try:
+            info = os.waitid(os.P_PID, rank.process.pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        if info is None:
+            return
+        returncode = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        self._events.put(("exit", rank.index, returncode))
+
+    def _handle(self, event: tuple[str, int, int]) -> None:
+        kind, index, returncode = event
+        if kind == "exit":
+            self._ranks[index].returncode = returncode
+
+    def _supervise(self) -> tuple[int, str | None]:
+        while True:
+            if self._signal is not None:
+                live = [r for r in self._ranks if r.returncode is None]
+                name = signal.Signals(self._signal).name
+                return 128 + self._signal, f"received {name}; stopped {_plural(len(live), 'rank')}"
+            if all(rank.returncode == 0 for rank in self._ranks):
+                return 0, None
+            try:
+                event = self._events.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            self._handle(event)
+            kind, index, returncode = event
+            if kind == "exit" and returncode != 0:
+                num_live = sum(r.returncode is None for r in self._ranks)
+                stopped = f"; stopped the other {_plural(num_live, 'rank')}" if num_live else ""
+                code = returncode if returncode > 0 else 128 - returncode
+                return code, f"rank {index} {describe_exit(returncode)}{stopped}"
+
+    def _stop_all(self, first_signal: int) -> None:
+        """Signal every group we started, SIGKILL what is left after the grace, reap the leaders."""
+        ranks = [r for r in self._ranks if not r.reaped]
+        num_signals = self._num_signals
+        for rank in ranks:
+            self._signal_group(rank, first_signal)
+        deadline = time.monotonic() + self.config.grace_s
+        while time.monotonic() < deadline:
+            groups = _live_process_groups()
+            if groups is None:
+                running = any(r.returncode is None for r in ranks)
+            else:
+                running = any(r.process.pid in groups for r in ranks)
+            if not running:
+                break
+            try:
+                event = self._events.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            self._handle(event)
+            if self._num_signals > num_signals:
+                break  # signalled again while stopping: no more grace
+        for rank in ranks:
+            self._signal_group(rank, signal.SIGKILL)  # the unreaped leader still holds the group id
+        for rank in ranks:
+            try:
+                rank.process.wait(timeout=max(self.config.grace_s, 1.0))
+                rank.reaped = True
+            except subprocess.TimeoutExpired:
+                with self._locks[1]:
+                    self._err(
+                        f"paramplane launch: rank {rank.index} (pid {rank.process.pid}) ignores SIGKILL\n".encode()
+                    )
+
+    @staticmethod
+    def _signal_group(rank: _Rank, signum: int) -> None:
+        try:
+            os.killpg(rank.process.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def launch(config: LaunchConfig) -> int:
+    """Run one launch to completion and return the exit status (0 when every rank exited 0)."""
+    return Launcher(config).run()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="paramplane launch",
+        description="Start N rank processes of a Python script on this host, like torchrun.",
+        usage="paramplane launch -n N (--standalone | --coordinator HOST:PORT) [options] "
+        "(script.py | -m module) [args ...]",
+    )
+    add = parser.add_argument
+    add("-n", "--num-ranks", type=int, required=True, metavar="N", help="rank processes on this host")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--standalone", action="store_true", help="start an embedded coordinator on 127.0.0.1")
+    where.add_argument("--coordinator", metavar="HOST:PORT", help="address of a running coordinator")
+    add("--world-size", type=int, metavar="W", help="ranks in the whole job, on all hosts (default: -n)")
+    add("--host-id", metavar="ID", help="this host's identity (default: its hostname)")
+    add("--token-file", type=Path, metavar="FILE", help="job token file (default: $PARAMPLANE_TOKEN)")
+    add("--timeout", dest="timeout_s", type=float, metavar="S", help="the ranks' default collective timeout")
+    add("--join-timeout", dest="join_timeout_s", type=float, metavar="S", help="standalone: world forming")
+    add(
+        "--heartbeat-timeout",
+        dest="heartbeat_timeout_s",
+        type=float,
+        metavar="S",
+        help="standalone: dead rank",
+    )
+    add("--grace", dest="grace_s", type=float, default=5.0, metavar="S", help="SIGTERM to SIGKILL (5)")
+    add("--no-prefix", dest="prefix", action="store_false", help="pass rank output through without [rank i]")
+    add("-m", "--module", action="store_true", help="run the target as a module, like python -m")
+    add("target", metavar="script.py", help="the script (or module, with -m) every rank runs")
+    add("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return parser
+
+
+def _read_token(path: Path) -> str:
+    try:
+        token = path.read_text().strip()
+    except OSError as error:
+        raise ValueError(f"cannot read --token-file {path}: {error.strerror}") from None
+    if not token:
+        raise ValueError(f"--token-file {path} is empty")
+    return token
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``paramplane launch ...``: parse ``argv`` and run the launch; returns the exit status."""
+    parser = _parser()
+    try:
+        options = parser.parse_args(sys.argv[1:] if argv is None else argv)
+        token_file = options.token_file
+        del options.token_file
+        token = _read_token(token_file) if token_file is not None else None
+        config = LaunchConfig(**{**vars(options), "args": tuple(options.args), "token": token})
+        return launch(config)
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else 2
+    except ValueError as error:
+        print(f"paramplane launch: error: {error}", file=sys.stderr)
+        return 2
+    except (OSError, RuntimeError, PlaneError) as error:
+        print(f"paramplane launch: failed: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
