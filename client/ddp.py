@@ -1,0 +1,284 @@
+"""``DDP``: data parallelism with bucketed gradient all-reduces that overlap the backward.
+
+Usage::
+
+    model = pp.DDP(model, world.group)     # broadcasts parameters (and buffers) from group rank 0
+    model.attach(optimizer)                # optimizer.step() first waits for the gradient sync
+    loss = crit(model.forward(x_shard), y_shard)
+    model.backward(crit.backward())        # buckets start their all-reduce while backward runs
+    optimizer.step()
+
+How it works: parameters are packed, in reverse order (the order backward produces
+their gradients), into flat buckets of at most ``bucket_mb`` MiB, one dtype and array
+library (numpy / cupy) per bucket. Each parameter's grad hook counts its calls; when
+every parameter of a bucket has its gradient, the bucket copies the gradients into its
+buffer and starts ``all_reduce(op, async_op=True)``. Buckets always start in the same
+order (bucket i never before bucket i-1), so every rank issues the same collectives in
+the same order. ``finish_gradient_sync()`` (run by the optimizer's step pre-hook after
+``attach``) starts the buckets that are not complete, waits for all of them and writes
+the averaged gradients into ``p.grad``.
+
+The first synchronised backward only counts hook calls (all its buckets are reduced at
+finish, without overlap); later ones start a bucket once each parameter has had as many
+calls as it had before, so a tied parameter used twice is handled. A gradient that
+arrives after its bucket started is a RuntimeError (call ``finish_gradient_sync()``
+between synchronised backwards, accumulate with ``no_sync()``).
+
+Parameters that get no gradient in a step are zeros in their bucket. If no rank produced
+a gradient for one, its ``grad`` stays None on every rank (as in one process); if some
+rank did, every rank receives the reduced value.
+
+Splitting a global batch: :func:`shard_range` gives rank r the ``numpy.array_split``
+slice (the first ``B % N`` ranks one sample more). With equal shards, a ``"mean"`` loss
+and the default ``reduce_op="mean"`` give exactly the gradient of one process on the
+whole batch. With uneven shards use ``DDP(..., reduce_op="sum")``, a ``"sum"`` loss and
+``crit.backward(grad_scale=1 / global_batch)``: the sum over ranks of the per-shard sums,
+divided by the global batch, is again the global mean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from paramplane.ddp_buckets import MIB, Bucket, assign_buckets, shard_range
+from paramplane.group import ProcessGroup
+from paramplane.nn.module import Array, LoadResult, Module, Parameter, RemovableHandle
+from paramplane.optim.optimizer import Optimizer
+
+__all__ = ["DDP", "shard_range"]
+
+_REDUCE_OPS = ("mean", "sum")
+
+
+class DDP:
+    """Wrap ``module`` for data parallelism over ``group`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        module: Module,
+        group: ProcessGroup,
+        bucket_mb: float = 25.0,
+        broadcast_buffers: bool = True,
+        *,
+        reduce_op: str = "mean",
+    ) -> None:
+        if not isinstance(module, Module):
+            raise ValueError(f"DDP wraps a paramplane.nn.Module, got {type(module).__name__}")
+        if not isinstance(group, ProcessGroup):
+            raise ValueError(f"DDP needs a ProcessGroup, got {type(group).__name__}")
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be positive, got {bucket_mb!r}")
+        if reduce_op not in _REDUCE_OPS:
+            raise ValueError(f"reduce_op must be 'mean' or 'sum', got {reduce_op!r}")
+        self.module = module
+        self.group = group
+        self.bucket_mb = float(bucket_mb)
+        self.broadcast_buffers = broadcast_buffers
+        self.reduce_op = reduce_op
+        self._tracer = _tracer_of(group)
+        all_params = module.parameters()
+        self._sync_state(all_params)
+        self._params: list[Parameter] = [p for p in all_params if p.requires_grad]
+        bucket_bytes = max(1, int(self.bucket_mb * MIB))
+        self._buckets = [
+            Bucket.build(n, idx, self._params)
+            for n, idx in enumerate(assign_buckets(self._params, bucket_bytes))
+        ]
+        self._where: dict[int, tuple[int, int]] = {}
+        for b in self._buckets:
+            for k, i in enumerate(b.params):
+                self._where[i] = (b.index, k)
+        self._expected: list[int] | None = None
+        self._round_open = False
+        self._next_launch = 0
+        self._no_sync = False
+        self._handles: list[RemovableHandle] = [
+            p.register_grad_hook(functools.partial(self._on_grad, i)) for i, p in enumerate(self._params)
+        ]
+
+    # -- wrap-time sync ----------------------------------------------------------------------------
+    def _sync_state(self, params: list[Parameter]) -> None:
+        """Broadcast parameters (coalesced per bucket) and buffers from group rank 0."""
+        if self.group.size == 1:
+            return
+        for n, indices in enumerate(assign_buckets(params, max(1, int(self.bucket_mb * MIB)))):
+            bucket = Bucket.build(n, indices, params)
+            for k, i in enumerate(indices):
+                bucket.slot(k)[...] = params[i].data.reshape(-1)
+            self.group.broadcast(bucket.flat, src=0)
+            for k, i in enumerate(indices):
+                params[i].data[...] = bucket.slot(k).reshape(params[i].shape)
+        if self.broadcast_buffers:
+            self._broadcast_buffers()
+
+    def _broadcast_buffers(self) -> None:
+        for _, buf in self.module.named_buffers():
+            if buf.flags.c_contiguous:
+                self.group.broadcast(buf, src=0)
+            else:
+                tmp = buf.copy()
+                self.group.broadcast(tmp, src=0)
+                buf[...] = tmp
+
+    # -- grad hooks and buckets ----------------------------------------------------------------------
+    def _on_grad(self, i: int, p: Parameter) -> None:
+        if self._no_sync:
+            return
+        if self._tracer is not None:
+            now = time.monotonic()
+            self._tracer.mark(f"grad {self._names_of(i)}", now, now, param=self._names_of(i))
+        self._round_open = True
+        bucket = self._buckets[self._where[i][0]]
+        k = self._where[i][1]
+        if bucket.launched:
+            raise RuntimeError(
+                f"DDP: a gradient for parameter {self._names_of(i)!r} arrived after its bucket's all-reduce "
+                "started. Call finish_gradient_sync() (or optimizer.step() on an attached optimizer) between "
+                "synchronised backwards, accumulate locally inside `with ddp.no_sync():`, and use each "
+                "parameter the same number of times in every step"
+            )
+        bucket.fired[k] = bucket.fired.get(k, 0) + 1
+        if self._expected is not None:
+            self._launch_ready()
+
+    def _names_of(self, i: int) -> str:
+        return self._params[i].name or str(i)
+
+    def _ready(self, bucket: Bucket) -> bool:
+        assert self._expected is not None
+        return all(
+            self._expected[i] > 0 and bucket.fired.get(k, 0) >= self._expected[i]
+            for k, i in enumerate(bucket.params)
+        )
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self._buckets) and self._ready(self._buckets[self._next_launch]):
+            self._launch(self._buckets[self._next_launch])
+
+    def _launch(self, bucket: Bucket) -> None:
+        for k, i in enumerate(bucket.params):
+            bucket.pack(k, self._params[i].grad)
+        bucket.launched = True
+        bucket.work = self.group.all_reduce(bucket.flat, self.reduce_op, async_op=True)
+        self._next_launch += 1
+
+    def finish_gradient_sync(self) -> None:
+        """Start the buckets still waiting, wait for every all-reduce and write ``p.grad``.
+
+        A no-op when no synchronised backward ran since the last call. Raises the
+        collective's error (a ``PlaneError``) if one failed.
+        """
+        if not self._round_open:
+            return
+        start = time.monotonic()
+        try:
+            for bucket in self._buckets[self._next_launch :]:
+                self._launch(bucket)
+            for bucket in self._buckets:
+                assert bucket.work is not None
+                bucket.work.wait()
+            for bucket in self._buckets:
+                bucket.unpack(self._params)
+            observed = [0] * len(self._params)
+            for bucket in self._buckets:
+                for k, i in enumerate(bucket.params):
+                    observed[i] = bucket.fired.get(k, 0)
+            if self._expected is None:
+                self._expected = observed
+            else:
+                self._expected = [max(a, b) for a, b in zip(self._expected, observed)]
+        finally:
+            for bucket in self._buckets:
+                bucket.reset()
+            self._next_launch = 0
+            self._round_open = False
+            if self._tracer is not None:
+                self._tracer.mark("ddp gradient sync wait", start, time.monotonic())
+
+    def attach(self, optimizer: Optimizer) -> RemovableHandle:
+        """Make ``optimizer.step()`` call :meth:`finish_gradient_sync` first; returns the hook handle."""
+        if not isinstance(optimizer, Optimizer):
+            raise ValueError(f"attach() takes a paramplane.optim optimizer, got {type(optimizer).__name__}")
+        return optimizer.register_step_pre_hook(lambda _opt: self.finish_gradient_sync())
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate into ``p.grad`` locally, without communication.
+
+        The next synchronised backward reduces the accumulated gradients (like torch).
+        """
+        previous = self._no_sync
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    # -- pass-through ------------------------------------------------------------------------------
+    def forward(self, x: Array) -> Array:
+        """``module.forward(x)``; first re-broadcasts buffers from rank 0 when ``broadcast_buffers``."""
+        if self.broadcast_buffers and self.module.training and self.group.size > 1:
+            self._broadcast_buffers()
+        return self.module.forward(x)
+
+    def __call__(self, x: Array) -> Array:
+        return self.forward(x)
+
+    def backward(self, grad_out: Array) -> Array:
+        """``module.backward(grad_out)``; gradient buckets start their all-reduce as they fill."""
+        start = time.monotonic()
+        try:
+            return self.module.backward(grad_out)
+        finally:
+            if self._tracer is not None:
+                self._tracer.mark("backward", start, time.monotonic())
+
+    def parameters(self) -> list[Parameter]:
+        return self.module.parameters()
+
+    def named_parameters(self) -> list[tuple[str, Parameter]]:
+        return self.module.named_parameters()
+
+    def state_dict(self) -> dict[str, Array]:
+        return self.module.state_dict()
+
+    def load_state_dict(self, state: dict[str, Array], strict: bool = True) -> LoadResult:
+        return self.module.load_state_dict(state, strict)
+
+    def train(self, mode: bool = True) -> DDP:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> DDP:
+        return self.train(False)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.module.zero_grad(set_to_none)
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    def bucket_params(self) -> list[list[str]]:
+        """Parameter names per bucket, in launch order (for inspection and tests)."""
+        return [[self._names_of(i) for i in b.params] for b in self._buckets]
+
+    def remove_hooks(self) -> None:
+        """Unregister the grad hooks (the module keeps working alone)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __repr__(self) -> str:
+        return f"DDP({type(self.module).__name__}, group={self.group.name}, buckets={len(self._buckets)})"
+
+
+def _tracer_of(group: ProcessGroup) -> Any:
+    """The rank's Chrome tracer when ``PARAMPLANE_TRACE`` is set, else None."""
+    ctx = getattr(getattr(group, "_e", None), "ctx", None)
+    tracer = getattr(ctx, "tracer", None)
+    return tracer if hasattr(tracer, "mark") else None

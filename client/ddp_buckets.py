@@ -1,0 +1,142 @@
+"""DDP's communication helpers: bucket assignment, flat bucket buffers, and batch sharding.
+
+A bucket is one flat array holding the gradients of several parameters of one
+dtype and array library, followed by one "used" flag per parameter (1 where
+this rank produced a gradient, else 0). After the all-reduce a flag above zero
+says some rank produced one, so a parameter that no rank touched keeps
+``grad = None`` on every rank, exactly as in a single process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from paramplane.nn.module import Array, Parameter
+from paramplane.node.arrays import array_module
+from paramplane.node.spec import split_bounds
+from paramplane.work import Work
+
+MIB = 1 << 20
+
+
+def shard_range(num_items: int, num_shards: int, index: int) -> tuple[int, int]:
+    """``[start, stop)`` of shard ``index`` of ``num_items`` split like ``numpy.array_split``.
+
+    The first ``num_items % num_shards`` shards hold one item more. Every shard must be
+    non-empty (a rank without data would skip its backward and the collectives with it),
+    so ``num_items < num_shards`` is a ValueError.
+    """
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be at least 1, got {num_shards}")
+    if not 0 <= index < num_shards:
+        raise ValueError(f"shard index {index} is not in [0, {num_shards})")
+    if num_items < num_shards:
+        raise ValueError(
+            f"cannot split {num_items} items over {num_shards} ranks: every rank needs at least one; "
+            "use a larger global batch"
+        )
+    return split_bounds(num_items, num_shards)[index]
+
+
+def assign_buckets(params: Sequence[Parameter], bucket_bytes: int) -> list[list[int]]:
+    """Indices of ``params`` per bucket: reverse order, one dtype and array library per bucket.
+
+    Walking the parameters from last to first (the order backward produces their
+    gradients), each (library, dtype) keeps one open bucket; a parameter that would take
+    it past ``bucket_bytes`` closes it first (a single larger parameter gets a bucket of
+    its own). Buckets are ordered by their first parameter in that walk, so every rank
+    with the same model gets the same list.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
+    done: list[list[int]] = []
+    open_: dict[tuple[str, str], list[int]] = {}
+    sizes: dict[tuple[str, str], int] = {}
+    for i in reversed(range(len(params))):
+        p = params[i]
+        key = (array_module(p.data).__name__, p.dtype.str)
+        nbytes = p.size * p.dtype.itemsize
+        if key in open_ and sizes[key] + nbytes > bucket_bytes:
+            done.append(open_.pop(key))
+        if key not in open_:
+            open_[key] = []
+            sizes[key] = 0
+        open_[key].append(i)
+        sizes[key] += nbytes
+    done.extend(open_.values())
+    order = {i: n for n, i in enumerate(reversed(range(len(params))))}
+    done.sort(key=lambda b: order[b[0]])
+    return done
+
+
+@dataclass
+class Bucket:
+    """One flat gradient buffer over ``params`` (indices into the DDP's parameter list)."""
+
+    index: int
+    params: list[int]
+    offsets: list[tuple[int, int]]
+    flat: Array
+    fired: dict[int, int] = field(default_factory=dict)
+    """Grad-hook calls per parameter in the current round."""
+    work: Work[Any] | None = None
+    """The all-reduce in flight (None before launch and after finish)."""
+    launched: bool = False
+
+    @classmethod
+    def build(cls, index: int, indices: list[int], all_params: Sequence[Parameter]) -> Bucket:
+        first = all_params[indices[0]]
+        xp: ModuleType = array_module(first.data)
+        offsets = []
+        start = 0
+        for i in indices:
+            offsets.append((start, start + all_params[i].size))
+            start += all_params[i].size
+        flat = xp.zeros(start + len(indices), dtype=first.dtype)
+        return cls(index, list(indices), offsets, flat)
+
+    @property
+    def num_elements(self) -> int:
+        return int(self.offsets[-1][1])
+
+    def slot(self, k: int) -> Array:
+        a, b = self.offsets[k]
+        return self.flat[a:b]
+
+    def pack(self, k: int, grad: Array | None) -> None:
+        """Copy one parameter's gradient (or zeros, unflagged, when it has none) into the buffer."""
+        view = self.slot(k)
+        flag = self.num_elements + k
+        if grad is None:
+            view[...] = 0
+            self.flat[flag] = 0
+        else:
+            view[...] = grad.reshape(-1)
+            self.flat[flag] = 1
+
+    def unpack(self, all_params: Sequence[Parameter]) -> None:
+        """Write the reduced gradients back: into ``p.grad`` in place, or as a new array."""
+        flags = np.asarray(_host(self.flat[self.num_elements :])) > 0
+        for k, i in enumerate(self.params):
+            if not flags[k]:
+                continue
+            p = all_params[i]
+            value = self.slot(k).reshape(p.shape)
+            if p.grad is None or tuple(p.grad.shape) != p.shape:
+                p.grad = value.copy()
+            else:
+                p.grad[...] = value
+
+    def reset(self) -> None:
+        self.fired.clear()
+        self.work = None
+        self.launched = False
+
+
+def _host(x: Array) -> Any:
+    return x.get() if hasattr(x, "get") and not isinstance(x, np.ndarray) else x

@@ -1,0 +1,229 @@
+"""A multi-process world for the DDP tests, and the rank-side scenarios they run.
+
+``run_world(n, scenario, out)`` starts a coordinator thread and ``n`` real rank
+processes running ``python tests/_ddp_world.py SCENARIO OUT``; each rank saves what
+it computed under ``OUT`` for the test to check. The model, data and training loop
+are shared with the single-process reference the tests compute in-process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import paramplane as pp
+from paramplane.ddp import DDP, shard_range
+from paramplane.nn import CrossEntropyLoss, Linear, Module, Parameter, ReLU, Sequential
+from paramplane.optim import SGD, AdamW
+
+HERE = Path(__file__).resolve()
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: int
+    output: str
+
+
+def run_world(
+    num_ranks: int, scenario: str, out: Path, *, env: dict[str, str] | None = None, timeout: float = 90.0
+) -> list[RankResult]:
+    """Run ``scenario`` on ``num_ranks`` processes; every process is gone when this returns."""
+    from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
+
+    coord = CoordinatorThread(
+        CoordinatorConfig(world_size=num_ranks, host="127.0.0.1", port=0, heartbeat_timeout_s=20)
+    )
+    address = coord.start()
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for r in range(num_ranks):
+            rank_env = dict(
+                os.environ,
+                PARAMPLANE_COORDINATOR=address,
+                PARAMPLANE_RANK=str(r),
+                PARAMPLANE_WORLD_SIZE=str(num_ranks),
+                PARAMPLANE_TIMEOUT="30",
+                PARAMPLANE_JOIN_TIMEOUT="30",
+                **(env or {}),
+            )
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(HERE), scenario, str(out)],
+                    env=rank_env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
+        results = []
+        for r, p in enumerate(procs):
+            output, _ = p.communicate(timeout=timeout)
+            results.append(RankResult(r, p.returncode, output))
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        coord.stop()
+
+
+def check_ok(results: list[RankResult]) -> None:
+    bad = [r for r in results if r.returncode != 0]
+    assert not bad, "\n".join(f"rank {r.rank} exited {r.returncode}:\n{r.output[-3000:]}" for r in bad)
+
+
+# -- model, data and the training loop (shared by the ranks and the reference) ------------------------
+class SpareMLP(Module):
+    """An MLP with a buffer and a parameter that forward never uses."""
+
+    def __init__(self, seed: int, dtype: Any) -> None:
+        super().__init__()
+        rng = np.random.default_rng(seed)
+        self.net = Sequential(
+            Linear(8, 16, dtype=dtype, rng=rng),
+            ReLU(),
+            Linear(16, 16, dtype=dtype, rng=rng),
+            ReLU(),
+            Linear(16, 5, dtype=dtype, rng=rng),
+        )
+        self.spare = Parameter(rng.standard_normal(3).astype(dtype))
+        self.register_buffer("stat", np.full(4, float(seed), dtype=dtype))
+
+    def forward(self, x: Any) -> Any:
+        return self.net.forward(x)
+
+    def backward(self, grad_out: Any) -> Any:
+        return self.net.backward(grad_out)
+
+
+CONFIGS = [
+    # name, dtype, optimizer, micro-batches per step (>1: the first ones under no_sync), bucket_mb
+    ("sgd64", np.float64, "sgd", 1, 0.0005),
+    ("adamw64", np.float64, "adamw", 1, 25.0),
+    ("sgd64_accum", np.float64, "sgd", 2, 0.0005),
+    ("adamw64_accum", np.float64, "adamw", 3, 0.001),
+    ("sgd32", np.float32, "sgd", 1, 0.0005),
+    ("adamw32_accum", np.float32, "adamw", 2, 25.0),
+]
+NUM_STEPS = 3
+
+
+def batches(global_batch: int, dtype: Any, num_micro: int) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """Per step, the micro-batches (x, y) of the global batch."""
+    rng = np.random.default_rng(42)
+    return [
+        [
+            (rng.standard_normal((global_batch, 8)).astype(dtype), rng.integers(0, 5, global_batch))
+            for _ in range(num_micro)
+        ]
+        for _ in range(NUM_STEPS)
+    ]
+
+
+def make_optimizer(kind: str, params: list[Parameter]) -> Any:
+    return SGD(params, lr=0.1, momentum=0.9) if kind == "sgd" else AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def train_reference(cfg: tuple[Any, ...], global_batch: int) -> dict[str, np.ndarray]:
+    """One process on the whole batch; gradients of micro-batches add up."""
+    _, dtype, kind, num_micro, _ = cfg
+    model = SpareMLP(0, dtype)
+    opt = make_optimizer(kind, model.parameters())
+    crit = CrossEntropyLoss("mean")
+    for step in batches(global_batch, dtype, num_micro):
+        opt.zero_grad()
+        for x, y in step:
+            crit.forward(model.forward(x), y)
+            model.backward(crit.backward())
+        opt.step()
+    return model.state_dict()
+
+
+def train_ranks(world: pp.World, cfg: tuple[Any, ...], global_batch: int) -> dict[str, np.ndarray]:
+    name, dtype, kind, num_micro, bucket_mb = cfg
+    g = world.group
+    even = global_batch % g.size == 0
+    model = SpareMLP(world.rank, dtype)  # differs per rank until DDP broadcasts rank 0's
+    ddp = DDP(model, g, bucket_mb=bucket_mb, reduce_op="mean" if even else "sum")
+    assert np.all(model.stat == 0), f"{name}: buffer not broadcast from rank 0: {model.stat}"
+    opt = make_optimizer(kind, ddp.parameters())
+    ddp.attach(opt)
+    crit = CrossEntropyLoss("mean" if even else "sum")
+    a, b = shard_range(global_batch, g.size, g.rank)
+    for step in batches(global_batch, dtype, num_micro):
+        opt.zero_grad()
+        for m, (x, y) in enumerate(step):
+            last = m == num_micro - 1
+            with ddp.no_sync() if not last else _nothing():
+                crit.forward(ddp.forward(x[a:b]), y[a:b])  # forward re-broadcasts the buffer
+                before = g._e.progress()[0]
+                ddp.backward(crit.backward() if even else crit.backward(grad_scale=1.0 / global_batch))
+            if not last:
+                assert g._e.progress()[0] == before, f"{name}: no_sync backward issued a collective"
+        opt.step()
+        assert model.spare.grad is None, f"{name}: the unused parameter got a gradient"
+    return model.state_dict()
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def scenario_equiv(world: pp.World, out: Path) -> None:
+    global_batch = 12 if world.world_size == 2 else 13
+    saved: dict[str, np.ndarray] = {}
+    for cfg in CONFIGS:
+        for key, value in train_ranks(world, cfg, global_batch).items():
+            saved[f"{cfg[0]}/{key}"] = value
+    np.savez(out / f"rank{world.rank}.npz", **saved)
+
+
+def scenario_overlap(world: pp.World, out: Path) -> None:
+    """Big enough layers that backward takes a while; small buckets; traced."""
+    rng = np.random.default_rng(0)
+    layers: list[Module] = []
+    for _ in range(4):
+        layers += [Linear(512, 512, rng=rng), ReLU()]
+    model = Sequential(*layers, Linear(512, 10, rng=rng))
+    ddp = DDP(model, world.group, bucket_mb=1.0)
+    opt = SGD(ddp.parameters(), lr=0.01)
+    ddp.attach(opt)
+    crit = CrossEntropyLoss()
+    x = rng.standard_normal((256, 512)).astype(np.float32)
+    y = rng.integers(0, 10, 256)
+    for _ in range(3):
+        opt.zero_grad()
+        crit.forward(ddp.forward(x), y)
+        ddp.backward(crit.backward())
+        opt.step()
+    (out / f"buckets{world.rank}.txt").write_text(repr(ddp.bucket_params()))
+
+
+SCENARIOS = {"equiv": scenario_equiv, "overlap": scenario_overlap}
+
+
+def main() -> None:
+    scenario, out = sys.argv[1], Path(sys.argv[2])
+    world = pp.init()
+    try:
+        SCENARIOS[scenario](world, out)
+        world.group.barrier()
+    finally:
+        world.shutdown()
+
+
+if __name__ == "__main__":
+    main()

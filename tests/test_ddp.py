@@ -1,0 +1,158 @@
+"""DDP: N ranks on 1/N of the batch end where one process on the whole batch ends.
+
+Two real worlds run every check of ``tests/_ddp_world.py``: 2 ranks on shared memory
+(even batch) and 3 ranks over gRPC (uneven batch, ``reduce_op="sum"``). A third, traced,
+shows bucket all-reduces running while backward is still going.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from _ddp_world import CONFIGS, SpareMLP, check_ok, run_world, train_reference
+
+import paramplane as pp
+from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
+from paramplane.ddp import DDP
+from paramplane.ddp_buckets import MIB, assign_buckets, shard_range
+from paramplane.nn import CrossEntropyLoss, Linear, Parameter, ReLU, Sequential
+from paramplane.optim import SGD
+
+WORLDS = {2: ({}, 12), 3: ({"PARAMPLANE_TRANSPORT": "grpc"}, 13)}
+
+
+@pytest.fixture(scope="module", params=sorted(WORLDS), ids=lambda n: f"world{n}")
+def world_run(request: Any, tmp_path_factory: Any) -> tuple[int, int, Path]:
+    num_ranks = request.param
+    env, global_batch = WORLDS[num_ranks]
+    out = tmp_path_factory.mktemp(f"ddp{num_ranks}")
+    check_ok(run_world(num_ranks, "equiv", out, env=env))
+    return num_ranks, global_batch, out
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_ranks_match_one_process(world_run: tuple[int, int, Path], cfg: tuple[Any, ...]) -> None:
+    num_ranks, global_batch, out = world_run
+    tol = 1e-6 if cfg[1] == np.float64 else 1e-4
+    ref = train_reference(cfg, global_batch)
+    start = SpareMLP(0, cfg[1]).state_dict()
+    ranks = [np.load(out / f"rank{r}.npz") for r in range(num_ranks)]
+    for key, want in ref.items():
+        got0 = ranks[0][f"{cfg[0]}/{key}"]
+        if key.startswith("net."):
+            assert not np.allclose(want, start[key]), f"{key} did not train: the check would be vacuous"
+        err = np.abs(got0 - want).max() / max(np.abs(want).max(), 1e-30)
+        assert err <= tol, f"{cfg[0]} {key}: rel. error {err:.3g} against one process (tolerance {tol})"
+        for r in range(1, num_ranks):
+            np.testing.assert_array_equal(
+                ranks[r][f"{cfg[0]}/{key}"], got0, err_msg=f"rank {r} differs: {key}"
+            )
+
+
+def test_bucket_all_reduce_overlaps_backward(tmp_path: Path) -> None:
+    trace = tmp_path / "trace"
+    check_ok(run_world(2, "overlap", tmp_path, env={"PARAMPLANE_TRACE": str(trace)}))
+    for rank in range(2):
+        events = json.loads((trace / f"rank-{rank}.json").read_text())["traceEvents"]
+        backwards = [e for e in events if e["name"] == "backward"]
+        first_layer_done = [e["ts"] for e in events if e["name"] == "grad 0.weight"]
+        reduces = [e for e in events if e["name"] == "all_reduce"]
+        assert len(backwards) == 3 and len(first_layer_done) == 3
+        # From the second step on (the first only learns the hook counts), a bucket's all-reduce
+        # starts while the backward of the first layer is still to finish.
+        for bw, done in zip(backwards[1:], first_layer_done[1:]):
+            early = [e for e in reduces if bw["ts"] <= e["ts"] < done]
+            assert early, f"rank {rank}: no all-reduce started during the backward at {bw['ts']}"
+        buckets = eval((tmp_path / f"buckets{rank}.txt").read_text())
+        assert buckets[0][0] == "8.bias" and buckets[-1] == ["0.weight"], buckets
+
+
+# -- single-rank world: the rules that need no peers ----------------------------------------------
+@pytest.fixture(scope="module")
+def solo() -> Iterator[pp.World]:
+    coord = CoordinatorThread(CoordinatorConfig(world_size=1, host="127.0.0.1", port=0))
+    world = pp.init(coord.start(), world_size=1, timeout=10, join_timeout=10)
+    try:
+        yield world
+    finally:
+        world.shutdown()
+        coord.stop()
+
+
+def _mlp(seed: int = 0) -> Sequential:
+    rng = np.random.default_rng(seed)
+    return Sequential(Linear(4, 6, rng=rng), ReLU(), Linear(6, 3, rng=rng))
+
+
+def test_second_backward_without_sync_is_an_error(solo: pp.World) -> None:
+    ddp = DDP(_mlp(), solo.group, bucket_mb=25)
+    crit = CrossEntropyLoss()
+    x, y = np.ones((2, 4), np.float32), np.array([0, 1])
+    for _ in range(2):  # the second round launches buckets during backward
+        crit.forward(ddp.forward(x), y)
+        ddp.backward(crit.backward())
+        ddp.finish_gradient_sync()
+    crit.forward(ddp.forward(x), y)
+    ddp.backward(crit.backward())
+    crit.forward(ddp.forward(x), y)
+    with pytest.raises(RuntimeError, match="no_sync"):
+        ddp.backward(crit.backward())
+
+
+def test_finish_is_idempotent_and_attach_runs_it(solo: pp.World) -> None:
+    model = _mlp()
+    ddp = DDP(model, solo.group, reduce_op="sum")
+    opt = SGD(ddp.parameters(), lr=0.1)
+    handle = ddp.attach(opt)
+    crit = CrossEntropyLoss()
+    crit.forward(ddp.forward(np.ones((3, 4), np.float32)), np.array([0, 1, 2]))
+    ddp.backward(crit.backward())
+    grads = [p.grad.copy() for p in model.parameters()]
+    opt.step()
+    ddp.finish_gradient_sync()  # nothing left to do: a second reduction would change "sum" grads
+    for p, g in zip(model.parameters(), grads):
+        np.testing.assert_array_equal(p.grad, g)
+    handle.remove()
+
+
+def test_bad_arguments(solo: pp.World) -> None:
+    with pytest.raises(ValueError, match="bucket_mb"):
+        DDP(_mlp(), solo.group, bucket_mb=0)
+    with pytest.raises(ValueError, match="reduce_op"):
+        DDP(_mlp(), solo.group, reduce_op="max")
+    with pytest.raises(ValueError, match="Module"):
+        DDP(object(), solo.group)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="optimizer"):
+        DDP(_mlp(), solo.group).attach(object())  # type: ignore[arg-type]
+
+
+def test_shard_range_splits_like_array_split() -> None:
+    for total, parts in ((13, 3), (12, 2), (5, 5), (100, 7)):
+        sizes = [len(s) for s in np.array_split(np.arange(total), parts)]
+        got = [shard_range(total, parts, i) for i in range(parts)]
+        assert [b - a for a, b in got] == sizes
+        assert got[0][0] == 0 and got[-1][1] == total
+    with pytest.raises(ValueError, match="at least one"):
+        shard_range(2, 3, 0)
+    with pytest.raises(ValueError, match="index"):
+        shard_range(10, 3, 3)
+
+
+def test_buckets_reverse_order_by_dtype_and_size() -> None:
+    params = [
+        Parameter(np.zeros(1000, np.float32)),  # 4000 B
+        Parameter(np.zeros(10, np.float64)),
+        Parameter(np.zeros(500, np.float32)),  # 2000 B
+        Parameter(np.zeros(600, np.float32)),  # 2400 B
+        Parameter(np.zeros(3, np.float64)),
+    ]
+    buckets = assign_buckets(params, 4500)
+    assert buckets == [[4, 1], [3, 2], [0]]
+    assert assign_buckets(params, 25 * MIB) == [[4, 1], [3, 2, 0]]
+    with pytest.raises(ValueError):
+        assign_buckets(params, 0)
