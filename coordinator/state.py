@@ -89,7 +89,7 @@ class CoordinatorState:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
         self.epoch = 1
-        self._join_timeout_s = join_timeout_s
+        self.join_timeout_s = join_timeout_s
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._progress_timeout_s = progress_timeout_s
         self._new_job_id = new_job_id
@@ -113,7 +113,7 @@ class CoordinatorState:
         """The earliest time at which ``tick`` would time out a waiter (None when nothing waits)."""
         deadlines = [w.deadline for w in self._waits.values()]
         if self._pending:
-            deadlines.append(min(p.arrived for p in self._pending.values()) + self._join_timeout_s)
+            deadlines.append(min(p.arrived for p in self._pending.values()) + self.join_timeout_s)
         return min(deadlines, default=None)
 
     @property
@@ -411,7 +411,7 @@ class CoordinatorState:
         if not self._pending:
             return
         started = min(p.arrived for p in self._pending.values())
-        if now < started + self._join_timeout_s:
+        if now < started + self.join_timeout_s:
             return
         k, n = len(self._pending), self.world_size
         hosts = sorted({p.joiner.host_id for p in self._pending.values()})

@@ -1,0 +1,297 @@
+"""The Coordinator servicer: turns requests into CoordinatorState calls and state effects into answers.
+
+Blocking calls wait on futures that the state machine resolves (in ``_flush``);
+a ticker task drives the state's clock. No decisions are made here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import grpc
+
+from paramplane.coordinator.model import Assignment, Effects, ErrorKind, Event, EventKind, Joiner, StateError
+from paramplane.coordinator.state import CoordinatorState
+from paramplane.protos import coordinator_pb2 as pb
+from paramplane.protos import coordinator_pb2_grpc as pb_grpc
+
+log = logging.getLogger("paramplane.coordinator")
+
+# Trailing metadata the client reads to type its errors (node/coord_client.py uses the same keys).
+ABORT_RANK_METADATA_KEY = "x-paramplane-abort-rank"
+MISMATCH_METADATA_KEY = "x-paramplane-mismatch"
+# A blocking call that the state machine failed to answer this long after its own deadline is an internal error.
+_BACKSTOP_S = 5.0
+_T = TypeVar("_T")
+
+_EVENT_KINDS = {
+    EventKind.MEMBERSHIP: pb.WatchEvent.MEMBERSHIP,
+    EventKind.ABORT: pb.WatchEvent.ABORT,
+    EventKind.LEFT: pb.WatchEvent.LEFT,
+    EventKind.SHUTDOWN: pb.WatchEvent.SHUTDOWN,
+}
+
+
+def _assignment_pb(a: Assignment, heartbeat_interval_s: float, heartbeat_timeout_s: float) -> pb.JoinResponse:
+    return pb.JoinResponse(
+        rank=a.rank,
+        world_size=a.world_size,
+        node_rank=a.node_rank,
+        num_nodes=a.num_nodes,
+        local_rank=a.local_rank,
+        local_world_size=a.local_world_size,
+        epoch=a.epoch,
+        peers=[
+            pb.PeerInfo(
+                rank=p.rank,
+                address=p.address,
+                host_id=p.host_id,
+                node_rank=p.node_rank,
+                local_rank=p.local_rank,
+            )
+            for p in a.peers
+        ],
+        heartbeat_interval_s=heartbeat_interval_s,
+        heartbeat_timeout_s=heartbeat_timeout_s,
+        job_id=a.job_id,
+    )
+
+
+class CoordinatorService(pb_grpc.CoordinatorServicer):
+    """The servicer: turns requests into state calls and state effects into answers and events."""
+
+    def __init__(
+        self, state: CoordinatorState, *, heartbeat_interval_s: float, heartbeat_timeout_s: float
+    ) -> None:
+        self._state = state
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._waiters: dict[int, asyncio.Future[object]] = {}
+        self._ids = itertools.count()
+        self._watchers: set[asyncio.Queue[Event]] = set()
+        self._wake = asyncio.Event()
+        self._ticker: asyncio.Task[None] | None = None
+
+    # -- effects ----------------------------------------------------------------------------------
+    def _flush(self) -> None:
+        effects: Effects = self._state.take_effects()
+        for res in effects.resolved:
+            fut = self._waiters.get(res.waiter)
+            if fut is None or fut.done():
+                continue
+            if res.error is not None:
+                fut.set_exception(res.error)
+            else:
+                fut.set_result(res.value)
+        if effects.formed:
+            hosts = sorted({p.host_id for p in effects.formed[0].peers})
+            log.info(
+                "world formed: %d ranks on %d hosts %s, job %s",
+                len(effects.formed),
+                len(hosts),
+                hosts,
+                effects.formed[0].job_id,
+            )
+        for event in effects.events:
+            if event.kind is EventKind.ABORT:
+                log.error("world aborted: %s", event.reason)
+            else:
+                log.info("%s", event.reason)
+            for queue in self._watchers:
+                queue.put_nowait(event)
+
+    async def _block(self, register: Callable[[int], None], limit_s: float) -> object:
+        """Register a waiter with the state and wait for its resolution (or withdraw it if the caller leaves)."""
+        waiter = next(self._ids)
+        fut: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        self._waiters[waiter] = fut
+        try:
+            register(waiter)
+            self._flush()
+            self._wake.set()  # the ticker recomputes its next deadline
+            return await asyncio.wait_for(fut, limit_s + _BACKSTOP_S)
+        except asyncio.TimeoutError:
+            raise StateError(
+                ErrorKind.DEADLINE_EXCEEDED, "the coordinator missed its own deadline (internal error)"
+            ) from None
+        finally:
+            del self._waiters[waiter]
+            if not fut.done() or fut.cancelled():
+                self._state.cancel(waiter)
+                self._flush()
+
+    async def _guard(self, context: grpc.aio.ServicerContext, work: Awaitable[_T]) -> _T:
+        try:
+            return await work
+        except StateError as e:
+            trailers: tuple[tuple[str, str], ...] = ()
+            if e.kind is ErrorKind.ABORTED:
+                trailers = ((ABORT_RANK_METADATA_KEY, str(e.rank)),)
+            elif e.mismatch:
+                trailers = ((MISMATCH_METADATA_KEY, "1"),)
+            await context.abort(grpc.StatusCode[e.kind.name], str(e), trailing_metadata=trailers)
+            raise  # context.abort raised already
+
+    async def _sync(self, fn: Callable[[], _T]) -> _T:
+        result = fn()
+        self._flush()
+        return result
+
+    # -- ticker -----------------------------------------------------------------------------------
+    def start_ticker(self) -> None:
+        self._ticker = asyncio.get_running_loop().create_task(
+            self._tick_forever(), name="paramplane-coordinator-tick"
+        )
+
+    async def stop_ticker(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+
+    async def _tick_forever(self) -> None:
+        period = self._heartbeat_interval_s / 4
+        while True:
+            now = time.monotonic()
+            try:
+                self._state.tick(now)
+                self._flush()
+            except Exception:
+                log.exception("coordinator tick failed")
+            deadline = self._state.next_deadline()
+            delay = period if deadline is None else min(period, max(0.0, deadline - now))
+            self._wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), delay)
+
+    def shutdown(self) -> None:
+        self._state.shutdown()
+        self._flush()
+
+    # -- RPCs -------------------------------------------------------------------------------------
+    async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinResponse:
+        joiner = Joiner(
+            instance_id=request.instance_id,
+            host_id=request.host_id,
+            peer_address=request.peer_address,
+            rank_hint=request.rank_hint,
+            world_size=request.world_size,
+            pid=request.pid,
+        )
+        log.info("join: host %s pid %d rank hint %d", joiner.host_id, joiner.pid, joiner.rank_hint)
+        work = self._block(
+            lambda w: self._state.join(joiner, w, time.monotonic()), self._state.join_timeout_s
+        )
+        assignment = await self._guard(context, work)
+        assert isinstance(assignment, Assignment)
+        return _assignment_pb(assignment, self._heartbeat_interval_s, self._heartbeat_timeout_s)
+
+    async def KVSet(self, request: pb.KVSetRequest, context: grpc.aio.ServicerContext) -> pb.KVSetResponse:
+        await self._guard(
+            context, self._sync(lambda: self._state.kv_set(request.epoch, request.key, request.value))
+        )
+        return pb.KVSetResponse()
+
+    async def KVGet(self, request: pb.KVGetRequest, context: grpc.aio.ServicerContext) -> pb.KVGetResponse:
+        if not request.wait:
+            value = await self._guard(
+                context, self._sync(lambda: self._state.kv_get(request.epoch, request.key))
+            )
+            return pb.KVGetResponse(found=value is not None, value=value or b"")
+        work = self._block(
+            lambda w: self._state.kv_wait(request.epoch, request.key, request.timeout_s, w, time.monotonic()),
+            request.timeout_s,
+        )
+        found = await self._guard(context, work)
+        assert isinstance(found, bytes)
+        return pb.KVGetResponse(found=True, value=found)
+
+    async def KVAdd(self, request: pb.KVAddRequest, context: grpc.aio.ServicerContext) -> pb.KVAddResponse:
+        value = await self._guard(
+            context, self._sync(lambda: self._state.kv_add(request.epoch, request.key, request.delta))
+        )
+        return pb.KVAddResponse(value=value)
+
+    async def KVCompareSet(
+        self, request: pb.KVCompareSetRequest, context: grpc.aio.ServicerContext
+    ) -> pb.KVCompareSetResponse:
+        expected = None if request.expect_absent else request.expected
+        swapped, current = await self._guard(
+            context,
+            self._sync(
+                lambda: self._state.kv_compare_set(request.epoch, request.key, expected, request.desired)
+            ),
+        )
+        return pb.KVCompareSetResponse(swapped=swapped, present=current is not None, current=current or b"")
+
+    async def KVDelete(
+        self, request: pb.KVDeleteRequest, context: grpc.aio.ServicerContext
+    ) -> pb.KVDeleteResponse:
+        deleted = await self._guard(
+            context, self._sync(lambda: self._state.kv_delete(request.epoch, request.key))
+        )
+        return pb.KVDeleteResponse(deleted=deleted)
+
+    async def Barrier(
+        self, request: pb.BarrierRequest, context: grpc.aio.ServicerContext
+    ) -> pb.BarrierResponse:
+        def register(waiter: int) -> None:
+            self._state.barrier(
+                request.epoch,
+                request.name,
+                request.rank,
+                list(request.ranks),
+                request.timeout_s,
+                waiter,
+                time.monotonic(),
+            )
+
+        await self._guard(context, self._block(register, request.timeout_s))
+        return pb.BarrierResponse()
+
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HeartbeatResponse:
+        progress = {p.group: (p.issued, p.completed) for p in request.progress}
+        aborted, reason = await self._guard(
+            context,
+            self._sync(
+                lambda: self._state.heartbeat(request.epoch, request.rank, progress, time.monotonic())
+            ),
+        )
+        return pb.HeartbeatResponse(aborted=aborted, reason=reason)
+
+    async def Watch(
+        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WatchEvent]:
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._watchers.add(queue)
+        try:
+            pending = await self._guard(
+                context, self._sync(lambda: self._state.snapshot_events(request.epoch, request.rank))
+            )
+            while True:
+                event = pending.pop(0) if pending else await queue.get()
+                yield pb.WatchEvent(
+                    kind=_EVENT_KINDS[event.kind], epoch=event.epoch, rank=event.rank, reason=event.reason
+                )
+                if event.kind in (EventKind.ABORT, EventKind.SHUTDOWN):
+                    return
+        finally:
+            self._watchers.discard(queue)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        await self._guard(
+            context, self._sync(lambda: self._state.abort(request.epoch, request.rank, request.reason))
+        )
+        return pb.AbortResponse()
+
+    async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
+        await self._guard(context, self._sync(lambda: self._state.leave(request.epoch, request.rank)))
+        return pb.LeaveResponse()
