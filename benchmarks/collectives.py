@@ -1,0 +1,452 @@
+"""Collective bandwidth and latency: paramplane (grpc, shm) beside torch.distributed gloo, nccl-tests style.
+
+For every (impl, transport, world size) a fresh world of rank processes is started on this host; each
+rank times every call of every (op, size) and takes the median of its per-iteration times; rank 0
+gathers the ranks' medians through the group and reports the largest. ``bytes`` is the whole buffer
+as nccl-tests counts it: the all-reduce / broadcast array, the all-gather output, the reduce-scatter
+input (float32). algbw = bytes / p50, busbw = algbw * (all_reduce 2(n-1)/n, all_gather and
+reduce_scatter (n-1)/n, broadcast 1). Output: JSON lines (stdout and ``--out``), then one summary
+line per paramplane row with ratios against gloo at the same (op, world, bytes).
+
+Run: ``python benchmarks/collectives.py [--quick] [--markdown] [--out FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+TRANSPORTS = ("grpc", "shm")
+DEFAULT_SIZES = tuple(4096 * 4**i for i in range(8))  # 4 KiB .. 64 MiB
+QUICK_SIZES = (4096, 65536)
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
+ITEMSIZE = 4  # float32
+
+
+@dataclass
+class BenchConfig:
+    """What one run measures."""
+
+    ops: tuple[str, ...] = OPS
+    """Collectives to time (subset of OPS)."""
+    sizes: tuple[int, ...] = DEFAULT_SIZES
+    """Buffer sizes in bytes (nccl-tests convention, see the module docstring)."""
+    worlds: tuple[int, ...] = (2, 4)
+    """World sizes; each gets fresh rank processes per impl and transport."""
+    transports: tuple[str, ...] = TRANSPORTS
+    """paramplane transports to time."""
+    gloo: bool = True
+    """Also time torch.distributed gloo (skipped with a note when torch is not importable)."""
+    iters: int | None = None
+    """Timed iterations for every size; None scales them with the size (fewer at large sizes)."""
+    byte_budget: int = 512 << 20
+    """With ``iters`` None: bytes moved per (op, size) at world 2, halved per doubling of the world."""
+    max_iters: int = 200
+    """With ``iters`` None: the most timed iterations of one (op, size)."""
+    min_iters: int = 5
+    """With ``iters`` None: the fewest timed iterations of one (op, size)."""
+    timeout_s: float = 600.0
+    """Deadline for one world (start to exit of all its ranks)."""
+
+    def __post_init__(self) -> None:
+        bad = [op for op in self.ops if op not in OPS]
+        if bad or not self.ops:
+            raise ValueError(f"ops must be a non-empty subset of {OPS}, got {list(self.ops)}")
+        bad = [t for t in self.transports if t not in TRANSPORTS]
+        if bad:
+            raise ValueError(f"transports must be a subset of {TRANSPORTS}, got {list(self.transports)}")
+        if not self.sizes or any(s < ITEMSIZE * 4 for s in self.sizes):
+            raise ValueError(f"sizes must be non-empty and each at least {ITEMSIZE * 4} bytes")
+        if not self.worlds or any(w < 2 for w in self.worlds):
+            raise ValueError(f"world sizes must be >= 2, got {list(self.worlds)}")
+        if self.iters is not None and self.iters < 1:
+            raise ValueError(f"iters must be >= 1, got {self.iters}")
+        if not 1 <= self.min_iters <= self.max_iters:
+            raise ValueError("need 1 <= min_iters <= max_iters")
+        if self.timeout_s <= 0 or self.byte_budget <= 0:
+            raise ValueError("timeout_s and byte_budget must be > 0")
+
+    def schedule(self, nbytes: int, world: int) -> tuple[int, int]:
+        """(warm-up, timed) iterations for one (op, size) in a world of ``world`` ranks."""
+        if self.iters is not None:
+            return max(1, min(5, self.iters // 5)), self.iters
+        budget = self.byte_budget * 2 // world
+        timed = max(self.min_iters, min(self.max_iters, budget // nbytes))
+        return max(2, min(10, timed // 10)), timed
+
+
+def bus_factor(op: str, n: int) -> float:
+    """busbw / algbw for ``op`` over ``n`` ranks (nccl-tests PERFORMANCE.md)."""
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n
+    if op == "broadcast":
+        return 1.0
+    raise ValueError(f"unknown op {op!r}")
+
+
+def make_row(
+    impl: str, transport: str, op: str, world: int, nbytes: int, p50_s: float, iters: int
+) -> dict[str, Any]:
+    algbw = nbytes / p50_s / 1e9
+    return {
+        "bench": "collectives",
+        "impl": impl,
+        "transport": transport,
+        "op": op,
+        "world_size": world,
+        "bytes": nbytes,
+        "p50_us": round(p50_s * 1e6, 2),
+        "algbw_GBps": round(algbw, 4),
+        "busbw_GBps": round(algbw * bus_factor(op, world), 4),
+        "iters": iters,
+    }
+
+
+# -- rank side -----------------------------------------------------------------------------------
+def _time_calls(call: Callable[[], object], warmup: int, timed: int) -> float:
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(timed):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _paramplane_call(g: Any, op: str, x: Any) -> Callable[[], object]:
+    if op == "all_reduce":
+        return lambda: g.all_reduce(x)
+    if op == "all_gather":
+        return lambda: g.all_gather(x)
+    if op == "reduce_scatter":
+        return lambda: g.reduce_scatter(x)
+    return lambda: g.broadcast(x, src=0)
+
+
+def _gloo_call(op: str, big: Any, small: Any) -> Callable[[], object]:
+    """``big`` holds ``bytes`` (the all-gather output, the reduce-scatter input), ``small`` 1/n of it."""
+    import torch.distributed as dist
+
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(big)
+    if op == "all_gather":
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: gather(big, small)
+    if op == "reduce_scatter":
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: scatter(small, big)
+    return lambda: dist.broadcast(big, src=0)
+
+
+def _paramplane_rank(cfg: BenchConfig, transport: str, out: Path) -> None:
+    import numpy as np
+
+    import paramplane as pp
+
+    world = pp.init()
+    g = world.group
+    n = g.size
+    rows = []
+    for op in cfg.ops:
+        for size in cfg.sizes:
+            count = size // ITEMSIZE // n * n
+            x = np.zeros(count // n if op == "all_gather" else count, np.float32)
+            warmup, timed = cfg.schedule(size, n)
+            g.barrier()
+            median = _time_calls(_paramplane_call(g, op, x), warmup, timed)
+            worst = float(g.all_gather(np.array([median], np.float64)).max())
+            if world.rank == 0:
+                rows.append(make_row("paramplane", transport, op, n, count * ITEMSIZE, worst, timed))
+    if world.rank == 0:
+        out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    world.shutdown()
+
+
+def _gloo_rank(cfg: BenchConfig, rank: int, n: int, store: str, out: Path) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=n,
+        timeout=timedelta(seconds=cfg.timeout_s),
+    )
+    rows = []
+    for op in cfg.ops:
+        for size in cfg.sizes:
+            count = size // ITEMSIZE // n * n
+            big = torch.zeros(count, dtype=torch.float32)
+            small = torch.zeros(count // n, dtype=torch.float32)
+            warmup, timed = cfg.schedule(size, n)
+            dist.barrier()
+            worst = torch.tensor(
+                [_time_calls(_gloo_call(op, big, small), warmup, timed)], dtype=torch.float64
+            )
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            if rank == 0:
+                rows.append(make_row("gloo", "gloo", op, n, count * ITEMSIZE, float(worst.item()), timed))
+    if rank == 0:
+        out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dist.destroy_process_group()
+
+
+def _worker(spec: dict[str, Any]) -> None:
+    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["config"].items()}
+    cfg = BenchConfig(**fields)
+    out = Path(spec["out"])
+    if spec["impl"] == "gloo":
+        _gloo_rank(cfg, spec["rank"], spec["world"], spec["store"], out)
+    else:
+        _paramplane_rank(cfg, spec["transport"], out)
+
+
+# -- driver side ---------------------------------------------------------------------------------
+def torch_available() -> bool:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return bool(dist.is_available())
+
+
+def _run_world(cfg: BenchConfig, impl: str, transport: str, world: int) -> list[dict[str, Any]]:
+    """Start ``world`` rank processes for one impl/transport, wait for them, return rank 0's rows."""
+    coordinator = None
+    procs: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory(prefix="pp-bench-") as tmp:
+        out = Path(tmp) / "rows.jsonl"
+        env = dict(os.environ, **MALLOC_ENV)
+        if impl == "paramplane":
+            from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
+
+            coordinator = CoordinatorThread(
+                CoordinatorConfig(host="127.0.0.1", port=0, world_size=world, join_timeout_s=120.0)
+            )
+            env.update(
+                PARAMPLANE_COORDINATOR=coordinator.start(),
+                PARAMPLANE_WORLD_SIZE=str(world),
+                PARAMPLANE_TRANSPORT=transport,
+                PARAMPLANE_TIMEOUT=str(cfg.timeout_s),
+            )
+        else:
+            env["GLOO_SOCKET_IFNAME"] = "lo"
+        logs = []
+        try:
+            for rank in range(world):
+                spec = {
+                    "impl": impl,
+                    "transport": transport,
+                    "rank": rank,
+                    "world": world,
+                    "store": f"{tmp}/store",
+                    "out": str(out),
+                }
+                spec["config"] = asdict(cfg)
+                log = open(Path(tmp) / f"rank{rank}.log", "wb")  # noqa: SIM115 (closed below)
+                logs.append(log)
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
+                        env=dict(env, PARAMPLANE_RANK=str(rank)),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+            deadline = time.monotonic() + cfg.timeout_s
+            for p in procs:
+                try:
+                    p.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    break
+            failed = [r for r, p in enumerate(procs) if p.returncode != 0]
+            if failed:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait(10)
+                tails = [
+                    (Path(tmp) / f"rank{r}.log").read_bytes()[-1500:].decode(errors="replace") for r in failed
+                ]
+                raise RuntimeError(
+                    f"{impl}/{transport} world {world}: ranks {failed} failed or passed {cfg.timeout_s:.0f}s "
+                    f"(codes {[p.returncode for p in procs]}); last output of rank {failed[0]}:\n{tails[0]}"
+                )
+            return [json.loads(line) for line in out.read_text().splitlines()]
+        finally:
+            for log in logs:
+                log.close()
+            if coordinator is not None:
+                coordinator.stop()
+
+
+def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One line per paramplane row with a gloo row at the same (op, world, bytes).
+
+    busbw_vs_gloo > 1 and p50_vs_gloo < 1 mean paramplane is faster.
+    """
+    gloo = {(r["op"], r["world_size"], r["bytes"]): r for r in rows if r["impl"] == "gloo"}
+    out = []
+    for r in rows:
+        ref = gloo.get((r["op"], r["world_size"], r["bytes"]))
+        if r["impl"] != "paramplane" or ref is None:
+            continue
+        out.append(
+            {
+                "bench": "collectives_summary",
+                "transport": r["transport"],
+                "op": r["op"],
+                "world_size": r["world_size"],
+                "bytes": r["bytes"],
+                "busbw_vs_gloo": round(r["busbw_GBps"] / ref["busbw_GBps"], 3),
+                "p50_vs_gloo": round(r["p50_us"] / ref["p50_us"], 3),
+            }
+        )
+    return out
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+def markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """Tables per (op, world): busbw in GB/s and p50 in µs for every impl/transport column."""
+    cols = sorted({r["transport"] for r in rows}, key=lambda t: (t == "gloo", t))
+    cell = {(r["op"], r["world_size"], r["bytes"], r["transport"]): r for r in rows}
+    lines = []
+    for op in OPS:
+        for world in sorted({r["world_size"] for r in rows if r["op"] == op}):
+            sizes = sorted({r["bytes"] for r in rows if r["op"] == op and r["world_size"] == world})
+            lines += [f"\n**{op}, world {world}** — busbw GB/s / p50 µs\n"]
+            lines += ["| bytes | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+            for size in sizes:
+                vals = []
+                for t in cols:
+                    r = cell.get((op, world, size, t))
+                    vals.append(f"{r['busbw_GBps']:.3f} / {r['p50_us']:.0f}" if r else "—")
+                lines.append(f"| {_fmt_bytes(size)} | " + " | ".join(vals) + " |")
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def _csv(kind: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
+    def parse(text: str) -> tuple[Any, ...]:
+        return tuple(kind(v.strip()) for v in text.split(",") if v.strip())
+
+    return parse
+
+
+def _size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.upper().removesuffix("IB").removesuffix("B")
+    return int(text[:-1]) * units[text[-1]] if text and text[-1] in units else int(text)
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]:
+    p = argparse.ArgumentParser(prog="paramplane bench collectives", description=__doc__.split("\n")[0])
+    p.add_argument("--ops", type=_csv(str), default=OPS, help="comma list (default: all four)")
+    p.add_argument(
+        "--sizes", type=_csv(_size), default=None, help="comma list, e.g. 4K,1M,64M (default 4K..64M x4)"
+    )
+    p.add_argument("--worlds", type=_csv(int), default=(2, 4), help="comma list of world sizes (default 2,4)")
+    p.add_argument(
+        "--transports", type=_csv(str), default=TRANSPORTS, help="paramplane transports (default grpc,shm)"
+    )
+    p.add_argument(
+        "--iters", type=int, default=None, help="timed iterations per size (default: scaled by size)"
+    )
+    p.add_argument("--no-gloo", action="store_true", help="skip torch.distributed gloo")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per world (default 600)")
+    p.add_argument("--out", type=Path, default=None, help="append the JSON lines to this file")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny subset for smoke tests: world 2, 4K and 64K, 5 iters"
+    )
+    p.add_argument("--markdown", action="store_true", help="also print a markdown table")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    try:
+        if args.quick:
+            cfg = BenchConfig(
+                ops=args.ops,
+                sizes=args.sizes or QUICK_SIZES,
+                worlds=(2,),
+                transports=args.transports,
+                gloo=not args.no_gloo,
+                iters=args.iters or 5,
+                timeout_s=min(args.timeout, 60.0),
+            )
+        else:
+            cfg = BenchConfig(
+                ops=args.ops,
+                sizes=args.sizes or DEFAULT_SIZES,
+                worlds=args.worlds,
+                transports=args.transports,
+                gloo=not args.no_gloo,
+                iters=args.iters,
+                timeout_s=args.timeout,
+            )
+    except ValueError as exc:
+        p.error(str(exc))
+    return cfg, args
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, args = parse_args(argv)
+    if args.worker:
+        _worker(json.loads(args.worker))
+        return 0
+    impls = [("paramplane", t) for t in cfg.transports]
+    if cfg.gloo:
+        if torch_available():
+            impls.append(("gloo", "gloo"))
+        else:
+            print("torch.distributed not importable: gloo peer skipped", file=sys.stderr)
+    rows: list[dict[str, Any]] = []
+    sink = open(args.out, "a") if args.out else None  # noqa: SIM115 (closed below)
+    try:
+        for world in cfg.worlds:
+            for impl, transport in impls:
+                start = time.monotonic()
+                new = _run_world(cfg, impl, transport, world)
+                print(f"# {impl}/{transport} world {world}: {time.monotonic() - start:.1f}s", file=sys.stderr)
+                for line in new:
+                    print(json.dumps(line), flush=True)
+                    if sink:
+                        sink.write(json.dumps(line) + "\n")
+                rows += new
+        for line in summarize(rows):
+            print(json.dumps(line))
+            if sink:
+                sink.write(json.dumps(line) + "\n")
+    except RuntimeError as exc:
+        print(f"benchmark failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if sink:
+            sink.close()
+    if args.markdown:
+        print(markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
