@@ -59,11 +59,13 @@ class LaunchConfig:
     host_id: str | None = None
     """Identity of this host for rank grouping; ``None`` means ``socket.gethostname()``."""
     token: str | None = field(default=None, repr=False)
-    """Job token; ``None``: ``$PARAMPLANE_TOKEN``, else a fresh random one when standalone, else none."""
+    """Job token; ``None``: the file ``$PARAMPLANE_TOKEN_FILE`` names, else ``$PARAMPLANE_TOKEN``, else a
+    fresh random one when standalone, else none (what ``pp.init`` would read)."""
     timeout_s: float | None = None
     """Passed to ranks as ``PARAMPLANE_TIMEOUT`` (the default collective timeout) when set."""
     join_timeout_s: float | None = None
-    """Embedded coordinator: how long joins wait for the whole world (``None``: its default)."""
+    """How long the world may take to form: the ranks' ``PARAMPLANE_JOIN_TIMEOUT`` and the embedded
+    coordinator's join timeout (``None``: their defaults)."""
     heartbeat_timeout_s: float | None = None
     """Embedded coordinator: silence after which a rank counts as dead (``None``: its default)."""
     prefix: bool = True
@@ -89,10 +91,8 @@ class LaunchConfig:
                 "--standalone binds its coordinator to 127.0.0.1, so every rank runs on this host: "
                 f"--world-size must equal -n ({self.num_ranks}); use --coordinator for several hosts"
             )
-        if not self.standalone and (self.join_timeout_s is not None or self.heartbeat_timeout_s is not None):
-            raise ValueError(
-                "--join-timeout and --heartbeat-timeout configure the --standalone coordinator only"
-            )
+        if not self.standalone and self.heartbeat_timeout_s is not None:
+            raise ValueError("--heartbeat-timeout configures the --standalone coordinator only")
         for name, value in (
             ("--timeout", self.timeout_s),
             ("--join-timeout", self.join_timeout_s),
@@ -227,7 +227,10 @@ class Launcher:
     def run(self) -> int:
         """Launch, wait, stop; return the launcher's exit status."""
         config = self.config
-        token = config.token or os.environ.get("PARAMPLANE_TOKEN") or None
+        token = config.token
+        if token is None and os.environ.get("PARAMPLANE_TOKEN_FILE"):
+            token = _read_token(Path(os.environ["PARAMPLANE_TOKEN_FILE"]), "PARAMPLANE_TOKEN_FILE")
+        token = token or os.environ.get("PARAMPLANE_TOKEN") or None
         if token is None and config.standalone:
             token = secrets.token_hex(16)
         previous = self._install_signal_handlers()
@@ -278,7 +281,8 @@ class Launcher:
     def _start_rank(self, index: int, address: str, token: str | None) -> None:
         config = self.config
         env = dict(os.environ)
-        env.pop("PARAMPLANE_RANK", None)  # a stale hint from an outer launch would be wrong here
+        for stale in ("PARAMPLANE_RANK", "PARAMPLANE_TOKEN", "PARAMPLANE_TOKEN_FILE"):
+            env.pop(stale, None)  # an outer rank hint would be wrong here; the token is resolved already
         for key, value in MALLOC_DEFAULTS.items():
             env.setdefault(key, value)
         env.update(
@@ -290,12 +294,12 @@ class Launcher:
         )
         if token is not None:  # without one, only a tokenless coordinator on loopback admits the ranks
             env["PARAMPLANE_TOKEN"] = token
-        else:
-            env.pop("PARAMPLANE_TOKEN", None)
         if config.total_ranks == config.num_ranks:
             env["PARAMPLANE_RANK"] = str(index)
         if config.timeout_s is not None:
             env["PARAMPLANE_TIMEOUT"] = str(config.timeout_s)
+        if config.join_timeout_s is not None:
+            env["PARAMPLANE_JOIN_TIMEOUT"] = str(config.join_timeout_s)
         argv = [sys.executable, *(["-m"] if config.module else []), config.target, *config.args]
         pipe = subprocess.PIPE if config.prefix else None
         process = subprocess.Popen(
@@ -411,9 +415,15 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--coordinator", metavar="HOST:PORT", help="address of a running coordinator")
     add("--world-size", type=int, metavar="W", help="ranks in the whole job, on all hosts (default: -n)")
     add("--host-id", metavar="ID", help="this host's identity (default: its hostname)")
-    add("--token-file", type=Path, metavar="FILE", help="job token file (default: $PARAMPLANE_TOKEN)")
+    add("--token-file", type=Path, metavar="FILE", help="job token file (default: $PARAMPLANE_TOKEN[_FILE])")
     add("--timeout", dest="timeout_s", type=float, metavar="S", help="the ranks' default collective timeout")
-    add("--join-timeout", dest="join_timeout_s", type=float, metavar="S", help="standalone: world forming")
+    add(
+        "--join-timeout",
+        dest="join_timeout_s",
+        type=float,
+        metavar="S",
+        help="how long the world may take to form",
+    )
     add(
         "--heartbeat-timeout",
         dest="heartbeat_timeout_s",
@@ -429,13 +439,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _read_token(path: Path) -> str:
+def _read_token(path: Path, source: str = "--token-file") -> str:
     try:
         token = path.read_text().strip()
     except OSError as error:
-        raise ValueError(f"cannot read --token-file {path}: {error.strerror}") from None
+        raise ValueError(f"cannot read {source} {path}: {error.strerror}") from None
     if not token:
-        raise ValueError(f"--token-file {path} is empty")
+        raise ValueError(f"{source} {path} is empty")
     return token
 
 

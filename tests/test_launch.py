@@ -140,8 +140,9 @@ def _lines_by_rank(text: str) -> dict[int, list[str]]:
 def test_ranks_get_their_environment_and_every_line_is_prefixed(tmp_path: Path) -> None:
     script = _write(tmp_path, "env.py", ENV_SCRIPT)
     token_file = _write(tmp_path, "token", "file-token-77\n")
+    env = _env(PARAMPLANE_TOKEN_FILE=str(_write(tmp_path, "other", "other-token")))  # --token-file wins
     result = _run("-n", "3", "--coordinator", NOWHERE, "--token-file", str(token_file), "--timeout", "7.5",
-                  str(script), "-n", "5", "--flag")  # fmt: skip
+                  "--join-timeout", "12", str(script), "-n", "5", "--flag", env=env)  # fmt: skip
     assert result.returncode == 0, result.stderr
     stdout, stderr = _lines_by_rank(result.stdout), _lines_by_rank(result.stderr)
     assert sorted(stdout) == sorted(stderr) == [0, 1, 2]
@@ -157,6 +158,7 @@ def test_ranks_get_their_environment_and_every_line_is_prefixed(tmp_path: Path) 
             "PARAMPLANE_HOST_ID": socket.gethostname(),
             "PARAMPLANE_TOKEN": "file-token-77",
             "PARAMPLANE_TIMEOUT": "7.5",
+            "PARAMPLANE_JOIN_TIMEOUT": "12.0",
             "PYTHONUNBUFFERED": "1",
             "MALLOC_MMAP_THRESHOLD_": "33554432",
             "MALLOC_TRIM_THRESHOLD_": "1073741824",
@@ -180,6 +182,19 @@ def test_multi_host_world_has_no_rank_hint_and_user_settings_win(tmp_path: Path)
         assert seen["PARAMPLANE_COORDINATOR"] == "10.0.0.5:2900"
         assert seen["PARAMPLANE_TOKEN"] == TOKEN
         assert seen["MALLOC_MMAP_THRESHOLD_"] == "1234"
+
+
+def test_token_file_from_the_environment_wins_as_in_pp_init(tmp_path: Path) -> None:
+    script = _write(tmp_path, "env.py", ENV_SCRIPT)
+    env = _env(PARAMPLANE_TOKEN_FILE=str(_write(tmp_path, "token", " env-file-token\n")))
+    result = _run("-n", "1", "--coordinator", NOWHERE, str(script), env=env)
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(_lines_by_rank(result.stdout)[0][0])
+    assert seen["PARAMPLANE_TOKEN"] == "env-file-token" and "PARAMPLANE_TOKEN_FILE" not in seen
+    env["PARAMPLANE_TOKEN_FILE"] = str(tmp_path / "missing")
+    result = _run("-n", "1", "--coordinator", NOWHERE, str(script), env=env)
+    assert result.returncode == 2 and "cannot read PARAMPLANE_TOKEN_FILE" in result.stderr
+    assert result.stdout == ""  # no rank started
 
 
 def test_module_mode_and_no_prefix(tmp_path: Path) -> None:
@@ -282,7 +297,7 @@ def test_second_signal_skips_the_grace(pids_dir: Path) -> None:
         ({"coordinator": "127.0.0.1:70000"}, "HOST:PORT"),
         ({"world_size": 1}, "smaller than -n"),
         ({"coordinator": None, "standalone": True, "world_size": 4}, "--world-size must equal -n"),
-        ({"join_timeout_s": 5.0}, "--standalone coordinator only"),
+        ({"heartbeat_timeout_s": 5.0}, "--standalone coordinator only"),
         ({"timeout_s": 0.0}, "--timeout must be a positive"),
         ({"host_id": "a b"}, "--host-id"),
         ({"target": "no/such/script.py"}, "no such script"),
