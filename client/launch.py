@@ -162,11 +162,17 @@ def _pump(source: IO[bytes], write: Callable[[bytes], None], lock: threading.Loc
             if not at_line_start and len(piece) < _MAX_LINE:  # short read without newline: EOF
                 out += b"\n"
                 at_line_start = True
-            try:
-                with lock:
-                    write(out)
-            except (OSError, ValueError):
-                pass  # our stdout is gone; keep draining so the rank never blocks on a full pipe
+            _write_quietly(write, lock, out)
+        if not at_line_start:  # the last line filled a whole read exactly
+            _write_quietly(write, lock, b"\n")
+
+
+def _write_quietly(write: Callable[[bytes], None], lock: threading.Lock, data: bytes) -> None:
+    try:
+        with lock:
+            write(data)
+    except (OSError, ValueError):
+        pass  # our stdout is gone; keep draining so the rank never blocks on a full pipe
 
 
 def _live_process_groups() -> set[int] | None:
