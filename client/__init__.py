@@ -4,8 +4,11 @@
 collectives; ``pp.nn`` / ``pp.optim`` hold the reference modules and optimizers.
 """
 
-from paramplane import nn, optim
-from paramplane.group import ProcessGroup
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from paramplane.node.errors import (
     AuthError,
     CollectiveMismatch,
@@ -18,8 +21,37 @@ from paramplane.node.errors import (
     TransportError,
     WorldAborted,
 )
-from paramplane.work import Work
-from paramplane.world import KVStore, World, init
+
+if TYPE_CHECKING:
+    from paramplane import nn, optim
+    from paramplane.group import ProcessGroup
+    from paramplane.work import Work
+    from paramplane.world import KVStore, World, init
+
+# Heavy parts (grpc, numpy, the runtime) load on first use, so the CLI starts fast.
+_LAZY = {
+    "nn": "paramplane.nn",
+    "optim": "paramplane.optim",
+    "ProcessGroup": "paramplane.group",
+    "Work": "paramplane.work",
+    "KVStore": "paramplane.world",
+    "World": "paramplane.world",
+    "init": "paramplane.world",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'paramplane' has no attribute {name!r}")
+    value = (
+        importlib.import_module(module)
+        if module.endswith(f".{name}")
+        else getattr(importlib.import_module(module), name)
+    )
+    globals()[name] = value
+    return value
+
 
 __version__ = "0.1.0"
 
