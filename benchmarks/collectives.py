@@ -14,6 +14,7 @@ Run: ``python benchmarks/collectives.py [--quick] [--markdown] [--out FILE]``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -97,6 +98,10 @@ def bus_factor(op: str, n: int) -> float:
     raise ValueError(f"unknown op {op!r}")
 
 
+def _sig(value: float, digits: int = 4) -> float:
+    return float(f"{value:.{digits}g}")
+
+
 def make_row(
     impl: str, transport: str, op: str, world: int, nbytes: int, p50_s: float, iters: int
 ) -> dict[str, Any]:
@@ -108,9 +113,9 @@ def make_row(
         "op": op,
         "world_size": world,
         "bytes": nbytes,
-        "p50_us": round(p50_s * 1e6, 2),
-        "algbw_GBps": round(algbw, 4),
-        "busbw_GBps": round(algbw * bus_factor(op, world), 4),
+        "p50_us": _sig(p50_s * 1e6),
+        "algbw_GBps": _sig(algbw),
+        "busbw_GBps": _sig(algbw * bus_factor(op, world)),
         "iters": iters,
     }
 
@@ -220,11 +225,8 @@ def _worker(spec: dict[str, Any]) -> None:
 
 # -- driver side ---------------------------------------------------------------------------------
 def torch_available() -> bool:
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return False
-    return bool(dist.is_available())
+    """Whether torch is installed (found without importing it: the ranks import it)."""
+    return importlib.util.find_spec("torch") is not None
 
 
 def _run_world(cfg: BenchConfig, impl: str, transport: str, world: int) -> list[dict[str, Any]]:
@@ -315,8 +317,8 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "op": r["op"],
                 "world_size": r["world_size"],
                 "bytes": r["bytes"],
-                "busbw_vs_gloo": round(r["busbw_GBps"] / ref["busbw_GBps"], 3),
-                "p50_vs_gloo": round(r["p50_us"] / ref["p50_us"], 3),
+                "busbw_vs_gloo": _sig(r["busbw_GBps"] / ref["busbw_GBps"], 3),
+                "p50_vs_gloo": _sig(r["p50_us"] / ref["p50_us"], 3),
             }
         )
     return out
