@@ -212,7 +212,17 @@ def scenario_overlap(world: pp.World, out: Path) -> None:
     (out / f"buckets{world.rank}.txt").write_text(repr(ddp.bucket_params()))
 
 
-SCENARIOS = {"equiv": scenario_equiv, "overlap": scenario_overlap}
+def scenario_trace(world: pp.World, out: Path) -> None:
+    """A fixed sequence of collectives for the trace test."""
+    g = world.group
+    x = np.ones(1000, np.float32)
+    g.all_reduce(x)
+    g.broadcast(np.zeros(10, np.int64), src=0)
+    g.all_gather(np.zeros(3, np.float64))
+    g.all_reduce(np.ones(5, np.float64), op="max", async_op=True).wait()
+
+
+SCENARIOS = {"equiv": scenario_equiv, "overlap": scenario_overlap, "trace": scenario_trace}
 
 
 def main() -> None:
