@@ -51,9 +51,13 @@ class ProcessGroup:
         return f"<ProcessGroup {self.name} rank {self.rank}/{self.size} ranks {self.ranks}>"
 
     # -- issuing ---------------------------------------------------------------------------------
-    def _issue(self, name: str, x: Any, body: Callable[[int], Any], async_op: bool, *, p2p: bool = False) -> Any:
+    def _issue(
+        self, name: str, x: Any, body: Callable[[int], Any], async_op: bool, *, p2p: bool = False
+    ) -> Any:
         e = self._e
-        fut = e.run(name, body, nbytes=int(x.nbytes), transport=e.transport_for(x, name), async_op=async_op, p2p=p2p)
+        fut = e.run(
+            name, body, nbytes=int(x.nbytes), transport=e.transport_for(x, name), async_op=async_op, p2p=p2p
+        )
         if async_op:
             return Work(fut, f"{name} on group '{self.name}'")
         return fut.result()
@@ -111,7 +115,11 @@ class ProcessGroup:
         partial = "sum" if op == "mean" else op
         local.reduce_scatter(spec, padded, bounds, partial, mine, deadline)
         cross_spec = OpSpec(f"{spec.group}/cross", spec.seq, "all_reduce", spec.dtype, (piece,), partial)
-        e.on_loop(cross.all_reduce(cross_spec, mine, partial), deadline, lambda exc: e.ctx.plane.fail_key(cross.key, exc))
+        e.on_loop(
+            cross.all_reduce(cross_spec, mine, partial),
+            deadline,
+            lambda exc: e.ctx.plane.fail_key(cross.key, exc),
+        )
         local.all_gather(spec, mine, padded, deadline)
         flat[...] = padded[: flat.size]
         if op == "mean":
@@ -250,7 +258,9 @@ class ProcessGroup:
         e.check_root(src, "src")
         if e.rank == src:
             if isinstance(chunks, (np.ndarray,)) or is_cupy(chunks) or len(chunks) != e.size:
-                raise ValueError(f"scatter on the source rank needs a sequence of {e.size} arrays (one per rank)")
+                raise ValueError(
+                    f"scatter on the source rank needs a sequence of {e.size} arrays (one per rank)"
+                )
             for i, c in enumerate(chunks):
                 check_array(c, f"chunks[{i}]", writable=False)
                 if c.shape != chunks[0].shape or c.dtype != chunks[0].dtype:
@@ -261,7 +271,9 @@ class ProcessGroup:
             out = array_module(chunks[0]).empty_like(chunks[0])
         else:
             if not (isinstance(chunks, np.ndarray) or is_cupy(chunks)):
-                raise ValueError("scatter on a non-source rank needs the receive buffer (an array) as `chunks`")
+                raise ValueError(
+                    "scatter on a non-source rank needs the receive buffer (an array) as `chunks`"
+                )
             check_array(chunks, "chunks")
             out = chunks
         transport = "grpc" if e.transport_for(out, "scatter") == "nccl" else e.transport_for(out, "scatter")
@@ -308,7 +320,14 @@ class ProcessGroup:
         e = self._e
         key = (src, dst)
         e._p2p_seq[key] = e._p2p_seq.get(key, 0) + 1
-        return OpSpec(f"{e.name}/p2p", e._p2p_seq[key], "send/recv", e.spec(0, op, x).dtype, tuple(x.shape), f"{src}->{dst}")
+        return OpSpec(
+            f"{e.name}/p2p",
+            e._p2p_seq[key],
+            "send/recv",
+            e.spec(0, op, x).dtype,
+            tuple(x.shape),
+            f"{src}->{dst}",
+        )
 
     def _check_peer(self, peer: int, what: str) -> None:
         self._e.check_root(peer, what)
@@ -325,7 +344,9 @@ class ProcessGroup:
             spec = self._p2p_spec("send", x, e.rank, dst)
             deadline = e._deadline()
             host = self._host(x).reshape(-1)
-            e.on_loop(e._p2p.send_to(spec, host, dst), deadline, lambda exc: e.ctx.plane.fail_key(e._p2p.key, exc))
+            e.on_loop(
+                e._p2p.send_to(spec, host, dst), deadline, lambda exc: e.ctx.plane.fail_key(e._p2p.key, exc)
+            )
 
         return self._issue("send", x, body, async_op, p2p=True)
 
@@ -340,7 +361,9 @@ class ProcessGroup:
             deadline = e._deadline()
             host = self._host(x)
             e.on_loop(
-                e._p2p.recv_from(spec, host.reshape(-1), src), deadline, lambda exc: e.ctx.plane.fail_key(e._p2p.key, exc)
+                e._p2p.recv_from(spec, host.reshape(-1), src),
+                deadline,
+                lambda exc: e.ctx.plane.fail_key(e._p2p.key, exc),
             )
             self._back(x, host)
             return x

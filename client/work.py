@@ -22,7 +22,9 @@ class Work(Generic[T]):
         try:
             return self._future.result(timeout)
         except concurrent.futures.TimeoutError:
-            raise CollectiveTimeout(f"{self.name} not finished after waiting {timeout} s; it is still running") from None
+            raise CollectiveTimeout(
+                f"{self.name} not finished after waiting {timeout} s; it is still running"
+            ) from None
 
     def is_completed(self) -> bool:
         return self._future.done()

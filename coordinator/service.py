@@ -20,12 +20,11 @@ from paramplane.coordinator.model import Assignment, Effects, ErrorKind, Event, 
 from paramplane.coordinator.state import CoordinatorState
 from paramplane.protos import coordinator_pb2 as pb
 from paramplane.protos import coordinator_pb2_grpc as pb_grpc
+from paramplane.protos.auth import ABORT_RANK_METADATA_KEY, MISMATCH_METADATA_KEY
 
 log = logging.getLogger("paramplane.coordinator")
 
 # Trailing metadata the client reads to type its errors (node/coord_client.py uses the same keys).
-ABORT_RANK_METADATA_KEY = "x-paramplane-abort-rank"
-MISMATCH_METADATA_KEY = "x-paramplane-mismatch"
 # A blocking call that the state machine failed to answer this long after its own deadline is an internal error.
 _BACKSTOP_S = 5.0
 _T = TypeVar("_T")

@@ -46,7 +46,9 @@ class OpActor:
             else:
                 self._queue.put((functools.partial(fn, seq), fut))
                 if self._thread is None:
-                    self._thread = threading.Thread(target=self._serve, name=f"paramplane-{self.name}", daemon=True)
+                    self._thread = threading.Thread(
+                        target=self._serve, name=f"paramplane-{self.name}", daemon=True
+                    )
                     self._thread.start()
         if inline:
             try:

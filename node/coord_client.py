@@ -30,12 +30,10 @@ from paramplane.node.errors import (
 )
 from paramplane.protos import coordinator_pb2 as pb
 from paramplane.protos import coordinator_pb2_grpc as pb_grpc
-from paramplane.protos.auth import token_metadata
+from paramplane.protos.auth import ABORT_RANK_METADATA_KEY, MISMATCH_METADATA_KEY, token_metadata
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # Trailing metadata set by the coordinator (coordinator/server.py uses the same keys).
-ABORT_RANK_METADATA_KEY = "x-paramplane-abort-rank"
-MISMATCH_METADATA_KEY = "x-paramplane-mismatch"
 # Extra time a blocking call gets beyond its own wait, so that the server's answer arrives first.
 WAIT_MARGIN_S = 5.0
 _JOIN_BACKOFF_S = (0.05, 1.0)

@@ -94,7 +94,9 @@ class GrpcComm:
         inbox = self.plane.inbox(src, self.key)
         header = await inbox.get()
         if not isinstance(header, peer_pb2.FrameHeader):
-            raise self.fail(TransportError(f"stream from rank {src} lost its framing (payload where a header was due)"))
+            raise self.fail(
+                TransportError(f"stream from rank {src} lost its framing (payload where a header was due)")
+            )
         theirs = OpSpec(spec.group, header.seq, header.op, header.dtype, tuple(header.shape), header.arg)
         text = spec.mismatch(self.me, src, theirs)
         if text is None and (header.step != step or header.nbytes != nbytes):
@@ -107,7 +109,9 @@ class GrpcComm:
             raise self.fail(CollectiveMismatch(text))
         if header.num_chunks == 0:
             if len(header.inline_payload) != nbytes:
-                raise self.fail(TransportError(f"rank {src} sent {len(header.inline_payload)} of {nbytes} bytes"))
+                raise self.fail(
+                    TransportError(f"rank {src} sent {len(header.inline_payload)} of {nbytes} bytes")
+                )
             if nbytes:
                 sink(0, header.inline_payload)
             return
@@ -176,7 +180,9 @@ class GrpcComm:
         if spec.op == "all_reduce" and op == "mean":
             np.true_divide(flat, self.n, out=flat, casting="unsafe")
 
-    async def reduce_scatter(self, spec: OpSpec, flat: np.ndarray, bounds: list[tuple[int, int]], op: str) -> None:
+    async def reduce_scatter(
+        self, spec: OpSpec, flat: np.ndarray, bounds: list[tuple[int, int]], op: str
+    ) -> None:
         """Reduce ``flat`` so that this rank's piece ``bounds[index]`` holds the reduction (others: scratch)."""
         if self.n > 1:
             if flat.nbytes <= SMALL_BYTES:
@@ -187,7 +193,9 @@ class GrpcComm:
             a, b = bounds[self.index]
             np.true_divide(flat[a:b], self.n, out=flat[a:b], casting="unsafe")
 
-    async def _direct_reduce(self, spec: OpSpec, flat: np.ndarray, bounds: list[tuple[int, int]], op: str) -> None:
+    async def _direct_reduce(
+        self, spec: OpSpec, flat: np.ndarray, bounds: list[tuple[int, int]], op: str
+    ) -> None:
         """One round: piece j goes to rank j (or everything to everyone), reduced in rank order."""
         me = self.index
         a, b = bounds[me]
@@ -207,7 +215,9 @@ class GrpcComm:
             ufunc(acc, parts[j], out=acc)
         flat[a:b] = acc
 
-    async def ring_reduce_scatter(self, spec: OpSpec, flat: np.ndarray, bounds: list[tuple[int, int]], op: str) -> None:
+    async def ring_reduce_scatter(
+        self, spec: OpSpec, flat: np.ndarray, bounds: list[tuple[int, int]], op: str
+    ) -> None:
         """n-1 ring steps after which rank i holds the full reduction of piece i."""
         n, me = self.n, self.index
         right, left = (me + 1) % n, (me - 1) % n
@@ -262,10 +272,16 @@ class GrpcComm:
         size = piece.size
         out[root * size : (root + 1) * size] = piece
         await run_all(
-            [self.recv(j, spec, 0, piece.nbytes, self.copy_into(out, j * size)) for j in range(self.n) if j != root]
+            [
+                self.recv(j, spec, 0, piece.nbytes, self.copy_into(out, j * size))
+                for j in range(self.n)
+                if j != root
+            ]
         )
 
-    async def scatter(self, spec: OpSpec, pieces: Sequence[np.ndarray] | None, root: int, out: np.ndarray) -> None:
+    async def scatter(
+        self, spec: OpSpec, pieces: Sequence[np.ndarray] | None, root: int, out: np.ndarray
+    ) -> None:
         if self.index == root:
             assert pieces is not None
             out[...] = pieces[root]

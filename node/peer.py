@@ -83,7 +83,11 @@ def _parse_header(message: bytes) -> peer_pb2.FrameHeader:
     except Exception as exc:
         raise _Malformed(f"undecodable frame header ({len(message)} bytes)") from exc
     payload = len(header.inline_payload)
-    if header.nbytes < 0 or header.num_chunks < 0 or header.num_chunks * CHUNK_BYTES + payload < header.nbytes:
+    if (
+        header.nbytes < 0
+        or header.num_chunks < 0
+        or header.num_chunks * CHUNK_BYTES + payload < header.nbytes
+    ):
         raise _Malformed(f"frame header with nbytes={header.nbytes}, num_chunks={header.num_chunks}")
     return header
 

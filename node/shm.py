@@ -142,7 +142,10 @@ class ShmComm:
                 os.kill(pid, 0)
             except ProcessLookupError:
                 raise self._fail(
-                    PeerLost(f"rank {self.ranks[j]} (pid {pid}) died during a shared-memory collective", self.ranks[j])
+                    PeerLost(
+                        f"rank {self.ranks[j]} (pid {pid}) died during a shared-memory collective",
+                        self.ranks[j],
+                    )
                 ) from None
             except PermissionError:
                 pass
@@ -165,7 +168,9 @@ class ShmComm:
         # Spec areas alternate per op on this segment (not per seq: one group op may run several).
         self._parity = self._num_ops % 2
         self._num_ops += 1
-        text = f"{spec.seq}|{spec.op}|{spec.dtype}|{','.join(map(str, spec.shape))}|{spec.arg}".encode()[:SPEC_BYTES]
+        text = f"{spec.seq}|{spec.op}|{spec.dtype}|{','.join(map(str, spec.shape))}|{spec.arg}".encode()[
+            :SPEC_BYTES
+        ]
         off = SPEC_OFFSET + self._parity * SPEC_BYTES
         row = self._ctrl_bytes[self.index]
         row[off : off + SPEC_BYTES] = 0
@@ -173,17 +178,22 @@ class ShmComm:
 
     def _check_specs(self, spec: OpSpec) -> None:
         off = SPEC_OFFSET + self._parity * SPEC_BYTES
-        texts = [bytes(self._ctrl_bytes[j, off : off + SPEC_BYTES]).rstrip(b"\0").decode() for j in range(self.n)]
+        texts = [
+            bytes(self._ctrl_bytes[j, off : off + SPEC_BYTES]).rstrip(b"\0").decode() for j in range(self.n)
+        ]
         if len(set(texts)) == 1:
             return
         parts = []
         for j, t in enumerate(texts):
             seq, op, dtype, shape, arg = (t.split("|") + [""] * 5)[:5]
             dims = tuple(int(d) for d in shape.split(",") if d)
-            parts.append(f"rank {self.ranks[j]}: {OpSpec(spec.group, int(seq or -1), op, dtype, dims, arg).describe()}")
+            parts.append(
+                f"rank {self.ranks[j]}: {OpSpec(spec.group, int(seq or -1), op, dtype, dims, arg).describe()}"
+            )
         raise self._fail(
             CollectiveMismatch(
-                f"collective mismatch in group '{spec.group}' at op #{spec.seq}: " + "; ".join(parts)
+                f"collective mismatch in group '{spec.group}' at op #{spec.seq}: "
+                + "; ".join(parts)
                 + "; every rank of a group must issue the same collectives in the same order with the same "
                 "dtype and shape"
             )
@@ -230,7 +240,13 @@ class ShmComm:
             np.true_divide(flat, self.n, out=flat, casting="unsafe")
 
     def reduce_scatter(
-        self, spec: OpSpec, flat: np.ndarray, bounds: list[tuple[int, int]], op: str, out: np.ndarray, deadline: float
+        self,
+        spec: OpSpec,
+        flat: np.ndarray,
+        bounds: list[tuple[int, int]],
+        op: str,
+        out: np.ndarray,
+        deadline: float,
     ) -> None:
         """``out`` receives the reduction of this rank's piece ``bounds[index]`` of ``flat``."""
         self._begin(spec)
@@ -270,7 +286,9 @@ class ShmComm:
     def all_gather(self, spec: OpSpec, piece: np.ndarray, out: np.ndarray, deadline: float) -> None:
         self._exchange(spec, piece, out, deadline, writer=None)
 
-    def gather(self, spec: OpSpec, piece: np.ndarray, root: int, out: np.ndarray | None, deadline: float) -> None:
+    def gather(
+        self, spec: OpSpec, piece: np.ndarray, root: int, out: np.ndarray | None, deadline: float
+    ) -> None:
         self._exchange(spec, piece, out if self.index == root else None, deadline, writer=None)
 
     def broadcast(self, spec: OpSpec, flat: np.ndarray, root: int, deadline: float) -> None:

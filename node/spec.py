@@ -16,7 +16,9 @@ def check_reduce_op(op: str, dtype: np.dtype[Any]) -> None:
     if op not in REDUCE_OPS:
         raise ValueError(f"unknown reduction {op!r}; use one of {', '.join(REDUCE_OPS)}")
     if op == "mean" and dtype.kind not in "fV":
-        raise ValueError(f"op='mean' needs a floating dtype, got {dtype}; reduce with 'sum' and divide yourself")
+        raise ValueError(
+            f"op='mean' needs a floating dtype, got {dtype}; reduce with 'sum' and divide yourself"
+        )
 
 
 def reduce_ufunc(op: str) -> Any:

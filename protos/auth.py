@@ -13,6 +13,9 @@ from typing import Any
 import grpc
 
 TOKEN_METADATA_KEY = "x-paramplane-token"
+# Trailing metadata of coordinator errors: which rank an abort names, and that a barrier's ranks disagreed.
+ABORT_RANK_METADATA_KEY = "x-paramplane-abort-rank"
+MISMATCH_METADATA_KEY = "x-paramplane-mismatch"
 # Health probes carry no token (load balancers, orchestrators).
 UNAUTHENTICATED_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
 
