@@ -51,11 +51,11 @@ class BenchConfig:
     """Also time torch.distributed gloo (skipped with a note when torch is not importable)."""
     iters: int | None = None
     """Timed iterations for every size; None scales them with the size (fewer at large sizes)."""
-    byte_budget: int = 512 << 20
+    byte_budget: int = 1 << 30
     """With ``iters`` None: bytes moved per (op, size) at world 2, halved per doubling of the world."""
     max_iters: int = 200
     """With ``iters`` None: the most timed iterations of one (op, size)."""
-    min_iters: int = 5
+    min_iters: int = 8
     """With ``iters`` None: the fewest timed iterations of one (op, size)."""
     timeout_s: float = 600.0
     """Deadline for one world (start to exit of all its ranks)."""
@@ -133,13 +133,10 @@ def _time_calls(call: Callable[[], object], warmup: int, timed: int) -> float:
 
 
 def _paramplane_call(g: Any, op: str, x: Any) -> Callable[[], object]:
-    if op == "all_reduce":
-        return lambda: g.all_reduce(x)
-    if op == "all_gather":
-        return lambda: g.all_gather(x)
-    if op == "reduce_scatter":
-        return lambda: g.reduce_scatter(x)
-    return lambda: g.broadcast(x, src=0)
+    if op == "broadcast":
+        return lambda: g.broadcast(x, src=0)
+    method = getattr(g, op)
+    return lambda: method(x)
 
 
 def _gloo_call(op: str, big: Any, small: Any) -> Callable[[], object]:
@@ -233,68 +230,48 @@ def _run_world(cfg: BenchConfig, impl: str, transport: str, world: int) -> list[
     """Start ``world`` rank processes for one impl/transport, wait for them, return rank 0's rows."""
     coordinator = None
     procs: list[subprocess.Popen[bytes]] = []
+    env = dict(os.environ, **MALLOC_ENV)
     with tempfile.TemporaryDirectory(prefix="pp-bench-") as tmp:
-        out = Path(tmp) / "rows.jsonl"
-        env = dict(os.environ, **MALLOC_ENV)
-        if impl == "paramplane":
-            from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
-
-            coordinator = CoordinatorThread(
-                CoordinatorConfig(host="127.0.0.1", port=0, world_size=world, join_timeout_s=120.0)
-            )
-            env.update(
-                PARAMPLANE_COORDINATOR=coordinator.start(),
-                PARAMPLANE_WORLD_SIZE=str(world),
-                PARAMPLANE_TRANSPORT=transport,
-                PARAMPLANE_TIMEOUT=str(cfg.timeout_s),
-            )
-        else:
-            env["GLOO_SOCKET_IFNAME"] = "lo"
-        logs = []
+        out, logs = Path(tmp) / "rows.jsonl", [Path(tmp) / f"rank{r}.log" for r in range(world)]
         try:
-            for rank in range(world):
-                spec = {
-                    "impl": impl,
-                    "transport": transport,
-                    "rank": rank,
-                    "world": world,
-                    "store": f"{tmp}/store",
-                    "out": str(out),
-                }
-                spec["config"] = asdict(cfg)
-                log = open(Path(tmp) / f"rank{rank}.log", "wb")  # noqa: SIM115 (closed below)
-                logs.append(log)
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
-                        env=dict(env, PARAMPLANE_RANK=str(rank)),
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                    )
+            if impl == "paramplane":
+                from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
+
+                coordinator = CoordinatorThread(CoordinatorConfig(world_size=world, host="127.0.0.1", port=0))
+                env.update(
+                    PARAMPLANE_COORDINATOR=coordinator.start(),
+                    PARAMPLANE_WORLD_SIZE=str(world),
+                    PARAMPLANE_TRANSPORT=transport,
+                    PARAMPLANE_TIMEOUT=str(cfg.timeout_s),
                 )
+            else:
+                env["GLOO_SOCKET_IFNAME"] = "lo"
+            for rank in range(world):
+                spec = dict(impl=impl, transport=transport, rank=rank, world=world, store=f"{tmp}/store")
+                spec.update(out=str(out), config=asdict(cfg))
+                with logs[rank].open("wb") as log:
+                    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+                    env_rank = dict(env, PARAMPLANE_RANK=str(rank))
+                    procs.append(subprocess.Popen(argv, env=env_rank, stdout=log, stderr=subprocess.STDOUT))
             deadline = time.monotonic() + cfg.timeout_s
-            for p in procs:
+            for proc in procs:
                 try:
-                    p.wait(max(0.1, deadline - time.monotonic()))
+                    proc.wait(max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     break
-            failed = [r for r, p in enumerate(procs) if p.returncode != 0]
+            failed = [r for r, proc in enumerate(procs) if proc.returncode != 0]
             if failed:
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-                        p.wait(10)
-                tails = [
-                    (Path(tmp) / f"rank{r}.log").read_bytes()[-1500:].decode(errors="replace") for r in failed
-                ]
+                tail = logs[failed[0]].read_bytes()[-1500:].decode(errors="replace")
                 raise RuntimeError(
                     f"{impl}/{transport} world {world}: ranks {failed} failed or passed {cfg.timeout_s:.0f}s "
-                    f"(codes {[p.returncode for p in procs]}); last output of rank {failed[0]}:\n{tails[0]}"
+                    f"(codes {[proc.returncode for proc in procs]}); last output of rank {failed[0]}:\n{tail}"
                 )
             return [json.loads(line) for line in out.read_text().splitlines()]
         finally:
-            for log in logs:
-                log.close()
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(10)
             if coordinator is not None:
                 coordinator.stop()
 
@@ -385,27 +362,17 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namesp
     p.add_argument("--markdown", action="store_true", help="also print a markdown table")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    quick = args.quick
     try:
-        if args.quick:
-            cfg = BenchConfig(
-                ops=args.ops,
-                sizes=args.sizes or QUICK_SIZES,
-                worlds=(2,),
-                transports=args.transports,
-                gloo=not args.no_gloo,
-                iters=args.iters or 5,
-                timeout_s=min(args.timeout, 60.0),
-            )
-        else:
-            cfg = BenchConfig(
-                ops=args.ops,
-                sizes=args.sizes or DEFAULT_SIZES,
-                worlds=args.worlds,
-                transports=args.transports,
-                gloo=not args.no_gloo,
-                iters=args.iters,
-                timeout_s=args.timeout,
-            )
+        cfg = BenchConfig(
+            ops=args.ops,
+            sizes=args.sizes or (QUICK_SIZES if quick else DEFAULT_SIZES),
+            worlds=(2,) if quick else args.worlds,
+            transports=args.transports,
+            gloo=not args.no_gloo,
+            iters=args.iters or (5 if quick else None),
+            timeout_s=min(args.timeout, 60.0) if quick else args.timeout,
+        )
     except ValueError as exc:
         p.error(str(exc))
     return cfg, args
