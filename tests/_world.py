@@ -59,6 +59,16 @@ class WorldOutcome:
             parts.append(f"--- rank {r.rank} exit {r.returncode} ---\n{r.output[-6000:]}")
         return ("TIMED OUT\n" if self.timed_out else "") + "\n".join(parts)
 
+    def shm_leaks(self) -> set[str]:
+        """/dev/shm entries left by this world's job (segment names carry the job id's prefix)."""
+        jobs = {
+            r.result["values"]["job_id"][:12]
+            for r in self.ranks
+            if r.result and "job_id" in r.result["values"]
+        }
+        assert jobs, "no rank reported its job id"
+        return {name for name in shm_entries() if any(name.startswith(f"{SHM_PREFIX}{job}") for job in jobs)}
+
     def check_ok(self) -> list[dict[str, Any]]:
         """Assert every rank exited 0 and reported no failed checks; returns the results in rank order."""
         assert not self.timed_out, self.describe()

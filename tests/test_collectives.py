@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from _world import run_world, shm_entries
+from _world import run_world
 
 CASES = [
     # (world size, transport, extra env); every world runs every op at every size, plus the
@@ -29,7 +29,6 @@ CASES = [
 
 @pytest.mark.parametrize(("n", "transport", "env"), CASES)
 def test_every_collective_matches_numpy(n: int, transport: str, env: dict[str, str]) -> None:
-    before = shm_entries()
     world = run_world(
         n,
         "collectives.py",
@@ -44,12 +43,11 @@ def test_every_collective_matches_numpy(n: int, transport: str, env: dict[str, s
     for key, value in digests[0].items():
         others = {d.get(key) for d in digests}
         assert others == {value}, f"ranks disagree bitwise on {key}: {others}"
-    assert shm_entries() - before == set()
+    assert world.shm_leaks() == set()
 
 
 def test_hierarchical_all_reduce_two_hosts(tmp_path: Path) -> None:
     """2 host ids x 2 local ranks with transport auto: intra-host shm + cross-host gRPC."""
-    before = shm_entries()
     hosts = {0: "hostA", 1: "hostA", 2: "hostB", 3: "hostB"}
     trace = tmp_path / "trace"
     world = run_world(
@@ -68,4 +66,4 @@ def test_hierarchical_all_reduce_two_hosts(tmp_path: Path) -> None:
         events = json.loads((trace / f"rank-{rank}.json").read_text())["traceEvents"]
         transports = {e["args"]["transport"] for e in events if e.get("name") == "all_reduce"}
         assert transports == {"hier"}, transports
-    assert shm_entries() - before == set()
+    assert world.shm_leaks() == set()

@@ -196,6 +196,7 @@ def main() -> None:
     def body() -> None:
         with pp.init() as world:
             rep.rank = world.rank
+            rep.values["job_id"] = world.job_id
             full_big = "--full-big" in sys.argv
             reductions(world, rep, full_big)
             movement(world, rep, full_big)

@@ -224,6 +224,7 @@ def main() -> None:
     def body() -> None:
         with pp.init() as world:
             rep.rank = world.rank
+            rep.values["job_id"] = world.job_id
             scenario(world, rep)
 
     guarded(rep, body)

@@ -16,6 +16,7 @@ def main() -> None:
     def body() -> None:
         with pp.init() as world:
             rep.rank = world.rank
+            rep.values["job_id"] = world.job_id
             rep.values["host_id"] = world.host_id
             rep.values["local_rank"] = world.local_rank
             g, n, me = world.group, world.world_size, world.rank
