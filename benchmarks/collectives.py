@@ -370,7 +370,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namesp
             worlds=(2,) if quick else args.worlds,
             transports=args.transports,
             gloo=not args.no_gloo,
-            iters=args.iters or (5 if quick else None),
+            iters=args.iters if args.iters is not None else (5 if quick else None),
             timeout_s=min(args.timeout, 60.0) if quick else args.timeout,
         )
     except ValueError as exc:
