@@ -24,12 +24,15 @@ from paramplane.node.errors import (
 
 if TYPE_CHECKING:
     from paramplane import nn, optim
+    from paramplane.ddp import DDP, shard_range
     from paramplane.group import ProcessGroup
     from paramplane.work import Work
     from paramplane.world import KVStore, World, init
 
 # Heavy parts (grpc, numpy, the runtime) load on first use, so the CLI starts fast.
 _LAZY = {
+    "DDP": "paramplane.ddp",
+    "shard_range": "paramplane.ddp",
     "nn": "paramplane.nn",
     "optim": "paramplane.optim",
     "ProcessGroup": "paramplane.group",
@@ -56,6 +59,7 @@ def __getattr__(name: str) -> Any:
 __version__ = "0.1.0"
 
 __all__ = [
+    "DDP",
     "AuthError",
     "CollectiveMismatch",
     "CollectiveTimeout",
@@ -73,4 +77,5 @@ __all__ = [
     "init",
     "nn",
     "optim",
+    "shard_range",
 ]

@@ -279,6 +279,5 @@ class DDP:
 
 def _tracer_of(group: ProcessGroup) -> Any:
     """The rank's Chrome tracer when ``PARAMPLANE_TRACE`` is set, else None."""
-    ctx = getattr(getattr(group, "_e", None), "ctx", None)
-    tracer = getattr(ctx, "tracer", None)
+    tracer = getattr(group, "tracer", None)
     return tracer if hasattr(tracer, "mark") else None

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import paramplane
 
-THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 EXAMPLE = Path(paramplane.__file__).resolve().parent.parent / "examples" / "train_ddp.py"
 
 
@@ -34,7 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--transport", choices=("auto", "grpc", "shm"), default="auto", help="data plane (default auto: shm)"
     )
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before the run is stopped")
+    parser.add_argument(
+        "--timeout", type=float, default=120.0, help="collective timeout in seconds (default 120)"
+    )
     return parser
 
 
@@ -51,64 +51,27 @@ def main(argv: list[str] | None = None) -> int:
     if not EXAMPLE.is_file():
         print(f"paramplane demo: {EXAMPLE} is missing; the demo needs a source checkout", file=sys.stderr)
         return 1
-    from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
+    from paramplane.launch import LaunchConfig, launch
 
-    coord = CoordinatorThread(CoordinatorConfig(world_size=args.world_size, host="127.0.0.1", port=0))
-    address = coord.start()
-    print(f"paramplane demo: {args.world_size} ranks, coordinator {address}", flush=True)
+    os.environ["PARAMPLANE_TRANSPORT"] = args.transport
+    config = LaunchConfig(
+        num_ranks=args.world_size,
+        target=str(EXAMPLE),
+        args=("--epochs", str(args.epochs), "--out", str(args.out)),
+        standalone=True,
+        timeout_s=args.timeout,
+        prefix=False,  # rank 0's progress bar redraws its line; prefixes would break it
+    )
+    print(f"paramplane demo: training on {args.world_size} ranks", flush=True)
     started = time.monotonic()
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        for rank in range(args.world_size):
-            env = dict(
-                os.environ,
-                PARAMPLANE_COORDINATOR=address,
-                PARAMPLANE_RANK=str(rank),
-                PARAMPLANE_WORLD_SIZE=str(args.world_size),
-                PARAMPLANE_TRANSPORT=args.transport,
-                PARAMPLANE_TIMEOUT=str(min(args.timeout, 120.0)),
-            )
-            # One BLAS thread per rank when ranks outnumber cores: oversubscribed BLAS pools made
-            # the run 5x slower on a 2-core machine. A user's own setting wins.
-            threads = str(max(1, (os.cpu_count() or 1) // args.world_size))
-            for var in THREAD_VARS:
-                env.setdefault(var, threads)
-            cmd = [sys.executable, str(EXAMPLE), "--epochs", str(args.epochs), "--out", str(args.out)]
-            procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
-        code = _wait(procs, started + args.timeout)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-        coord.stop()
-    elapsed = time.monotonic() - started
+    code = launch(config)
     if code == 0:
+        elapsed = time.monotonic() - started
         print(
             f"paramplane demo: done in {elapsed:.1f} s; loss curve saved to {args.out / 'loss.png'}",
             flush=True,
         )
     return code
-
-
-def _wait(procs: list[subprocess.Popen[bytes]], deadline: float) -> int:
-    """0 once every rank exited 0; the first failure's status (the others are killed by the caller)."""
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            rank, code = failed[0]
-            print(f"paramplane demo: rank {rank} exited with {code}; stopping the others", file=sys.stderr)
-            return code if code is not None and code > 0 else 1
-        if all(c == 0 for c in codes):
-            return 0
-        if time.monotonic() > deadline:
-            print("paramplane demo: timed out; stopping the ranks", file=sys.stderr)
-            return 1
-        try:
-            next(p for p in procs if p.poll() is None).wait(0.2)
-        except (subprocess.TimeoutExpired, StopIteration):
-            pass
 
 
 if __name__ == "__main__":

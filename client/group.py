@@ -47,6 +47,11 @@ class ProcessGroup:
     def timeout(self) -> float:
         return self._e.timeout_s
 
+    @property
+    def tracer(self) -> Any:
+        """This rank's Chrome tracer when ``PARAMPLANE_TRACE`` is set, else None."""
+        return self._e.ctx.tracer
+
     def __repr__(self) -> str:
         return f"<ProcessGroup {self.name} rank {self.rank}/{self.size} ranks {self.ranks}>"
 

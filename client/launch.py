@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 # glibc keeps large blocks instead of returning them to the OS: chunk buffers are reused
 # without page faults (DESIGN.md Wire). Only defaults: a user's own setting wins.
 MALLOC_DEFAULTS = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
+# BLAS pools sized for the whole machine in every rank oversubscribe the cores (a 4-rank demo on
+# 2 cores ran 5x slower); ranks get cores // ranks threads unless the user chose.
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _MAX_LINE = 1 << 16
 _POLL_S = 0.05
@@ -291,6 +294,9 @@ class Launcher:
             env.pop(stale, None)  # an outer rank hint would be wrong here; the token is resolved already
         for key, value in MALLOC_DEFAULTS.items():
             env.setdefault(key, value)
+        threads = str(max(1, (os.cpu_count() or 1) // config.num_ranks))
+        for var in THREAD_VARS:
+            env.setdefault(var, threads)
         env.update(
             PARAMPLANE_COORDINATOR=address,
             PARAMPLANE_WORLD_SIZE=str(config.total_ranks),

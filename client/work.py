@@ -19,12 +19,12 @@ class Work(Generic[T]):
 
     def wait(self, timeout: float | None = None) -> T:
         """Block until the op finished; CollectiveTimeout if it has not after ``timeout`` seconds (it keeps running)."""
-        try:
-            return self._future.result(timeout)
-        except concurrent.futures.TimeoutError:
+        done, _ = concurrent.futures.wait([self._future], timeout)
+        if not done:
             raise CollectiveTimeout(
                 f"{self.name} not finished after waiting {timeout} s; it is still running"
-            ) from None
+            )
+        return self._future.result()
 
     def is_completed(self) -> bool:
         return self._future.done()

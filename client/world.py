@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 from collections.abc import Sequence
@@ -178,6 +179,8 @@ def init(
     runtime = NodeRuntime(config)
     runtime.start()
     world = World(runtime)
+    # A script that forgets shutdown() still says goodbye to its peers (they would see it as lost).
+    atexit.register(world.shutdown)
     if tracer is not None:
         tracer.open(world.rank)
     return world

@@ -10,13 +10,14 @@ reduced as soon as it arrives, while gRPC receives the next one.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import numpy as np
 
 from paramplane.node.errors import CollectiveMismatch, PlaneError, TransportError
-from paramplane.node.peer import CHUNK_BYTES, PeerPlane, encode_failure
+from paramplane.node.peer import CHUNK_BYTES, ERROR_SUFFIX, PeerPlane, encode_failure
 from paramplane.node.spec import OpSpec, reduce_ufunc, split_bounds
 from paramplane.protos import peer_pb2
 
@@ -83,10 +84,11 @@ class GrpcComm:
             inline_payload=data.tobytes() if inline and nbytes else b"",
         )
         stream = await self.plane.stream(self.ranks[idx], self.key)
-        async with stream.lock:
-            await stream.write(header.SerializeToString())
-            for i in range(num_chunks):
-                await stream.write(data[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES].tobytes())
+        failure = self.plane.failure(self.key)
+        if failure is not None:
+            raise failure
+        chunks = (data[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES].tobytes() for i in range(num_chunks))
+        await stream.send_frame(itertools.chain([header.SerializeToString()], chunks))
 
     async def recv(self, idx: int, spec: OpSpec, step: int, nbytes: int, sink: Sink) -> None:
         """Receive one frame from group index ``idx``, check it against ``spec``, feed its chunks to ``sink``."""
@@ -137,9 +139,10 @@ class GrpcComm:
         return exc
 
     async def _send_error(self, idx: int, frame: bytes) -> None:
+        # A stream of its own: the data stream may be mid-frame or blocked by flow control.
         try:
-            stream = await asyncio.wait_for(self.plane.stream(self.ranks[idx], self.key), 2.0)
-            await asyncio.wait_for(stream.write(frame), 2.0)
+            stream = await asyncio.wait_for(self.plane.stream(self.ranks[idx], self.key + ERROR_SUFFIX), 2.0)
+            await asyncio.wait_for(stream.send_frame([frame]), 2.0)
         except BaseException:
             pass
 

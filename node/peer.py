@@ -101,19 +101,46 @@ class TlsConfig:
     root_cert: bytes
 
 
+ERROR_SUFFIX = "#err"
+
+
 class OutStream:
-    """One outbound stream to a peer; writes are serialised by a lock."""
+    """One outbound stream to a peer.
+
+    ``send_frame`` writes a header and its chunks under a lock; a frame cut short by
+    cancellation leaves the stream ``broken`` (its receiver would misread what follows), so
+    nothing more is written on it.
+    """
 
     def __init__(self, call: Any, dst: int) -> None:
         self.call = call
         self.dst = dst
         self.lock = asyncio.Lock()
+        self.broken = False
+        self.opened: asyncio.Future[None] | None = None
 
     async def write(self, data: bytes) -> None:
         try:
             await self.call.write(data)
         except Exception as exc:
+            self.broken = True
             raise await self._failure(exc) from None
+
+    async def send_frame(self, messages: Any) -> None:
+        """Write every message of one frame (an iterable of bytes), or mark the stream broken."""
+        assert self.opened is not None
+        await asyncio.shield(self.opened)
+        async with self.lock:
+            if self.broken:
+                raise TransportError(f"the stream to rank {self.dst} broke earlier; this group has failed")
+            done = False
+            try:
+                for message in messages:
+                    await self.write(message)
+                done = True
+            finally:
+                if not done:
+                    self.broken = True
 
     async def _failure(self, exc: BaseException) -> PlaneError:
         details = ""
@@ -195,11 +222,15 @@ class PeerPlane:
         streams = list(self._streams.values())
         self._streams.clear()
 
+        eos = peer_pb2.FrameHeader(src=self.rank, end_of_stream=True).SerializeToString()
+
         async def finish(s: OutStream) -> None:
             try:
+                if not s.broken:
+                    await s.send_frame([eos])
                 await s.call.done_writing()
                 await s.call
-            except Exception:
+            except BaseException:
                 pass
 
         if streams:
@@ -261,6 +292,9 @@ class PeerPlane:
                 f"TransportError: stream from rank {opening.src} of job {opening.job_id!r} does not belong here",
             )
         src, key = opening.src, opening.group
+        errors_only = key.endswith(ERROR_SUFFIX)
+        if errors_only:
+            key = key[: -len(ERROR_SUFFIX)]
         inbox = self.inbox(src, key)
         clean = False
         try:
@@ -273,12 +307,17 @@ class PeerPlane:
                     await inbox.put(message)
                     continue
                 header = _parse_header(message)
-                if header.error:
+                if header.end_of_stream:
+                    clean = True
+                elif header.error:
                     self.fail_key(key, decode_failure(header.error))
-                    continue
-                remaining = header.num_chunks
-                await inbox.put(header)
-            clean = True
+                elif errors_only:
+                    raise _Malformed("a data frame on an error stream")
+                else:
+                    remaining = header.num_chunks
+                    await inbox.put(header)
+            # grpc.aio ends the iterator quietly when the sender dies, so only an explicit
+            # end-of-stream frame counts as a clean close.
         except _Malformed as exc:
             self.fail_key(key, TransportError(f"malformed frame from rank {src}: {exc}"))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"TransportError: {exc}")
@@ -286,7 +325,9 @@ class PeerPlane:
             await context.abort(grpc.StatusCode.ABORTED, encode_failure(exc))
         finally:
             if not clean and not self._closing and inbox.error is None:
-                self.peer_lost(src, "its data stream broke (process died or network failed)")
+                self.peer_lost(
+                    src, "its data stream ended without a goodbye (process died or network failed)"
+                )
         return b""
 
     # -- sending ---------------------------------------------------------------------------------
@@ -312,6 +353,8 @@ class PeerPlane:
             call = method(metadata=token_metadata(self._token), wait_for_ready=True)
             s = self._streams[(dst, key)] = OutStream(call, dst)
             opening = peer_pb2.StreamOpen(src=self.rank, job_id=self.job_id, group=key)
-            async with s.lock:
-                await s.write(opening.SerializeToString())
+            # A task, so that a cancelled first sender cannot cut the opening short.
+            s.opened = asyncio.ensure_future(s.write(opening.SerializeToString()))
+        assert s.opened is not None
+        await asyncio.shield(s.opened)
         return s

@@ -112,6 +112,7 @@ class FrameHeader(_message.Message):
     ARG_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     INLINE_PAYLOAD_FIELD_NUMBER: _builtins.int
+    END_OF_STREAM_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     """Process group name and the collective's sequence number within it."""
     seq: _builtins.int
@@ -130,6 +131,8 @@ class FrameHeader(_message.Message):
     """Non-empty when the sender failed this op; the frame carries no payload."""
     inline_payload: _builtins.bytes
     """Small payloads (up to 64 KiB) travel inside the header (num_chunks = 0): one message, not two."""
+    end_of_stream: _builtins.bool
+    """The sender closes this stream cleanly; a stream that ends without it lost its sender."""
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The shape of the caller's array, for mismatch reports."""
@@ -150,10 +153,11 @@ class FrameHeader(_message.Message):
         arg: _builtins.str = ...,
         error: _builtins.str = ...,
         inline_payload: _builtins.bytes = ...,
+        end_of_stream: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arg", b"arg", "dst", b"dst", "dtype", b"dtype", "error", b"error", "group", b"group", "inline_payload", b"inline_payload", "nbytes", b"nbytes", "num_chunks", b"num_chunks", "op", b"op", "seq", b"seq", "shape", b"shape", "src", b"src", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arg", b"arg", "dst", b"dst", "dtype", b"dtype", "end_of_stream", b"end_of_stream", "error", b"error", "group", b"group", "inline_payload", b"inline_payload", "nbytes", b"nbytes", "num_chunks", b"num_chunks", "op", b"op", "seq", b"seq", "shape", b"shape", "src", b"src", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

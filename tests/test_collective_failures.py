@@ -53,15 +53,7 @@ def test_work_wait_timeout_leaves_the_op_running(errors_world: tuple[str, WorldO
 
 
 def test_mismatched_shapes_fail_both_ranks(errors_world: tuple[str, WorldOutcome]) -> None:
-    transport, world = errors_world
-    if transport == "grpc" and failures(world, "mismatch"):
-        # Not a strict xfail mark: the race is won by the buggy path most of the time, not always.
-        pytest.xfail(
-            "node/grpc_ops.py GrpcComm.fail + node/peer.py PeerPlane.stream: when rank 0 finds the "
-            "mismatch first, run_all cancels its send while the StreamOpen write is pending; the OutStream "
-            "is already registered, so _send_error writes the error frame as the stream's first message, "
-            "rank 1 parses it as an empty StreamOpen and refuses the stream: rank 1 gets CollectiveTimeout"
-        )
+    _transport, world = errors_world
     assert failures(world, "mismatch") == []
     for r in world.ranks:
         assert r.result is not None
@@ -77,12 +69,6 @@ def test_group_timeout_with_a_rank_that_never_calls(errors_world: tuple[str, Wor
     assert 1.9 <= elapsed < 5.0, f"group timeout of 2 s raised after {elapsed:.2f} s"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="client/work.py Work.wait: `except concurrent.futures.TimeoutError` also catches the op's own "
-    "CollectiveTimeout (a TimeoutError; concurrent.futures.TimeoutError is TimeoutError on 3.11), so a "
-    "failed op is reported as 'not finished after waiting 30 s; it is still running'",
-)
 def test_work_of_a_failed_op_reraises_its_error(errors_world: tuple[str, WorldOutcome]) -> None:
     assert failures(errors_world[1], "work-error") == []
 
@@ -143,12 +129,6 @@ def test_malformed_frame_and_missing_token() -> None:
     assert all("test-token-5f2a" not in r.output for r in world.ranks)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="node/peer.py PeerPlane._push: when the sending process dies, grpc.aio ends the request "
-    "iterator normally (no error, context.cancelled() False), so `clean = True` and peer_lost() is never "
-    "called; the receiver only learns of the death from the coordinator's heartbeat timeout",
-)
 def test_dead_sender_detected_by_its_stream_breaking() -> None:
     """With a long heartbeat timeout, a rank that only receives from a dead rank must learn of
     the death from the data stream breaking, not from the coordinator."""
