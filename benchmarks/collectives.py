@@ -59,6 +59,8 @@ class BenchConfig:
     """With ``iters`` None: the fewest timed iterations of one (op, size)."""
     timeout_s: float = 600.0
     """Deadline for one world (start to exit of all its ranks)."""
+    repeats: int = 1
+    """Rounds over every world and impl (interleaved, so load drifts hit all alike); the median round counts."""
 
     def __post_init__(self) -> None:
         bad = [op for op in self.ops if op not in OPS]
@@ -75,8 +77,8 @@ class BenchConfig:
             raise ValueError(f"iters must be >= 1, got {self.iters}")
         if not 1 <= self.min_iters <= self.max_iters:
             raise ValueError("need 1 <= min_iters <= max_iters")
-        if self.timeout_s <= 0 or self.byte_budget <= 0:
-            raise ValueError("timeout_s and byte_budget must be > 0")
+        if self.timeout_s <= 0 or self.byte_budget <= 0 or self.repeats < 1:
+            raise ValueError("timeout_s and byte_budget must be > 0, repeats >= 1")
 
     def schedule(self, nbytes: int, world: int) -> tuple[int, int]:
         """(warm-up, timed) iterations for one (op, size) in a world of ``world`` ranks."""
@@ -154,6 +156,28 @@ def _gloo_call(op: str, big: Any, small: Any) -> Callable[[], object]:
     return lambda: dist.broadcast(big, src=0)
 
 
+def _rank_loop(
+    cfg: BenchConfig,
+    impl: str,
+    transport: str,
+    n: int,
+    make_call: Callable[[str, int], Callable[[], object]],
+    barrier: Callable[[], object],
+    worst: Callable[[float], float],
+) -> list[dict[str, Any]]:
+    """Time every (op, size); ``make_call(op, count)`` builds the call, ``worst`` maxes over ranks."""
+    rows = []
+    for op in cfg.ops:
+        for size in cfg.sizes:
+            count = size // ITEMSIZE // n * n
+            warmup, timed = cfg.schedule(size, n)
+            call = make_call(op, count)
+            barrier()
+            p50 = worst(_time_calls(call, warmup, timed))
+            rows.append(make_row(impl, transport, op, n, count * ITEMSIZE, p50, timed))
+    return rows
+
+
 def _paramplane_rank(cfg: BenchConfig, transport: str, out: Path) -> None:
     import numpy as np
 
@@ -161,18 +185,14 @@ def _paramplane_rank(cfg: BenchConfig, transport: str, out: Path) -> None:
 
     world = pp.init()
     g = world.group
-    n = g.size
-    rows = []
-    for op in cfg.ops:
-        for size in cfg.sizes:
-            count = size // ITEMSIZE // n * n
-            x = np.zeros(count // n if op == "all_gather" else count, np.float32)
-            warmup, timed = cfg.schedule(size, n)
-            g.barrier()
-            median = _time_calls(_paramplane_call(g, op, x), warmup, timed)
-            worst = float(g.all_gather(np.array([median], np.float64)).max())
-            if world.rank == 0:
-                rows.append(make_row("paramplane", transport, op, n, count * ITEMSIZE, worst, timed))
+
+    def make_call(op: str, count: int) -> Callable[[], object]:
+        return _paramplane_call(g, op, np.zeros(count // g.size if op == "all_gather" else count, np.float32))
+
+    def worst(median: float) -> float:
+        return float(g.all_gather(np.array([median], np.float64)).max())
+
+    rows = _rank_loop(cfg, "paramplane", transport, g.size, make_call, g.barrier, worst)
     if world.rank == 0:
         out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     world.shutdown()
@@ -184,27 +204,18 @@ def _gloo_rank(cfg: BenchConfig, rank: int, n: int, store: str, out: Path) -> No
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=n,
-        timeout=timedelta(seconds=cfg.timeout_s),
-    )
-    rows = []
-    for op in cfg.ops:
-        for size in cfg.sizes:
-            count = size // ITEMSIZE // n * n
-            big = torch.zeros(count, dtype=torch.float32)
-            small = torch.zeros(count // n, dtype=torch.float32)
-            warmup, timed = cfg.schedule(size, n)
-            dist.barrier()
-            worst = torch.tensor(
-                [_time_calls(_gloo_call(op, big, small), warmup, timed)], dtype=torch.float64
-            )
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-            if rank == 0:
-                rows.append(make_row("gloo", "gloo", op, n, count * ITEMSIZE, float(worst.item()), timed))
+    timeout = timedelta(seconds=cfg.timeout_s)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=n, timeout=timeout)
+
+    def make_call(op: str, count: int) -> Callable[[], object]:
+        return _gloo_call(op, torch.zeros(count), torch.zeros(count // n))
+
+    def worst(median: float) -> float:
+        t = torch.tensor([median], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    rows = _rank_loop(cfg, "gloo", "gloo", n, make_call, dist.barrier, worst)
     if rank == 0:
         out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     dist.destroy_process_group()
@@ -276,6 +287,19 @@ def _run_world(cfg: BenchConfig, impl: str, transport: str, world: int) -> list[
                 coordinator.stop()
 
 
+def combine(rounds: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per case, the round with the median p50 (the lower one of an even count), tagged with ``repeats``."""
+    cases: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for rows in rounds:
+        for r in rows:
+            cases.setdefault((r["impl"], r["transport"], r["op"], r["world_size"], r["bytes"]), []).append(r)
+    out = []
+    for runs in cases.values():
+        mid = sorted(runs, key=lambda r: r["p50_us"])[(len(runs) - 1) // 2]
+        out.append(dict(mid, repeats=len(runs)))
+    return out
+
+
 def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """One line per paramplane row with a gloo row at the same (op, world, bytes).
 
@@ -287,17 +311,13 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         ref = gloo.get((r["op"], r["world_size"], r["bytes"]))
         if r["impl"] != "paramplane" or ref is None:
             continue
-        out.append(
-            {
-                "bench": "collectives_summary",
-                "transport": r["transport"],
-                "op": r["op"],
-                "world_size": r["world_size"],
-                "bytes": r["bytes"],
-                "busbw_vs_gloo": _sig(r["busbw_GBps"] / ref["busbw_GBps"], 3),
-                "p50_vs_gloo": _sig(r["p50_us"] / ref["p50_us"], 3),
-            }
-        )
+        line = {
+            "bench": "collectives_summary",
+            **{k: r[k] for k in ("transport", "op", "world_size", "bytes")},
+        }
+        line["busbw_vs_gloo"] = _sig(r["busbw_GBps"] / ref["busbw_GBps"], 3)
+        line["p50_vs_gloo"] = _sig(r["p50_us"] / ref["p50_us"], 3)
+        out.append(line)
     return out
 
 
@@ -343,22 +363,15 @@ def _size(text: str) -> int:
 def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="paramplane bench collectives", description=__doc__.split("\n")[0])
     p.add_argument("--ops", type=_csv(str), default=OPS, help="comma list (default: all four)")
-    p.add_argument(
-        "--sizes", type=_csv(_size), default=None, help="comma list, e.g. 4K,1M,64M (default 4K..64M x4)"
-    )
+    p.add_argument("--sizes", type=_csv(_size), default=None, help="e.g. 4K,1M,64M (default 4K..64M)")
     p.add_argument("--worlds", type=_csv(int), default=(2, 4), help="comma list of world sizes (default 2,4)")
-    p.add_argument(
-        "--transports", type=_csv(str), default=TRANSPORTS, help="paramplane transports (default grpc,shm)"
-    )
-    p.add_argument(
-        "--iters", type=int, default=None, help="timed iterations per size (default: scaled by size)"
-    )
+    p.add_argument("--transports", type=_csv(str), default=TRANSPORTS, help="default grpc,shm")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations (default: by size)")
+    p.add_argument("--repeats", type=int, default=1, help="interleaved rounds, median kept (default 1)")
     p.add_argument("--no-gloo", action="store_true", help="skip torch.distributed gloo")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per world (default 600)")
     p.add_argument("--out", type=Path, default=None, help="append the JSON lines to this file")
-    p.add_argument(
-        "--quick", action="store_true", help="tiny subset for smoke tests: world 2, 4K and 64K, 5 iters"
-    )
+    p.add_argument("--quick", action="store_true", help="world 2, 4K and 64K, 5 iters")
     p.add_argument("--markdown", action="store_true", help="also print a markdown table")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -372,6 +385,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namesp
             gloo=not args.no_gloo,
             iters=args.iters if args.iters is not None else (5 if quick else None),
             timeout_s=min(args.timeout, 60.0) if quick else args.timeout,
+            repeats=args.repeats,
         )
     except ValueError as exc:
         p.error(str(exc))
@@ -389,29 +403,25 @@ def main(argv: list[str] | None = None) -> int:
             impls.append(("gloo", "gloo"))
         else:
             print("torch.distributed not importable: gloo peer skipped", file=sys.stderr)
-    rows: list[dict[str, Any]] = []
-    sink = open(args.out, "a") if args.out else None  # noqa: SIM115 (closed below)
+    rounds: list[list[dict[str, Any]]] = []
     try:
-        for world in cfg.worlds:
-            for impl, transport in impls:
-                start = time.monotonic()
-                new = _run_world(cfg, impl, transport, world)
-                print(f"# {impl}/{transport} world {world}: {time.monotonic() - start:.1f}s", file=sys.stderr)
-                for line in new:
-                    print(json.dumps(line), flush=True)
-                    if sink:
-                        sink.write(json.dumps(line) + "\n")
-                rows += new
-        for line in summarize(rows):
-            print(json.dumps(line))
-            if sink:
-                sink.write(json.dumps(line) + "\n")
+        for i in range(cfg.repeats):
+            rounds.append([])
+            for world in cfg.worlds:
+                for impl, transport in impls:
+                    start = time.monotonic()
+                    rounds[-1] += _run_world(cfg, impl, transport, world)
+                    took = time.monotonic() - start
+                    print(f"# round {i + 1}: {impl}/{transport} world {world}: {took:.1f}s", file=sys.stderr)
     except RuntimeError as exc:
         print(f"benchmark failed: {exc}", file=sys.stderr)
         return 1
-    finally:
-        if sink:
-            sink.close()
+    rows = combine(rounds)
+    lines = [json.dumps(line) for line in [*rows, *summarize(rows)]]
+    print("\n".join(lines), flush=True)
+    if args.out:
+        with open(args.out, "a") as sink:
+            sink.write("".join(line + "\n" for line in lines))
     if args.markdown:
         print(markdown(rows))
     return 0

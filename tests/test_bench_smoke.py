@@ -125,3 +125,13 @@ def test_bad_arguments_are_refused_with_a_message(args: list[str], message: str,
         bench.main([*bounded, *args])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_repeats_keep_the_median_round_of_each_case() -> None:
+    rounds = [
+        [bench.make_row("gloo", "gloo", "broadcast", 2, 4096, p50_s, 10)] for p50_s in (3e-4, 1e-4, 9e-4)
+    ]
+    (row,) = bench.combine(rounds)
+    assert row["p50_us"] == pytest.approx(300.0) and row["repeats"] == 3
+    with pytest.raises(ValueError, match="repeats"):
+        bench.BenchConfig(repeats=0)
