@@ -43,3 +43,32 @@ def test_each_rank_writes_its_collectives_and_merge_joins_them(tmp_path: Path) -
 def test_merge_of_an_empty_folder_says_how_to_get_traces(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="PARAMPLANE_TRACE"):
         trace.merge(tmp_path)
+
+
+def test_trace_merge_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from paramplane import cli
+
+    for rank in range(2):
+        event = {
+            "name": "all_reduce",
+            "cat": "collective",
+            "ph": "X",
+            "ts": 1.0 + rank,
+            "dur": 2.0,
+            "pid": rank,
+        }
+        (tmp_path / f"rank-{rank}.json").write_text(json.dumps({"traceEvents": [event]}))
+    assert cli.main(["trace", "merge", str(tmp_path), "--out", str(tmp_path / "all.json")]) == 0
+    merged = json.loads((tmp_path / "all.json").read_text())["traceEvents"]
+    assert sorted(e["pid"] for e in merged) == [0, 1]
+    assert "all.json" in capsys.readouterr().out
+    assert cli.main(["trace", "merge", str(tmp_path / "missing")]) == 1
+
+
+def test_bench_command_lists_and_refuses_unknown(capsys: pytest.CaptureFixture[str]) -> None:
+    from paramplane import cli
+
+    assert cli.main(["bench", "--help"]) == 0
+    assert "collectives" in capsys.readouterr().out
+    assert cli.main(["bench", "no-such-benchmark"]) == 2
+    assert "no benchmark 'no-such-benchmark'" in capsys.readouterr().err
