@@ -36,34 +36,26 @@ class ChromeTracer:
     def record(
         self, name: str, group: str, seq: int, nbytes: int, start: float, end: float, transport: str
     ) -> None:
+        args = {"group": group, "seq": seq, "bytes": nbytes, "transport": transport}
+        self._span(name, "collective", group, start, end, args)
+
+    def mark(self, name: str, start: float, end: float, **args: Any) -> None:
+        """A non-collective span (e.g. a layer's backward) on the ``compute`` track."""
+        self._span(name, "compute", "compute", start, end, args)
+
+    def _span(self, name: str, cat: str, track: str, start: float, end: float, args: dict[str, Any]) -> None:
         event = {
             "name": name,
-            "cat": "collective",
+            "cat": cat,
             "ph": "X",
             "ts": start * 1e6 + self._offset_us,
             "dur": max(0.0, (end - start) * 1e6),
             "pid": self.rank,
-            "tid": group,
-            "args": {"group": group, "seq": seq, "bytes": nbytes, "transport": transport},
+            "tid": track,
+            "args": args,
         }
         with self._lock:
             self._events.append(event)
-
-    def mark(self, name: str, start: float, end: float, **args: Any) -> None:
-        """A non-collective span (e.g. a layer's backward) on the ``compute`` track."""
-        with self._lock:
-            self._events.append(
-                {
-                    "name": name,
-                    "cat": "compute",
-                    "ph": "X",
-                    "ts": start * 1e6 + self._offset_us,
-                    "dur": max(0.0, (end - start) * 1e6),
-                    "pid": self.rank,
-                    "tid": "compute",
-                    "args": args,
-                }
-            )
 
     @property
     def events(self) -> list[dict[str, Any]]:

@@ -28,6 +28,7 @@ from paramplane.node.errors import (
     TransportError,
     WorldAborted,
 )
+from paramplane.node.topology import RankInfo
 from paramplane.protos import coordinator_pb2 as pb
 from paramplane.protos import coordinator_pb2_grpc as pb_grpc
 from paramplane.protos.auth import ABORT_RANK_METADATA_KEY, MISMATCH_METADATA_KEY, token_metadata
@@ -45,13 +46,8 @@ _KINDS = {
 }
 
 
-@dataclass(frozen=True)
-class PeerEntry:
-    rank: int
-    address: str
-    host_id: str
-    node_rank: int
-    local_rank: int
+# One row of the coordinator's peer table; the same record the rank grid is built from.
+PeerEntry = RankInfo
 
 
 @dataclass(frozen=True)

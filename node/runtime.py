@@ -24,7 +24,7 @@ from paramplane.node.errors import PeerLost, PlaneClosed, PlaneError, WorldAbort
 from paramplane.node.group import TRANSPORTS, GroupEngine, Tracer
 from paramplane.node.loop import LoopThread
 from paramplane.node.peer import PeerPlane, TlsConfig
-from paramplane.node.topology import RankInfo, Topology
+from paramplane.node.topology import Topology
 
 log = logging.getLogger("paramplane.node")
 
@@ -129,9 +129,7 @@ class NodeRuntime:
         self.membership = m
         self.rank = m.rank
         self.job_id = m.job_id
-        self.topology = Topology(
-            tuple(RankInfo(p.rank, p.address, p.host_id, p.node_rank, p.local_rank) for p in m.peers)
-        )
+        self.topology = Topology(m.peers)
         self.plane.configure(m.rank, m.job_id, {p.rank: p.address for p in m.peers})
         self._tasks = [asyncio.ensure_future(self._heartbeats()), asyncio.ensure_future(self._watch())]
         return m
