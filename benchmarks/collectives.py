@@ -361,7 +361,9 @@ def _size(text: str) -> int:
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]:
-    p = argparse.ArgumentParser(prog="paramplane bench collectives", description=(__doc__ or "").split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="paramplane bench collectives", description=(__doc__ or "").split("\n")[0]
+    )
     p.add_argument("--ops", type=_csv(str), default=OPS, help="comma list (default: all four)")
     p.add_argument("--sizes", type=_csv(_size), default=None, help="e.g. 4K,1M,64M (default 4K..64M)")
     p.add_argument("--worlds", type=_csv(int), default=(2, 4), help="comma list of world sizes (default 2,4)")
