@@ -25,7 +25,7 @@ ENV_VARS = {
     "PARAMPLANE_TRANSPORT": "auto | grpc | shm (default auto)",
     "PARAMPLANE_BIND": "address the data-plane server binds (default 127.0.0.1)",
     "PARAMPLANE_ADVERTISE": "address peers use to reach this rank (default: the bind address)",
-    "PARAMPLANE_SHM_SLOT_MB": "shared-memory slot per rank and bank in MiB (default 4)",
+    "PARAMPLANE_SHM_SLOT_MB": "shared-memory slot per rank and bank in MiB (default 1)",
     "PARAMPLANE_TRACE": "folder for per-rank Chrome-trace JSON of every collective",
 }
 

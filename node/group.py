@@ -10,7 +10,6 @@ After a failure the group stays failed: later ops raise the same error at once.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import threading
 import time
@@ -166,19 +165,17 @@ class GroupEngine:
 
     def on_loop(self, coro: Coroutine[Any, Any, T], deadline: float, fail: Callable[[PlaneError], Any]) -> T:
         """Run a gRPC algorithm on the runtime's loop, bounded by ``deadline``."""
-
-        async def bounded() -> T:
-            try:
-                return await asyncio.wait_for(coro, max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
-                exc = CollectiveTimeout(
-                    f"collective on group '{self.name}' did not finish within {self.timeout_s:g} s; a peer may be "
-                    "slow or hung: raise PARAMPLANE_TIMEOUT if it is merely slow"
-                )
-                fail(exc)
-                raise exc from None
-
-        return self.ctx.loop.run(bounded())
+        fut = self.ctx.loop.submit(coro)
+        done, _ = concurrent.futures.wait([fut], max(0.0, deadline - time.monotonic()))
+        if done:
+            return fut.result()
+        exc = CollectiveTimeout(
+            f"collective on group '{self.name}' did not finish within {self.timeout_s:g} s; a peer may be "
+            "slow or hung: raise PARAMPLANE_TIMEOUT if it is merely slow"
+        )
+        self.ctx.loop.loop.call_soon_threadsafe(fail, exc)
+        fut.cancel()
+        raise exc
 
     # -- transports set up on first use (every member runs the same first op) ----------------------
     def shm(self) -> ShmComm:

@@ -57,11 +57,16 @@ class Inbox:
         if self._getter is not None and not self._getter.done():
             self._getter.set_result(None)
 
-    def fail(self, exc: BaseException) -> None:
-        """Fail the inbox: buffered messages are dropped; waiters and later calls raise ``exc``."""
+    def fail(self, exc: BaseException, *, drain: bool = False) -> None:
+        """Fail the inbox: waiters and later calls raise ``exc``.
+
+        With ``drain`` (a sender that died after delivering), what it already delivered can
+        still be read and ``get`` raises once the inbox is empty; otherwise it is dropped.
+        """
         if self.error is None:
             self.error = exc
-        self._items.clear()
+        if not drain:
+            self._items.clear()
         waiters = [*self._putters, *([self._getter] if self._getter else [])]
         self._putters.clear()
         for fut in waiters:

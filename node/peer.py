@@ -247,13 +247,16 @@ class PeerPlane:
     def failure(self, key: str) -> PlaneError | None:
         return self._failures.get(key) or self._global_failure
 
-    def fail_key(self, key: str, exc: PlaneError) -> None:
-        """Fail every inbox of stream key ``key``: its pending and later receives raise ``exc``."""
+    def fail_key(self, key: str, exc: PlaneError, *, lost: int = -1) -> None:
+        """Fail every inbox of stream key ``key``: its pending and later receives raise ``exc``.
+
+        When rank ``lost`` died, frames it delivered before dying stay readable.
+        """
         self._failures.setdefault(key, exc)
         first = self._failures[key]
-        for (_, k), inbox in self._inboxes.items():
+        for (src, k), inbox in self._inboxes.items():
             if k == key:
-                inbox.fail(first)
+                inbox.fail(first, drain=src == lost)
 
     def fail_all(self, exc: PlaneError) -> None:
         if self._global_failure is None:
@@ -265,7 +268,7 @@ class PeerPlane:
         exc = PeerLost(f"rank {src} was lost: {why}", src)
         for key, members in self._stream_members.items():
             if src in members:
-                self.fail_key(key, exc)
+                self.fail_key(key, exc, lost=src)
 
     # -- receiving -------------------------------------------------------------------------------
     def inbox(self, src: int, key: str) -> Inbox:

@@ -28,7 +28,7 @@ SEGMENT_PREFIX = "paramplane-"
 CTRL_STRIDE = 1024  # bytes of control area per rank
 SPEC_OFFSET = 64  # spec texts start here within a rank's control area
 SPEC_BYTES = 448  # per parity
-DEFAULT_SLOT_BYTES = 4 << 20
+DEFAULT_SLOT_BYTES = 1 << 20  # measured best of 0.5-8 MiB for 64 MiB all-reduces (cache-sized rounds)
 
 
 def slot_bytes_from_env() -> int:
@@ -102,9 +102,14 @@ class ShmComm:
         self._parity = 0
         self.failure: PlaneError | None = None
         self._ctrl[index, 1] = os.getpid()
+        # Phase counters read as plain ints (cheaper than numpy indexing in the wait loop).
+        self._counters = memoryview(mm).cast("q")
+        self._stride = CTRL_STRIDE // 8
+        self._others = [j * self._stride for j in range(self.n) if j != index]
         self._data[:, index, :] = 0  # fault our pages in now, not in the first collective
 
     def close(self) -> None:
+        self._counters.release()
         del self._ctrl, self._ctrl_bytes, self._data
         try:
             self.mm.close()
@@ -113,21 +118,29 @@ class ShmComm:
 
     # -- synchronisation -------------------------------------------------------------------------
     def _sync(self, deadline: float) -> None:
+        """Publish the next phase and wait until every rank has published it.
+
+        Spins briefly (a peer in step arrives within microseconds), then yields the core for a
+        few milliseconds, then sleeps in growing steps so that a slow peer costs no CPU.
+        """
         self._phase += 1
         phase = self._phase
-        ctrl = self._ctrl
-        ctrl[self.index, 0] = phase
-        spins = 0
-        next_check = 0.0
-        while int(ctrl[:, 0].min()) < phase:
-            spins += 1
-            if spins < 64:
-                continue
-            if spins < 2048:
-                time.sleep(0)
-            else:
-                time.sleep(0.0002 if spins < 8192 else 0.001)
+        counters = self._counters
+        counters[self.index * self._stride] = phase
+        others = self._others
+        if all(counters[k] >= phase for k in others):
+            return
+        start = time.monotonic()
+        next_check = start + 0.02
+        while True:
+            for _ in range(64):
+                if all(counters[k] >= phase for k in others):
+                    return
             now = time.monotonic()
+            waited = now - start
+            if waited > 0.0002:
+                # Past a short pure spin: yield the core, then sleep in growing steps.
+                time.sleep(0 if waited < 0.005 else min(0.001, waited / 50))
             if now >= next_check:
                 next_check = now + 0.02
                 self._check(phase, now, deadline)

@@ -127,6 +127,9 @@ def sender_dies(world: pp.World, rep: Report) -> None:
     x = np.full(2 << 20, float(me), np.float32)
     g.broadcast(x, src=last)  # opens the stream from the last rank to every other
     rep.equal("warm-up", x, np.full(2 << 20, float(last), np.float32))
+    # Through the coordinator: every rank consumed the warm-up before the sender dies (a sender
+    # that crashes right after a send may take frames still queued in its process with it).
+    world.barrier("warm-up done", timeout=KV_TIMEOUT)
     if me == last:
         rep.values["died_at"] = time.time()
         rep.write()
