@@ -11,7 +11,7 @@ from types import TracebackType
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # grpc-stubs lack it
+from grpc_health.v1.health import aio as health_aio
 
 from paramplane.coordinator.service import CoordinatorService
 from paramplane.coordinator.state import MAX_VALUE_BYTES, CoordinatorState
