@@ -135,10 +135,19 @@ def _time_calls(call: Callable[[], object], warmup: int, timed: int) -> float:
 
 
 def _paramplane_call(g: Any, op: str, x: Any) -> Callable[[], object]:
+    """Like gloo's ``*_single`` calls, all_gather and reduce_scatter write into a preallocated ``out``."""
+    import numpy as np
+
     if op == "broadcast":
         return lambda: g.broadcast(x, src=0)
-    method = getattr(g, op)
-    return lambda: method(x)
+    if op == "all_gather":
+        gathered = np.empty(x.size * g.size, x.dtype)
+        return lambda: g.all_gather(x, out=gathered)
+    if op == "reduce_scatter":
+        base, extra = divmod(x.size, g.size)
+        piece = np.empty(base + (1 if g.rank < extra else 0), x.dtype)
+        return lambda: g.reduce_scatter(x, out=piece)
+    return lambda: g.all_reduce(x)
 
 
 def _gloo_call(op: str, big: Any, small: Any) -> Callable[[], object]:

@@ -156,42 +156,57 @@ class ProcessGroup:
 
         return self._issue("broadcast", x, body, async_op)
 
-    def all_gather(self, x: Any, *, async_op: bool = False) -> Any:
-        """Every rank's ``x`` concatenated along axis 0 in group order (0-d inputs give shape (size,))."""
+    def all_gather(self, x: Any, *, out: Any = None, async_op: bool = False) -> Any:
+        """Every rank's ``x`` concatenated along axis 0 in group order (0-d inputs give shape (size,)).
+
+        ``out`` (optional) receives the result, so a caller can reuse one buffer across steps.
+        """
         check_array(x, writable=False)
         e = self._e
         transport = e.transport_for(x, "all_gather")
         xp = array_module(x)
         rows = x.shape[0] if x.ndim else 1
         out_shape = (rows * e.size, *x.shape[1:])
+        self._check_out(out, out_shape, x)
 
         def body(seq: int) -> Any:
             spec = e.spec(seq, "all_gather", x)
             deadline = e._deadline()
-            out = xp.empty(out_shape, x.dtype)
+            result = out if out is not None else xp.empty(out_shape, x.dtype)
             if transport == "local":
-                out.reshape(-1)[...] = x.reshape(-1)
-                return out
+                result.reshape(-1)[...] = x.reshape(-1)
+                return result
             if transport == "nccl":
-                e.nccl().all_gather(x, out)
-                return out
-            host_out = np.empty(out_shape, x.dtype)
+                e.nccl().all_gather(x, result)
+                return result
+            host_out = np.empty(out_shape, x.dtype) if is_cupy(x) else result
             piece = self._host(x).reshape(-1)
             if transport == "shm":
                 e.shm().all_gather(spec, piece, host_out.reshape(-1), deadline)
             else:
                 self._grpc(e._grpc.all_gather(spec, piece, host_out.reshape(-1)), deadline)
-            if is_cupy(x):
-                return xp.asarray(host_out)
-            return host_out
+            self._back(result, host_out)
+            return result
 
         return self._issue("all_gather", x, body, async_op)
 
-    def reduce_scatter(self, x: Any, op: str = "sum", *, async_op: bool = False) -> Any:
+    @staticmethod
+    def _check_out(out: Any, shape: tuple[int, ...], x: Any) -> None:
+        if out is None:
+            return
+        check_array(out, "out")
+        if tuple(out.shape) != shape or out.dtype != x.dtype or is_cupy(out) != is_cupy(x):
+            raise ValueError(
+                f"out must be a {type(x).__name__} of shape {shape} and dtype {x.dtype}, got "
+                f"{type(out).__name__} {tuple(out.shape)} {out.dtype}"
+            )
+
+    def reduce_scatter(self, x: Any, op: str = "sum", *, out: Any = None, async_op: bool = False) -> Any:
         """This rank's rows of the reduction of ``x`` along axis 0.
 
         Rows are split like ``numpy.array_split``: with R rows and n ranks, the first R % n ranks
-        get R // n + 1 rows and the others R // n. ``x`` itself is left unchanged.
+        get R // n + 1 rows and the others R // n. ``x`` itself is left unchanged; ``out``
+        (optional) receives the result.
         """
         check_array(x, writable=False)
         if x.ndim == 0:
@@ -205,24 +220,29 @@ class ProcessGroup:
         bounds = [(a * row, b * row) for a, b in rows]
         a, b = rows[e.rank]
         out_shape = (b - a, *x.shape[1:])
+        self._check_out(out, out_shape, x)
 
         def body(seq: int) -> Any:
             spec = e.spec(seq, "reduce_scatter", x, op)
             deadline = e._deadline()
+            result = out if out is not None else xp.empty(out_shape, x.dtype)
             if transport == "local":
-                out = x.copy()
-                return out
+                result[...] = x
+                return result
             if transport == "nccl":
-                return e.nccl().reduce_scatter(x, op, bounds)
+                result[...] = e.nccl().reduce_scatter(x, op, bounds)
+                return result
             flat = self._host(x).reshape(-1)
-            out = np.empty(out_shape, x.dtype)
+            host_out = np.empty(out_shape, x.dtype) if is_cupy(x) else result
             if transport == "shm":
-                e.shm().reduce_scatter(spec, flat, bounds, op, out.reshape(-1), deadline)
+                e.shm().reduce_scatter(spec, flat, bounds, op, host_out.reshape(-1), deadline)
             else:
-                work = flat.copy()
+                work = e.scratch(flat.dtype, flat.size)
+                work[...] = flat
                 self._grpc(e._grpc.reduce_scatter(spec, work, bounds, op), deadline)
-                out.reshape(-1)[...] = work[bounds[e.rank][0] : bounds[e.rank][1]]
-            return xp.asarray(out) if is_cupy(x) else out
+                host_out.reshape(-1)[...] = work[bounds[e.rank][0] : bounds[e.rank][1]]
+            self._back(result, host_out)
+            return result
 
         return self._issue("reduce_scatter", x, body, async_op)
 
@@ -387,11 +407,11 @@ class ProcessGroup:
     async def broadcast_async(self, x: Any, src: int = 0) -> Any:
         return await self._await(self.broadcast(x, src, async_op=True))
 
-    async def all_gather_async(self, x: Any) -> Any:
-        return await self._await(self.all_gather(x, async_op=True))
+    async def all_gather_async(self, x: Any, *, out: Any = None) -> Any:
+        return await self._await(self.all_gather(x, out=out, async_op=True))
 
-    async def reduce_scatter_async(self, x: Any, op: str = "sum") -> Any:
-        return await self._await(self.reduce_scatter(x, op, async_op=True))
+    async def reduce_scatter_async(self, x: Any, op: str = "sum", *, out: Any = None) -> Any:
+        return await self._await(self.reduce_scatter(x, op, out=out, async_op=True))
 
     async def gather_async(self, x: Any, dst: int = 0) -> Any:
         return await self._await(self.gather(x, dst, async_op=True))

@@ -111,6 +111,7 @@ class GroupEngine:
         self._local: ShmComm | None = None
         self._cross: GrpcComm | None = None
         self._nccl: Any = None
+        self._scratch: np.ndarray | None = None
 
     # -- plumbing --------------------------------------------------------------------------------
     def progress(self) -> tuple[int, int]:
@@ -249,6 +250,13 @@ class GroupEngine:
                 comm.close()
         if self._nccl is not None:
             self._nccl.close()
+
+    def scratch(self, dtype: Any, size: int) -> np.ndarray:
+        """A reusable work buffer (ops of a group run one at a time, so one serves them all)."""
+        nbytes = size * np.dtype(dtype).itemsize
+        if self._scratch is None or self._scratch.nbytes < nbytes:
+            self._scratch = np.empty(nbytes, np.uint8)
+        return self._scratch[:nbytes].view(dtype)
 
     # -- argument helpers ------------------------------------------------------------------------
     def spec(self, seq: int, op: str, x: Any, arg: str = "") -> OpSpec:

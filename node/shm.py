@@ -106,6 +106,8 @@ class ShmComm:
         self._counters = memoryview(mm).cast("q")
         self._stride = CTRL_STRIDE // 8
         self._others = [j * self._stride for j in range(self.n) if j != index]
+        # Spinning only pays while every rank has a core; oversubscribed ranks yield at once.
+        self._spin_s = 0.0002 if self.n <= (os.cpu_count() or 1) else 0.0
         self._data[:, index, :] = 0  # fault our pages in now, not in the first collective
 
     def close(self) -> None:
@@ -138,7 +140,7 @@ class ShmComm:
                     return
             now = time.monotonic()
             waited = now - start
-            if waited > 0.0002:
+            if waited > self._spin_s:
                 # Past a short pure spin: yield the core, then sleep in growing steps.
                 time.sleep(0 if waited < 0.005 else min(0.001, waited / 50))
             if now >= next_check:

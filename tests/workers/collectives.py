@@ -75,6 +75,12 @@ def reductions(world: pp.World, rep: Report, full_big: bool) -> None:
                         rtol=tol(dname, op),
                     )
                     rep.check(f"reduce_scatter {tag} keeps x", np.array_equal(x, inputs[me]))
+                    if op == "sum":
+                        buf = np.empty_like(piece)
+                        got = g.reduce_scatter(x, op, out=buf)
+                        rep.check(
+                            f"reduce_scatter {tag} out= is filled", got is buf and np.array_equal(buf, piece)
+                        )
 
 
 def movement(world: pp.World, rep: Report, full_big: bool) -> None:
@@ -92,6 +98,15 @@ def movement(world: pp.World, rep: Report, full_big: bool) -> None:
             rep.equal(f"broadcast {tag} src={root}", x, inputs[root])
 
             rep.equal(f"all_gather {tag}", g.all_gather(inputs[me]), np.concatenate(inputs))
+            buf = np.empty((n * shape[0], *shape[1:]), dtype)
+            rep.check(f"all_gather {tag} out= is filled", g.all_gather(inputs[me], out=buf) is buf)
+            rep.equal(f"all_gather {tag} out=", buf, np.concatenate(inputs))
+            rep.raises(
+                f"all_gather {tag} bad out",
+                ValueError,
+                lambda x=inputs[me], bad=buf[:1]: g.all_gather(x, out=bad),
+                "out must be",
+            )
 
             got = g.gather(inputs[me], dst=root)
             if me == root:
