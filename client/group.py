@@ -94,7 +94,7 @@ class ProcessGroup:
             if transport == "local":
                 return x
             if transport == "nccl":
-                e.nccl().all_reduce(x, op)
+                e.nccl(x.device.id).all_reduce(x, op)
                 return x
             host = self._host(x)
             flat = host.reshape(-1)
@@ -143,7 +143,7 @@ class ProcessGroup:
             if transport == "local":
                 return x
             if transport == "nccl":
-                e.nccl().broadcast(x, src)
+                e.nccl(x.device.id).broadcast(x, src)
                 return x
             host = self._host(x)
             flat = host.reshape(-1)
@@ -177,7 +177,7 @@ class ProcessGroup:
                 result.reshape(-1)[...] = x.reshape(-1)
                 return result
             if transport == "nccl":
-                e.nccl().all_gather(x, result)
+                e.nccl(x.device.id).all_gather(x, result)
                 return result
             host_out = np.empty(out_shape, x.dtype) if is_cupy(x) else result
             piece = self._host(x).reshape(-1)
@@ -230,7 +230,7 @@ class ProcessGroup:
                 result[...] = x
                 return result
             if transport == "nccl":
-                result[...] = e.nccl().reduce_scatter(x, op, bounds)
+                result[...] = e.nccl(x.device.id).reduce_scatter(x, op, bounds)
                 return result
             flat = self._host(x).reshape(-1)
             host_out = np.empty(out_shape, x.dtype) if is_cupy(x) else result

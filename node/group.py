@@ -235,11 +235,13 @@ class GroupEngine:
             self._cross = GrpcComm(self.ctx.plane, f"{self.name}.x{li}", cross_groups[li], self.ctx.rank)
         return self._local, self._cross, len(mine)
 
-    def nccl(self) -> Any:
+    def nccl(self, device: int) -> Any:
+        """The group's NCCL communicator, built on ``device`` by the first GPU op."""
         if self._nccl is None:
             from paramplane.node.nccl import NcclComm
 
-            self._nccl = self.ctx.loop.run(NcclComm.create(self.ctx.coord, self.name, self.ranks, self.rank))
+            create = NcclComm.create(self.ctx.coord, self.name, self.ranks, self.rank, device, self.timeout_s)
+            self._nccl = self.ctx.loop.run(create)
         return self._nccl
 
     def close(self) -> None:

@@ -11,8 +11,9 @@ mismatched shapes across ranks are caught only by the host transports.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from paramplane.node.arrays import dtype_name
@@ -54,6 +55,22 @@ def _redop(op: str) -> int:
     }[op]
 
 
+def capture_stream() -> int:
+    """The caller's current CUDA stream; an op issued now runs on it even from another thread."""
+    import cupy
+
+    return int(cupy.cuda.get_current_stream().ptr)
+
+
+@contextlib.contextmanager
+def on_stream(x: Any, stream_ptr: int) -> Iterator[None]:
+    """Make ``x``'s device and the captured stream current in this (possibly worker) thread."""
+    import cupy
+
+    with x.device, cupy.cuda.ExternalStream(stream_ptr):
+        yield
+
+
 class NcclComm:
     """One group's NCCL communicator."""
 
@@ -63,7 +80,7 @@ class NcclComm:
 
     @classmethod
     async def create(
-        cls, kv: Any, name: str, ranks: Sequence[int], index: int, timeout_s: float = 300.0
+        cls, kv: Any, name: str, ranks: Sequence[int], index: int, device: int, timeout_s: float = 300.0
     ) -> NcclComm:
         nccl = _nccl()
         key = f"nccl/{name}"
@@ -75,7 +92,14 @@ class NcclComm:
             assert raw is not None
             uid = struct.unpack(_UID_FORMAT, raw)
         loop = asyncio.get_running_loop()
-        comm = await loop.run_in_executor(None, lambda: nccl.NcclCommunicator(len(ranks), uid, index))
+
+        def build() -> Any:
+            import cupy
+
+            with cupy.cuda.Device(device):
+                return nccl.NcclCommunicator(len(ranks), uid, index)
+
+        comm = await loop.run_in_executor(None, build)
         return cls(comm, len(ranks))
 
     @staticmethod
