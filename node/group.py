@@ -167,9 +167,11 @@ class GroupEngine:
     def on_loop(self, coro: Coroutine[Any, Any, T], deadline: float, fail: Callable[[PlaneError], Any]) -> T:
         """Run a gRPC algorithm on the runtime's loop, bounded by ``deadline``."""
         fut = self.ctx.loop.submit(coro)
-        done, _ = concurrent.futures.wait([fut], max(0.0, deadline - time.monotonic()))
-        if done:
-            return fut.result()
+        try:
+            return fut.result(max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            if fut.done():
+                raise  # the op's own CollectiveTimeout (a TimeoutError too)
         exc = CollectiveTimeout(
             f"collective on group '{self.name}' did not finish within {self.timeout_s:g} s; a peer may be "
             "slow or hung: raise PARAMPLANE_TIMEOUT if it is merely slow"

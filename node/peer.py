@@ -129,7 +129,8 @@ class OutStream:
     async def send_frame(self, messages: Any) -> None:
         """Write every message of one frame (an iterable of bytes), or mark the stream broken."""
         assert self.opened is not None
-        await asyncio.shield(self.opened)
+        if not self.opened.done():
+            await asyncio.shield(self.opened)
         async with self.lock:
             if self.broken:
                 raise TransportError(f"the stream to rank {self.dst} broke earlier; this group has failed")
@@ -359,5 +360,8 @@ class PeerPlane:
             # A task, so that a cancelled first sender cannot cut the opening short.
             s.opened = asyncio.ensure_future(s.write(opening.SerializeToString()))
         assert s.opened is not None
-        await asyncio.shield(s.opened)
+        if not s.opened.done():
+            await asyncio.shield(s.opened)
+        elif s.opened.exception() is not None:
+            raise s.opened.exception()  # type: ignore[misc]
         return s

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,13 @@ class RankResult:
 
 
 def run_world(
-    num_ranks: int, scenario: str, out: Path, *, env: dict[str, str] | None = None, timeout: float = 90.0
+    num_ranks: int,
+    scenario: str,
+    out: Path,
+    *,
+    env: dict[str, str] | None = None,
+    per_rank_env: Callable[[int], dict[str, str]] | None = None,
+    timeout: float = 90.0,
 ) -> list[RankResult]:
     """Run ``scenario`` on ``num_ranks`` processes; every process is gone when this returns."""
     from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
@@ -53,6 +60,7 @@ def run_world(
                 PARAMPLANE_TIMEOUT="30",
                 PARAMPLANE_JOIN_TIMEOUT="30",
                 **(env or {}),
+                **(per_rank_env(r) if per_rank_env else {}),
             )
             procs.append(
                 subprocess.Popen(
@@ -183,7 +191,7 @@ class _nothing:
 
 
 def scenario_equiv(world: pp.World, out: Path) -> None:
-    global_batch = 12 if world.world_size == 2 else 13
+    global_batch = {2: 12, 3: 13}.get(world.world_size, 4 * world.world_size)
     saved: dict[str, np.ndarray] = {}
     for cfg in CONFIGS:
         for key, value in train_ranks(world, cfg, global_batch).items():

@@ -1,7 +1,8 @@
 """DDP: N ranks on 1/N of the batch end where one process on the whole batch ends.
 
-Two real worlds run every check of ``tests/_ddp_world.py``: 2 ranks on shared memory
-(even batch) and 3 ranks over gRPC (uneven batch, ``reduce_op="sum"``). A third, traced,
+Three real worlds run every check of ``tests/_ddp_world.py``: 2 ranks on shared memory
+(even batch), 3 ranks over gRPC (uneven batch, ``reduce_op="sum"``) and 4 ranks on two
+fake hosts (hierarchical all-reduce). A third, traced,
 shows bucket all-reduces running while backward is still going.
 """
 
@@ -23,15 +24,21 @@ from paramplane.ddp_buckets import MIB, assign_buckets, shard_range
 from paramplane.nn import CrossEntropyLoss, Linear, Parameter, ReLU, Sequential
 from paramplane.optim import SGD
 
-WORLDS = {2: ({}, 12), 3: ({"PARAMPLANE_TRANSPORT": "grpc"}, 13)}
+# world size -> (env for every rank, per-rank env, global batch). World 4 spans two fake hosts
+# (2 host ids x 2 ranks), so its gradient all-reduces take the hierarchical path (shm + gRPC).
+WORLDS: dict[int, tuple[dict[str, str], Any, int]] = {
+    2: ({}, None, 12),
+    3: ({"PARAMPLANE_TRANSPORT": "grpc"}, None, 13),
+    4: ({"PARAMPLANE_TRANSPORT": "auto"}, lambda r: {"PARAMPLANE_HOST_ID": f"host{r // 2}"}, 16),
+}
 
 
 @pytest.fixture(scope="module", params=sorted(WORLDS), ids=lambda n: f"world{n}")
 def world_run(request: Any, tmp_path_factory: Any) -> tuple[int, int, Path]:
     num_ranks = request.param
-    env, global_batch = WORLDS[num_ranks]
+    env, rank_env, global_batch = WORLDS[num_ranks]
     out = tmp_path_factory.mktemp(f"ddp{num_ranks}")
-    check_ok(run_world(num_ranks, "equiv", out, env=env))
+    check_ok(run_world(num_ranks, "equiv", out, env=env, per_rank_env=rank_env))
     return num_ranks, global_batch, out
 
 
