@@ -36,8 +36,10 @@ SERVICE = "paramplane.v1.Peer"
 PUSH_METHOD = f"/{SERVICE}/Push"
 HELLO_METHOD = f"/{SERVICE}/Hello"
 CHUNK_BYTES = 1 << 20
-# Header plus one chunk; anything larger on the data plane is refused by gRPC itself.
+# Header plus one chunk: the largest message a rank sends. A larger one is refused with a
+# TransportError naming its size; gRPC itself drops messages over GRPC_RECEIVE_LIMIT unseen.
 MAX_MESSAGE_BYTES = CHUNK_BYTES + (64 << 10)
+GRPC_RECEIVE_LIMIT = 16 << 20
 INBOX_DEPTH = 16
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -49,7 +51,7 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 ]
 SERVER_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", GRPC_RECEIVE_LIMIT),
     ("grpc.so_reuseport", 0),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
@@ -74,7 +76,9 @@ def decode_failure(text: str, default: type[PlaneError] = TransportError) -> Pla
 
 
 class _Malformed(Exception):
-    pass
+    def __init__(self, message: str, *, oversized: bool = False) -> None:
+        super().__init__(message)
+        self.oversized = oversized
 
 
 def _parse_header(message: bytes) -> peer_pb2.FrameHeader:
@@ -306,6 +310,11 @@ class PeerPlane:
             # even while the consumer waits on another peer's inbox.
             remaining = 0
             async for message in it:
+                if len(message) > MAX_MESSAGE_BYTES:
+                    raise _Malformed(
+                        f"message too large: {len(message)} bytes, the limit is {MAX_MESSAGE_BYTES}",
+                        oversized=True,
+                    )
                 if remaining:
                     remaining -= 1
                     await inbox.put(message)
@@ -323,8 +332,10 @@ class PeerPlane:
             # grpc.aio ends the iterator quietly when the sender dies, so only an explicit
             # end-of-stream frame counts as a clean close.
         except _Malformed as exc:
-            self.fail_key(key, TransportError(f"malformed frame from rank {src}: {exc}"))
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"TransportError: {exc}")
+            what = "oversized message" if exc.oversized else "malformed frame"
+            self.fail_key(key, TransportError(f"{what} from rank {src}: {exc}"))
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.oversized else grpc.StatusCode.INVALID_ARGUMENT
+            await context.abort(code, f"TransportError: {exc}")
         except PlaneError as exc:
             await context.abort(grpc.StatusCode.ABORTED, encode_failure(exc))
         finally:

@@ -149,3 +149,17 @@ def test_dead_sender_detected_by_its_stream_breaking() -> None:
     assert survivor.result["values"]["error_rank"] == 1, survivor.result["values"]
     delay = survivor.result["values"]["error_at"] - dead.result["values"]["died_at"]
     assert delay < 2.0, f"rank 0 learned of rank 1's death after {delay:.2f} s"
+
+
+def test_oversized_message_is_refused_and_fails_the_pending_op() -> None:
+    """A message over the data plane's size limit is refused (RESOURCE_EXHAUSTED) and the target's
+    pending op fails with TransportError saying so, instead of waiting or blaming a lost peer."""
+    world = run_world(
+        2,
+        "failures.py",
+        args=["oversized"],
+        env={"PARAMPLANE_TRANSPORT": "grpc", "PARAMPLANE_TIMEOUT": "30"},
+        token="test-token-9c1d",
+        timeout=60,
+    )
+    world.check_ok()

@@ -215,6 +215,36 @@ def malformed(world: pp.World, rep: Report) -> None:
     world.kv.get("done", wait=True, timeout=KV_TIMEOUT)
 
 
+def oversized(world: pp.World, rep: Report) -> None:
+    """Rank 1 pushes one message over the data plane's size limit straight at rank 0's server."""
+    g = world.group
+    if world.rank == 0:
+        w = g.all_reduce(np.ones(4), async_op=True)
+        world.kv.set("pending", b"1")
+        rep.raises(
+            "pending op fails on an oversized message", pp.TransportError, lambda: w.wait(30), "too large"
+        )
+        world.kv.set("done", b"1")
+        return
+    world.kv.get("pending", wait=True, timeout=KV_TIMEOUT)
+    peer = world.runtime.membership.peers[0]
+    with grpc.insecure_channel(peer.address, options=[("grpc.max_send_message_length", 8 << 20)]) as channel:
+        push = channel.stream_unary("/paramplane.v1.Peer/Push")
+        opening = peer_pb2.StreamOpen(src=1, job_id=world.job_id, group="world").SerializeToString()
+        try:
+            push(
+                iter([opening, b"x" * (3 << 20)]),
+                metadata=token_metadata(os.environ["PARAMPLANE_TOKEN"]),
+                timeout=10,
+            )
+            rep.check("oversized message refused", False, "accepted")
+        except grpc.RpcError as err:
+            rep.check(
+                "oversized message refused", err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, str(err.code())
+            )
+    world.kv.get("done", wait=True, timeout=KV_TIMEOUT)
+
+
 def main() -> None:
     rep = Report(int(os.environ["PARAMPLANE_RANK"]))
     scenario = {
@@ -222,6 +252,7 @@ def main() -> None:
         "peer-lost": peer_lost,
         "sender-dies": sender_dies,
         "malformed": malformed,
+        "oversized": oversized,
     }[sys.argv[1]]
 
     def body() -> None:
