@@ -7,10 +7,12 @@ import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from paramplane.group import ProcessGroup
+from paramplane.node.peer import TlsConfig
 from paramplane.node.runtime import NodeRuntime, RuntimeConfig
 
 ENV_VARS = {
@@ -27,12 +29,29 @@ ENV_VARS = {
     "PARAMPLANE_ADVERTISE": "address peers use to reach this rank (default: the bind address)",
     "PARAMPLANE_SHM_SLOT_MB": "shared-memory slot per rank and bank in MiB (default 1)",
     "PARAMPLANE_TRACE": "folder for per-rank Chrome-trace JSON of every collective",
+    "PARAMPLANE_TLS_CERT": "PEM certificate this rank's data-plane server presents (with _KEY and _CA)",
+    "PARAMPLANE_TLS_KEY": "PEM private key of that certificate",
+    "PARAMPLANE_TLS_CA": "PEM root certificate that verifies peers and a TLS coordinator",
 }
 
 
 def _env(name: str, default: str | None = None) -> str | None:
     value = os.environ.get(name)
     return value if value not in (None, "") else default
+
+
+def _tls() -> tuple[TlsConfig | None, bytes | None]:
+    """Data-plane TLS and the coordinator's root certificate from PARAMPLANE_TLS_*."""
+    paths = {name: _env(f"PARAMPLANE_TLS_{name}") for name in ("CERT", "KEY", "CA")}
+    if paths["CERT"] or paths["KEY"]:
+        missing = [f"PARAMPLANE_TLS_{n}" for n, v in paths.items() if not v]
+        if missing:
+            raise ValueError(
+                f"data-plane TLS needs PARAMPLANE_TLS_CERT, _KEY and _CA; missing {', '.join(missing)}"
+            )
+    data = {name: Path(path).read_bytes() for name, path in paths.items() if path}
+    tls = TlsConfig(cert=data["CERT"], key=data["KEY"], root_cert=data["CA"]) if "CERT" in data else None
+    return tls, data.get("CA")
 
 
 def _token(token: str | None) -> str | None:
@@ -163,6 +182,7 @@ def init(
         from paramplane.trace import ChromeTracer
 
         tracer = ChromeTracer(trace_dir)
+    tls, coordinator_ca = _tls()
     config = RuntimeConfig(
         coordinator=address,
         world_size=world_size if world_size is not None else int(_env("PARAMPLANE_WORLD_SIZE", "0") or 0),
@@ -175,6 +195,8 @@ def init(
         bind_host=bind or _env("PARAMPLANE_BIND", "127.0.0.1") or "127.0.0.1",
         advertise_host=advertise or _env("PARAMPLANE_ADVERTISE"),
         tracer=tracer,
+        tls=tls,
+        coordinator_root_cert=coordinator_ca,
     )
     runtime = NodeRuntime(config)
     runtime.start()
