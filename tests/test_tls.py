@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,15 +15,8 @@ from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
-def test_world_over_tls(tmp_path: Path) -> None:
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=30,
-    )  # fmt: skip
+def test_world_over_tls(tmp_path: Path, self_signed_cert: tuple[Path, Path]) -> None:
+    cert, key = self_signed_cert
     config = CoordinatorConfig(
         host="127.0.0.1", port=0, world_size=2, tls_cert=cert.read_bytes(), tls_key=key.read_bytes()
     )
