@@ -157,6 +157,8 @@ class GroupEngine:
                 return body(seq)
             except PlaneError as exc:
                 self.failure = self.failure or exc
+                if self._nccl is not None:
+                    self._nccl.abort()  # release GPU work queued behind the failed op
                 raise
             finally:
                 if self.ctx.tracer is not None:
