@@ -101,34 +101,13 @@ class ProcessGroup:
             if transport == "shm":
                 e.shm().all_reduce(spec, flat, op, deadline)
             elif transport == "hier":
-                self._hier_all_reduce(spec, flat, op, deadline)
+                e.hier_all_reduce(spec, flat, op, deadline)
             else:
                 self._grpc(e._grpc.all_reduce(spec, flat, op), deadline)
             self._back(x, host)
             return x
 
         return self._issue("all_reduce", x, body, async_op)
-
-    def _hier_all_reduce(self, spec: OpSpec, flat: np.ndarray, op: str, deadline: float) -> None:
-        e = self._e
-        local, cross, num_local = e.hierarchy()
-        piece = -(-flat.size // num_local)
-        padded = np.zeros(piece * num_local, flat.dtype)
-        padded[: flat.size] = flat
-        bounds = [(i * piece, (i + 1) * piece) for i in range(num_local)]
-        mine = np.empty(piece, flat.dtype)
-        partial = "sum" if op == "mean" else op
-        local.reduce_scatter(spec, padded, bounds, partial, mine, deadline)
-        cross_spec = OpSpec(f"{spec.group}/cross", spec.seq, "all_reduce", spec.dtype, (piece,), partial)
-        e.on_loop(
-            cross.all_reduce(cross_spec, mine, partial),
-            deadline,
-            lambda exc: e.ctx.plane.fail_key(cross.key, exc),
-        )
-        local.all_gather(spec, mine, padded, deadline)
-        flat[...] = padded[: flat.size]
-        if op == "mean":
-            np.true_divide(flat, e.size, out=flat, casting="unsafe")
 
     def broadcast(self, x: Any, src: int = 0, *, async_op: bool = False) -> Any:
         """Overwrite ``x`` on every rank with ``src``'s ``x`` (``src`` is a group rank); returns ``x``."""

@@ -239,6 +239,27 @@ class GroupEngine:
             self._cross = GrpcComm(self.ctx.plane, f"{self.name}.x{li}", cross_groups[li], self.ctx.rank)
         return self._local, self._cross, len(mine)
 
+    def hier_all_reduce(self, spec: OpSpec, flat: np.ndarray, op: str, deadline: float) -> None:
+        """All-reduce across hosts: shm reduce-scatter, gRPC all-reduce of each shard, shm all-gather."""
+        local, cross, num_local = self.hierarchy()
+        piece = -(-flat.size // num_local)
+        padded = np.zeros(piece * num_local, flat.dtype)
+        padded[: flat.size] = flat
+        bounds = [(i * piece, (i + 1) * piece) for i in range(num_local)]
+        mine = np.empty(piece, flat.dtype)
+        partial = "sum" if op == "mean" else op
+        local.reduce_scatter(spec, padded, bounds, partial, mine, deadline)
+        cross_spec = OpSpec(f"{spec.group}/cross", spec.seq, "all_reduce", spec.dtype, (piece,), partial)
+        self.on_loop(
+            cross.all_reduce(cross_spec, mine, partial),
+            deadline,
+            lambda exc: self.ctx.plane.fail_key(cross.key, exc),
+        )
+        local.all_gather(spec, mine, padded, deadline)
+        flat[...] = padded[: flat.size]
+        if op == "mean":
+            np.true_divide(flat, self.size, out=flat, casting="unsafe")
+
     def nccl(self, device: int) -> Any:
         """The group's NCCL communicator, built on ``device`` by the first GPU op."""
         if self._nccl is None:
