@@ -198,8 +198,9 @@ def test_token_file_from_the_environment_wins_as_in_pp_init(tmp_path: Path) -> N
 
 
 def test_module_mode_and_no_prefix(tmp_path: Path) -> None:
-    # One write per line: unprefixed ranks share our stdout, and print(a, b) of an unbuffered stream writes twice.
-    module = "import os, sys\nprint(f\"{os.environ['PARAMPLANE_RANK']} {sys.argv[1:]} {'PARAMPLANE_TOKEN' in os.environ}\")\n"
+    # One write per line: unprefixed ranks share our stdout, and print() on an unbuffered stream writes the
+    # text and its newline separately, so two ranks' lines could interleave.
+    module = "import os, sys\nsys.stdout.write(f\"{os.environ['PARAMPLANE_RANK']} {sys.argv[1:]} {'PARAMPLANE_TOKEN' in os.environ}\\n\")\n"
     _write(tmp_path, "rankmod.py", module)
     env = _env(PYTHONPATH=str(tmp_path))
     del env[
