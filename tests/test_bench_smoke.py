@@ -69,8 +69,9 @@ def test_quick_run_with_gloo_adds_peer_rows_and_ratios() -> None:
         _check_row(row)
     (summary,) = [r for r in lines if r["bench"] == "collectives_summary"]
     pp, gloo = rows["paramplane"], rows["gloo"]
-    assert summary["busbw_vs_gloo"] == pytest.approx(pp["busbw_GBps"] / gloo["busbw_GBps"], rel=2e-3)
-    assert summary["p50_vs_gloo"] == pytest.approx(pp["p50_us"] / gloo["p50_us"], rel=2e-3)
+    # Rows are rounded to 4 significant digits, the ratios computed before rounding.
+    assert summary["busbw_vs_gloo"] == pytest.approx(pp["busbw_GBps"] / gloo["busbw_GBps"], rel=1e-2)
+    assert summary["p50_vs_gloo"] == pytest.approx(pp["p50_us"] / gloo["p50_us"], rel=1e-2)
 
 
 def test_bus_factors_follow_nccl_tests() -> None:
