@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from paramplane.node.errors import CollectiveMismatch, PlaneError, TransportError
+from paramplane.node.errors import CollectiveMismatch, PeerLost, PlaneError, TransportError
 from paramplane.node.peer import CHUNK_BYTES, ERROR_SUFFIX, PeerPlane, encode_failure
 from paramplane.node.spec import OpSpec, reduce_ufunc, split_bounds
 from paramplane.protos import peer_pb2
@@ -44,9 +44,9 @@ async def run_all(coros: Sequence[Coroutine[Any, Any, Any]]) -> None:
         t.cancel()
     if pending:
         await asyncio.gather(*pending, return_exceptions=True)
-    for t in tasks:
-        if t.done() and not t.cancelled() and t.exception() is not None:
-            raise t.exception()  # type: ignore[misc]
+    failures = [t.exception() for t in tasks if not t.cancelled() and t.exception() is not None]
+    if failures:
+        raise failures[0]  # type: ignore[misc]
 
 
 class GrpcComm:
@@ -65,6 +65,23 @@ class GrpcComm:
     # -- frames ----------------------------------------------------------------------------------
     async def send(self, idx: int, spec: OpSpec, step: int, payload: np.ndarray | None) -> None:
         """Send ``payload`` (a contiguous array, or None for an empty frame) to group index ``idx``."""
+        try:
+            await self._send(idx, spec, step, payload)
+        except PeerLost as exc:
+            raise self.fail(exc) from None
+
+    async def recv(self, idx: int, spec: OpSpec, step: int, nbytes: int, sink: Sink) -> None:
+        """Receive one frame from group index ``idx``, check it against ``spec``, feed its chunks to ``sink``.
+
+        A lost peer fails the op here and, through error frames, on every other member at once (a
+        rank that never receives from the dead one would otherwise wait for the coordinator).
+        """
+        try:
+            await self._recv(idx, spec, step, nbytes, sink)
+        except PeerLost as exc:
+            raise self.fail(exc) from None
+
+    async def _send(self, idx: int, spec: OpSpec, step: int, payload: np.ndarray | None) -> None:
         data = payload.reshape(-1).view(np.uint8) if payload is not None else np.empty(0, np.uint8)
         nbytes = data.nbytes
         inline = nbytes <= INLINE_BYTES
@@ -90,8 +107,7 @@ class GrpcComm:
         chunks = (data[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES].tobytes() for i in range(num_chunks))
         await stream.send_frame(itertools.chain([header.SerializeToString()], chunks))
 
-    async def recv(self, idx: int, spec: OpSpec, step: int, nbytes: int, sink: Sink) -> None:
-        """Receive one frame from group index ``idx``, check it against ``spec``, feed its chunks to ``sink``."""
+    async def _recv(self, idx: int, spec: OpSpec, step: int, nbytes: int, sink: Sink) -> None:
         src = self.ranks[idx]
         inbox = self.plane.inbox(src, self.key)
         header = await inbox.get()
@@ -132,7 +148,7 @@ class GrpcComm:
         self.plane.fail_key(self.key, exc)
         header = peer_pb2.FrameHeader(src=self.me, error=encode_failure(exc))
         for idx in range(self.n):
-            if idx != self.index:
+            if idx != self.index and self.ranks[idx] not in self.plane.lost:
                 task = asyncio.ensure_future(self._send_error(idx, header.SerializeToString()))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)

@@ -41,6 +41,7 @@ CHUNK_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = CHUNK_BYTES + (64 << 10)
 GRPC_RECEIVE_LIMIT = 16 << 20
 INBOX_DEPTH = 16
+CONFIGURE_WAIT_S = 30.0
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -62,17 +63,29 @@ _KINDS: dict[str, type[PlaneError]] = {
     "CollectiveMismatch": CollectiveMismatch,
     "WorldAborted": WorldAborted,
     "TransportError": TransportError,
+    "PeerLost": PeerLost,
 }
+# Sent on a stream of its own when a plane closes, so receivers know the sender left on purpose.
+GOODBYE_KEY = "#bye"
 
 
 def encode_failure(exc: BaseException) -> str:
+    """``Kind: message``, or ``Kind[rank]: message`` for errors that name a rank."""
     kind = type(exc).__name__ if type(exc).__name__ in _KINDS else "TransportError"
-    return f"{kind}: {exc}"
+    rank = getattr(exc, "rank", None)
+    return f"{kind}[{rank}]: {exc}" if isinstance(rank, int) and rank >= 0 else f"{kind}: {exc}"
 
 
 def decode_failure(text: str, default: type[PlaneError] = TransportError) -> PlaneError:
-    kind, _, message = text.partition(": ")
-    return _KINDS.get(kind, default)(message or text)
+    head, _, message = text.partition(": ")
+    kind, _, rank = head.partition("[")
+    cls = _KINDS.get(kind, default)
+    number = int(rank.rstrip("]")) if rank.rstrip("]").isdigit() else -1
+    if cls is PeerLost:
+        return PeerLost(message or text, number)
+    if cls is WorldAborted:
+        return WorldAborted(message or text, number)
+    return cls(message or text)
 
 
 class _Malformed(Exception):
@@ -108,12 +121,17 @@ class TlsConfig:
 ERROR_SUFFIX = "#err"
 
 
+def _consume_exception(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # a frame whose sender gave up: its error was raised there, or is moot
+
+
 class OutStream:
     """One outbound stream to a peer.
 
-    ``send_frame`` writes a header and its chunks under a lock; a frame cut short by
-    cancellation leaves the stream ``broken`` (its receiver would misread what follows), so
-    nothing more is written on it.
+    ``send_frame`` writes a header and its chunks under a lock; a frame cut short by a write
+    error leaves the stream ``broken`` (its receiver would misread what follows), so nothing
+    more is written on it.
     """
 
     def __init__(self, call: Any, dst: int) -> None:
@@ -131,10 +149,20 @@ class OutStream:
             raise await self._failure(exc) from None
 
     async def send_frame(self, messages: Any) -> None:
-        """Write every message of one frame (an iterable of bytes), or mark the stream broken."""
+        """Write every message of one frame (an iterable of bytes).
+
+        The writing runs in a task of its own that the caller's cancellation does not reach:
+        cancelling a grpc-aio write would end the whole stream, which its receiver could not
+        tell from a dead sender. A frame is thus always written whole (or the stream broke).
+        """
         assert self.opened is not None
         if not self.opened.done():
             await asyncio.shield(self.opened)
+        task = asyncio.ensure_future(self._write_frame(messages))
+        task.add_done_callback(_consume_exception)
+        await asyncio.shield(task)
+
+    async def _write_frame(self, messages: Any) -> None:
         async with self.lock:
             if self.broken:
                 raise TransportError(f"the stream to rank {self.dst} broke earlier; this group has failed")
@@ -148,13 +176,14 @@ class OutStream:
                     self.broken = True
 
     async def _failure(self, exc: BaseException) -> PlaneError:
+        # A write fails before the call's status arrives; the status says why (a receiver that
+        # aborted the stream names the group's failure), so wait for it briefly.
         details = ""
         try:
-            if self.call.done():
-                details = (await self.call.details()) or ""
-        except Exception:
+            details = (await asyncio.wait_for(self.call.details(), 1.0)) or ""
+        except BaseException:
             pass
-        if details.split(": ", 1)[0] in _KINDS:
+        if details.split(": ", 1)[0].split("[", 1)[0] in _KINDS:
             return decode_failure(details)
         return PeerLost(f"rank {self.dst} is unreachable: the data stream to it broke ({exc!r})", self.dst)
 
@@ -185,6 +214,9 @@ class PeerPlane:
         self._failures: dict[str, PlaneError] = {}
         self._global_failure: PlaneError | None = None
         self._closing = False
+        self._departed: set[int] = set()
+        self._configured = asyncio.Event()
+        self.lost: set[int] = set()
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> str:
@@ -214,6 +246,7 @@ class PeerPlane:
         self.rank = rank
         self.job_id = job_id
         self._addresses = dict(addresses)
+        self._configured.set()
 
     def register_stream_key(self, key: str, members: frozenset[int]) -> None:
         """Declare which ranks talk on ``key``, so a lost peer fails exactly the keys it belongs to."""
@@ -238,6 +271,17 @@ class PeerPlane:
             except BaseException:
                 pass
 
+        # First a goodbye to every live peer on a fresh stream, awaited until the peer has read it:
+        # a data stream cut mid-frame (a failed op) then ends without alarming the receiver.
+        bound = min(grace, 1.0)
+        goodbyes = []
+        for dst in sorted({s.dst for s in streams} - self.lost):
+            try:
+                goodbyes.append(await asyncio.wait_for(self._open(dst, GOODBYE_KEY), bound))
+            except BaseException:
+                pass
+        if goodbyes:
+            await asyncio.wait([asyncio.ensure_future(finish(s)) for s in goodbyes], timeout=bound)
         if streams:
             await asyncio.wait([asyncio.ensure_future(finish(s)) for s in streams], timeout=grace)
         for ch in self._channels.values():
@@ -270,6 +314,7 @@ class PeerPlane:
             self.fail_key(key, exc)
 
     def peer_lost(self, src: int, why: str) -> None:
+        self.lost.add(src)
         exc = PeerLost(f"rank {src} was lost: {why}", src)
         for key, members in self._stream_members.items():
             if src in members:
@@ -294,6 +339,13 @@ class PeerPlane:
             opening = peer_pb2.StreamOpen.FromString(await it.__anext__())
         except Exception:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "TransportError: malformed stream opening")
+        # A peer that learned the world first may dial before this rank has read its own join answer.
+        try:
+            await asyncio.wait_for(self._configured.wait(), CONFIGURE_WAIT_S)
+        except asyncio.TimeoutError:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "TransportError: this rank has not joined a world"
+            )
         if opening.job_id != self.job_id or not 0 <= opening.src < len(self._addresses):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -322,8 +374,12 @@ class PeerPlane:
                 header = _parse_header(message)
                 if header.end_of_stream:
                     clean = True
+                    self._departed.add(src)
                 elif header.error:
-                    self.fail_key(key, decode_failure(header.error))
+                    failure = decode_failure(header.error)
+                    if isinstance(failure, PeerLost) and failure.rank >= 0:
+                        self.lost.add(failure.rank)
+                    self.fail_key(key, failure)
                 elif errors_only:
                     raise _Malformed("a data frame on an error stream")
                 else:
@@ -339,7 +395,7 @@ class PeerPlane:
         except PlaneError as exc:
             await context.abort(grpc.StatusCode.ABORTED, encode_failure(exc))
         finally:
-            if not clean and not self._closing and inbox.error is None:
+            if not clean and not self._closing and inbox.error is None and src not in self._departed:
                 self.peer_lost(
                     src, "its data stream ended without a goodbye (process died or network failed)"
                 )
@@ -362,6 +418,9 @@ class PeerPlane:
         """The outbound stream to ``dst`` for ``key``, opened on first use."""
         if self._closing:
             raise PlaneClosed("the plane was shut down")
+        return await self._open(dst, key)
+
+    async def _open(self, dst: int, key: str) -> OutStream:
         s = self._streams.get((dst, key))
         if s is None:
             method = self._channel(dst).stream_unary(PUSH_METHOD)
