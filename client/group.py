@@ -76,6 +76,18 @@ class ProcessGroup:
         if is_cupy(x):
             x[...] = array_module(x).asarray(host)
 
+    def _in_place(
+        self, x: Any, transport: str, on_gpu: Callable[[], None], on_host: Callable[[np.ndarray], None]
+    ) -> Any:
+        """Run an in-place op: NCCL on the array itself, else on its flat host view (cupy: a copy)."""
+        if transport == "nccl":
+            on_gpu()
+        elif transport != "local":
+            host = self._host(x)
+            on_host(host.reshape(-1))
+            self._back(x, host)
+        return x
+
     def _grpc(self, coro: Any, deadline: float) -> Any:
         e = self._e
         return e.on_loop(coro, deadline, lambda exc: e.ctx.plane.fail_key(e.name, exc))
@@ -91,21 +103,16 @@ class ProcessGroup:
         def body(seq: int) -> Any:
             spec = e.spec(seq, "all_reduce", x, op)
             deadline = e._deadline()
-            if transport == "local":
-                return x
-            if transport == "nccl":
-                e.nccl(x.device.id).all_reduce(x, op)
-                return x
-            host = self._host(x)
-            flat = host.reshape(-1)
-            if transport == "shm":
-                e.shm().all_reduce(spec, flat, op, deadline)
-            elif transport == "hier":
-                e.hier_all_reduce(spec, flat, op, deadline)
-            else:
-                self._grpc(e._grpc.all_reduce(spec, flat, op), deadline)
-            self._back(x, host)
-            return x
+
+            def on_host(flat: np.ndarray) -> None:
+                if transport == "shm":
+                    e.shm().all_reduce(spec, flat, op, deadline)
+                elif transport == "hier":
+                    e.hier_all_reduce(spec, flat, op, deadline)
+                else:
+                    self._grpc(e._grpc.all_reduce(spec, flat, op), deadline)
+
+            return self._in_place(x, transport, lambda: e.nccl(x.device.id).all_reduce(x, op), on_host)
 
         return self._issue("all_reduce", x, body, async_op)
 
@@ -119,19 +126,14 @@ class ProcessGroup:
         def body(seq: int) -> Any:
             spec = e.spec(seq, "broadcast", x, f"src={src}")
             deadline = e._deadline()
-            if transport == "local":
-                return x
-            if transport == "nccl":
-                e.nccl(x.device.id).broadcast(x, src)
-                return x
-            host = self._host(x)
-            flat = host.reshape(-1)
-            if transport == "shm":
-                e.shm().broadcast(spec, flat, src, deadline)
-            else:
-                self._grpc(e._grpc.broadcast(spec, flat, src), deadline)
-            self._back(x, host)
-            return x
+
+            def on_host(flat: np.ndarray) -> None:
+                if transport == "shm":
+                    e.shm().broadcast(spec, flat, src, deadline)
+                else:
+                    self._grpc(e._grpc.broadcast(spec, flat, src), deadline)
+
+            return self._in_place(x, transport, lambda: e.nccl(x.device.id).broadcast(x, src), on_host)
 
         return self._issue("broadcast", x, body, async_op)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from paramplane.node.errors import CollectiveTimeout
 
@@ -40,9 +40,3 @@ class Work(Generic[T]):
     def __repr__(self) -> str:
         state = "done" if self._future.done() else "running"
         return f"<Work {self.name} {state}>"
-
-
-def completed(result: Any, name: str) -> Work[Any]:
-    fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-    fut.set_result(result)
-    return Work(fut, name)

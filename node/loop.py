@@ -42,10 +42,6 @@ class LoopThread:
             fut.cancel()
             raise
 
-    @property
-    def in_loop(self) -> bool:
-        return threading.current_thread() is self._thread
-
     def stop(self, timeout: float = 5.0) -> None:
         """Cancel what is left on the loop, stop it and join the thread."""
         if not self.loop.is_running():

@@ -34,7 +34,6 @@ log = logging.getLogger("paramplane.peer")
 
 SERVICE = "paramplane.v1.Peer"
 PUSH_METHOD = f"/{SERVICE}/Push"
-HELLO_METHOD = f"/{SERVICE}/Hello"
 CHUNK_BYTES = 1 << 20
 # Header plus one chunk: the largest message a rank sends. A larger one is refused with a
 # TransportError naming its size; gRPC itself drops messages over GRPC_RECEIVE_LIMIT unseen.
