@@ -124,10 +124,17 @@ class Report:
         tmp.replace(out)
 
 
-def guarded(report: Report, body: Callable[[], None]) -> None:
-    """Run ``body``; an unexpected exception becomes a failure (the report is written either way)."""
+def run_rank(scenario: Callable[[Any, Report], None]) -> None:
+    """Join the world and run ``scenario(world, report)``; an unexpected exception becomes a failure
+    and the report is written either way."""
+    import paramplane as pp
+
+    report = Report(int(os.environ["PARAMPLANE_RANK"]))
     try:
-        body()
+        with pp.init() as world:
+            report.rank = world.rank
+            report.values["job_id"] = world.job_id
+            scenario(world, report)
     except BaseException as exc:
         report.failures.append(f"unexpected {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     finally:

@@ -9,12 +9,11 @@ groups in flight, point-to-point ring and asyncio checks.
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from typing import Any
 
 import numpy as np
-from _common import DTYPES, RTOL, Report, data, digest, guarded, is_int, reference
+from _common import DTYPES, RTOL, Report, data, digest, is_int, reference, run_rank
 
 import paramplane as pp
 
@@ -205,21 +204,17 @@ def extras(world: pp.World, rep: Report) -> None:
     world.group.barrier()
 
 
+def scenario(world: pp.World, rep: Report) -> None:
+    full_big = "--full-big" in sys.argv
+    reductions(world, rep, full_big)
+    movement(world, rep, full_big)
+    if "--extras" in sys.argv:
+        extras(world, rep)
+    world.group.barrier()
+
+
 def main() -> None:
-    rep = Report(int(os.environ["PARAMPLANE_RANK"]))
-
-    def body() -> None:
-        with pp.init() as world:
-            rep.rank = world.rank
-            rep.values["job_id"] = world.job_id
-            full_big = "--full-big" in sys.argv
-            reductions(world, rep, full_big)
-            movement(world, rep, full_big)
-            if "--extras" in sys.argv:
-                extras(world, rep)
-            world.group.barrier()
-
-    guarded(rep, body)
+    run_rank(scenario)
 
 
 if __name__ == "__main__":

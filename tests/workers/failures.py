@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 import numpy as np
-from _common import Report, guarded
+from _common import Report, run_rank
 
 import paramplane as pp
 from paramplane.protos import peer_pb2
@@ -246,7 +246,6 @@ def oversized(world: pp.World, rep: Report) -> None:
 
 
 def main() -> None:
-    rep = Report(int(os.environ["PARAMPLANE_RANK"]))
     scenario = {
         "errors": errors,
         "peer-lost": peer_lost,
@@ -254,14 +253,7 @@ def main() -> None:
         "malformed": malformed,
         "oversized": oversized,
     }[sys.argv[1]]
-
-    def body() -> None:
-        with pp.init() as world:
-            rep.rank = world.rank
-            rep.values["job_id"] = world.job_id
-            scenario(world, rep)
-
-    guarded(rep, body)
+    run_rank(scenario)
 
 
 if __name__ == "__main__":

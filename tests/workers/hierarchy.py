@@ -2,55 +2,49 @@
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
-from _common import DTYPES, RTOL, Report, data, digest, guarded, reference
+from _common import DTYPES, RTOL, Report, data, digest, reference, run_rank
 
 import paramplane as pp
 
 
+def scenario(world: pp.World, rep: Report) -> None:
+    rep.values["host_id"] = world.host_id
+    rep.values["local_rank"] = world.local_rank
+    g, n, me = world.group, world.world_size, world.rank
+    cases = [
+        ("float32", "sum"),
+        ("float64", "mean"),
+        ("int64", "sum"),
+        ("int64", "max"),
+        ("bfloat16", "sum"),
+        ("float32", "product"),
+    ]
+    for dname, op in cases:
+        dtype = DTYPES[dname]
+        for shape in ((1,), (7,), (143, 7), ((1 << 20) // dtype.itemsize + 1,)):
+            tag = f"hier/{dname}/{op}/{shape}"
+            inputs = [data(r, tag, dtype, shape, op) for r in range(n)]
+            want = reference(inputs, op)
+            x = inputs[me].copy()
+            g.all_reduce(x, op)
+            exact = dname == "int64" or op in ("min", "max")
+            rep.equal(tag, x, want, rtol=None if exact else RTOL[dname])
+            rep.digests[tag] = digest(x)
+    # Other collectives across the two hosts still work (gRPC).
+    y = np.full(4, me, np.int64)
+    g.broadcast(y, src=3)
+    rep.equal("broadcast across hosts", y, np.full(4, 3, np.int64))
+    rep.equal(
+        "all_gather across hosts",
+        g.all_gather(np.array([me], np.int64)),
+        np.arange(n, dtype=np.int64),
+    )
+    g.barrier()
+
+
 def main() -> None:
-    rep = Report(int(os.environ["PARAMPLANE_RANK"]))
-
-    def body() -> None:
-        with pp.init() as world:
-            rep.rank = world.rank
-            rep.values["job_id"] = world.job_id
-            rep.values["host_id"] = world.host_id
-            rep.values["local_rank"] = world.local_rank
-            g, n, me = world.group, world.world_size, world.rank
-            cases = [
-                ("float32", "sum"),
-                ("float64", "mean"),
-                ("int64", "sum"),
-                ("int64", "max"),
-                ("bfloat16", "sum"),
-                ("float32", "product"),
-            ]
-            for dname, op in cases:
-                dtype = DTYPES[dname]
-                for shape in ((1,), (7,), (143, 7), ((1 << 20) // dtype.itemsize + 1,)):
-                    tag = f"hier/{dname}/{op}/{shape}"
-                    inputs = [data(r, tag, dtype, shape, op) for r in range(n)]
-                    want = reference(inputs, op)
-                    x = inputs[me].copy()
-                    g.all_reduce(x, op)
-                    exact = dname == "int64" or op in ("min", "max")
-                    rep.equal(tag, x, want, rtol=None if exact else RTOL[dname])
-                    rep.digests[tag] = digest(x)
-            # Other collectives across the two hosts still work (gRPC).
-            y = np.full(4, me, np.int64)
-            g.broadcast(y, src=3)
-            rep.equal("broadcast across hosts", y, np.full(4, 3, np.int64))
-            rep.equal(
-                "all_gather across hosts",
-                g.all_gather(np.array([me], np.int64)),
-                np.arange(n, dtype=np.int64),
-            )
-            g.barrier()
-
-    guarded(rep, body)
+    run_rank(scenario)
 
 
 if __name__ == "__main__":
