@@ -57,12 +57,27 @@ class ProcessGroup:
 
     # -- issuing ---------------------------------------------------------------------------------
     def _issue(
-        self, name: str, x: Any, body: Callable[[int], Any], async_op: bool, *, p2p: bool = False
+        self,
+        name: str,
+        x: Any,
+        body: Callable[[int], Any],
+        async_op: bool,
+        *,
+        transport: str = "grpc",
+        p2p: bool = False,
     ) -> Any:
         e = self._e
-        fut = e.run(
-            name, body, nbytes=int(x.nbytes), transport=e.transport_for(x, name), async_op=async_op, p2p=p2p
-        )
+        if is_cupy(x):
+            # The op may run on the group's worker thread: give it the caller's device and stream.
+            from paramplane.node.nccl import capture_stream, on_stream
+
+            stream, inner = capture_stream(), body
+
+            def body(seq: int) -> Any:
+                with on_stream(x, stream):
+                    return inner(seq)
+
+        fut = e.run(name, body, nbytes=int(x.nbytes), transport=transport, async_op=async_op, p2p=p2p)
         if async_op:
             return Work(fut, f"{name} on group '{self.name}'")
         return fut.result()
@@ -114,7 +129,7 @@ class ProcessGroup:
 
             return self._in_place(x, transport, lambda: e.nccl(x.device.id).all_reduce(x, op), on_host)
 
-        return self._issue("all_reduce", x, body, async_op)
+        return self._issue("all_reduce", x, body, async_op, transport=transport)
 
     def broadcast(self, x: Any, src: int = 0, *, async_op: bool = False) -> Any:
         """Overwrite ``x`` on every rank with ``src``'s ``x`` (``src`` is a group rank); returns ``x``."""
@@ -135,7 +150,7 @@ class ProcessGroup:
 
             return self._in_place(x, transport, lambda: e.nccl(x.device.id).broadcast(x, src), on_host)
 
-        return self._issue("broadcast", x, body, async_op)
+        return self._issue("broadcast", x, body, async_op, transport=transport)
 
     def all_gather(self, x: Any, *, out: Any = None, async_op: bool = False) -> Any:
         """Every rank's ``x`` concatenated along axis 0 in group order (0-d inputs give shape (size,)).
@@ -169,7 +184,7 @@ class ProcessGroup:
             self._back(result, host_out)
             return result
 
-        return self._issue("all_gather", x, body, async_op)
+        return self._issue("all_gather", x, body, async_op, transport=transport)
 
     @staticmethod
     def _check_out(out: Any, shape: tuple[int, ...], x: Any) -> None:
@@ -225,7 +240,7 @@ class ProcessGroup:
             self._back(result, host_out)
             return result
 
-        return self._issue("reduce_scatter", x, body, async_op)
+        return self._issue("reduce_scatter", x, body, async_op, transport=transport)
 
     def gather(self, x: Any, dst: int = 0, *, async_op: bool = False) -> Any:
         """On ``dst``: every rank's ``x`` concatenated along axis 0 in group order; elsewhere None."""
@@ -252,7 +267,7 @@ class ProcessGroup:
                 self._grpc(e._grpc.gather(spec, piece, dst, flat_out), deadline)
             return xp.asarray(out) if (out is not None and is_cupy(x)) else out
 
-        return self._issue("gather", x, body, async_op)
+        return self._issue("gather", x, body, async_op, transport=transport)
 
     def scatter(self, chunks: Sequence[Any] | Any, src: int = 0, *, async_op: bool = False) -> Any:
         """Give group rank i ``chunks[i]`` from ``src``; returns this rank's chunk.
@@ -303,7 +318,7 @@ class ProcessGroup:
                 out[...] = host
             return out
 
-        return self._issue("scatter", out, body, async_op)
+        return self._issue("scatter", out, body, async_op, transport=transport)
 
     def barrier(self, *, async_op: bool = False) -> Any:
         """Return once every rank of the group has called ``barrier``."""
@@ -319,7 +334,7 @@ class ProcessGroup:
             elif transport != "local":
                 self._grpc(e._grpc.barrier(spec), deadline)
 
-        return self._issue("barrier", token, body, async_op)
+        return self._issue("barrier", token, body, async_op, transport=transport)
 
     # -- point to point --------------------------------------------------------------------------
     def _p2p_spec(self, op: str, x: Any, src: int, dst: int) -> OpSpec:
