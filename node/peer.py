@@ -396,7 +396,9 @@ class PeerPlane:
         finally:
             if not clean and not self._closing and inbox.error is None and src not in self._departed:
                 self.peer_lost(
-                    src, "its data stream ended without a goodbye (process died or network failed)"
+                    src,
+                    "its data stream ended without a goodbye (process died, network failed, or it sent a message "
+                    f"over {GRPC_RECEIVE_LIMIT >> 20} MiB)",
                 )
         return b""
 
