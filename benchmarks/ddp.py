@@ -62,7 +62,7 @@ def worker_paramplane(args: argparse.Namespace) -> dict[str, Any]:
     ddp: Any = model
     if args.world_size > 1:
         import paramplane as pp
-        from paramplane.ddp import DDP
+        from paramplane.parallel.ddp import DDP
 
         world = pp.init()
         ddp = DDP(model, world.group, bucket_mb=args.bucket_mb)

@@ -24,15 +24,17 @@ from paramplane.node.errors import (
 
 if TYPE_CHECKING:
     from paramplane import nn, optim
-    from paramplane.ddp import DDP, shard_range
     from paramplane.group import ProcessGroup
+    from paramplane.parallel.ddp import DDP, shard_range
+    from paramplane.parallel.mesh import Mesh
     from paramplane.work import Work
     from paramplane.world import KVStore, World, init
 
 # Heavy parts (grpc, numpy, the runtime) load on first use, so the CLI starts fast.
 _LAZY = {
-    "DDP": "paramplane.ddp",
-    "shard_range": "paramplane.ddp",
+    "DDP": "paramplane.parallel.ddp",
+    "shard_range": "paramplane.parallel.ddp",
+    "Mesh": "paramplane.parallel.mesh",
     "nn": "paramplane.nn",
     "optim": "paramplane.optim",
     "ProcessGroup": "paramplane.group",
@@ -65,6 +67,7 @@ __all__ = [
     "CollectiveTimeout",
     "CoordinatorUnavailable",
     "KVStore",
+    "Mesh",
     "PeerLost",
     "PlaneClosed",
     "PlaneError",

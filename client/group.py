@@ -52,6 +52,22 @@ class ProcessGroup:
         """This rank's Chrome tracer when ``PARAMPLANE_TRACE`` is set, else None."""
         return self._e.ctx.tracer
 
+    def new_subgroup(self, members: Sequence[int], *, timeout: float | None = None) -> ProcessGroup:
+        """A group of the given members of this group (group ranks, this rank among them).
+
+        Only those members call it, in the same order as each other (a rank grid makes every
+        member create its groups in one order); see ``World.new_group``.
+        """
+        picked = sorted({int(m) for m in members})
+        if len(picked) != len(list(members)) or not picked:
+            raise ValueError(f"new_subgroup needs distinct group ranks, got {list(members)}")
+        if picked[0] < 0 or picked[-1] >= self.size:
+            raise ValueError(f"new_subgroup ranks must lie in [0, {self.size}), got {list(members)}")
+        if self.rank not in picked:
+            raise ValueError(f"group rank {self.rank} is not among the new subgroup's members {picked}")
+        ranks = [self._e.ranks[m] for m in picked]
+        return ProcessGroup(self._e.ctx.new_group(ranks, timeout or self.timeout))
+
     def __repr__(self) -> str:
         return f"<ProcessGroup {self.name} rank {self.rank}/{self.size} ranks {self.ranks}>"
 

@@ -102,7 +102,6 @@ class World:
         self.job_id = m.job_id
         self.kv = KVStore(runtime)
         self.group = ProcessGroup(runtime.group("world", list(range(m.world_size))))
-        self._num_groups = 0
         self._num_barriers = 0
 
     @property
@@ -114,20 +113,20 @@ class World:
         return self._rt
 
     def new_group(self, ranks: Sequence[int], *, timeout: float | None = None) -> ProcessGroup | None:
-        """A group of global ``ranks``; every rank must call this, in the same order (like torch).
+        """A group of global ``ranks``; returns None on ranks that are not members.
 
-        Returns None on ranks that are not members.
+        Like torch, every rank may call this for every group. Only the members have to: a group
+        is named by its member set, so members that create groups of the same ranks in the same
+        order agree on each of them (see ``ProcessGroup.new_subgroup``).
         """
         members = sorted({int(r) for r in ranks})
         if len(members) != len(list(ranks)) or not members:
             raise ValueError(f"new_group needs distinct ranks, got {list(ranks)}")
         if members[0] < 0 or members[-1] >= self.world_size:
             raise ValueError(f"new_group ranks must lie in [0, {self.world_size}), got {list(ranks)}")
-        self._num_groups += 1
-        name = f"g{self._num_groups}"
         if self.rank not in members:
             return None
-        return ProcessGroup(self._rt.group(name, members, timeout))
+        return ProcessGroup(self._rt.new_group(members, timeout))
 
     def barrier(self, name: str | None = None, *, timeout: float | None = None) -> None:
         """A world barrier through the coordinator (no data plane involved)."""

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 
 import paramplane as pp
-from paramplane.ddp import DDP, shard_range
 from paramplane.nn import CrossEntropyLoss, Linear, ReLU, Sequential
 from paramplane.optim import AdamW
+from paramplane.parallel.ddp import DDP, shard_range
 
 
 def load_data(seed: int = 0, test_fraction: float = 0.2) -> tuple[np.ndarray, ...]:

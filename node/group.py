@@ -73,6 +73,8 @@ class PlaneContext(Protocol):
 
     def abort_error(self) -> PlaneError: ...
 
+    def new_group(self, ranks: Sequence[int], timeout_s: float | None = None) -> GroupEngine: ...
+
 
 def check_array(x: Any, what: str = "x", *, writable: bool = True) -> None:
     """ValueError for anything the plane cannot move in place."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import socket
@@ -80,6 +81,16 @@ class RuntimeConfig:
             )
 
 
+def group_name(members: Sequence[int], k: int) -> str:
+    """The name of the ``k``-th group over ``members`` (short, and the same on every member)."""
+    if len(members) <= 8:
+        label = "-".join(map(str, members))
+    else:
+        digest = hashlib.sha1(",".join(map(str, members)).encode()).hexdigest()[:8]
+        label = f"{members[0]}..{members[-1]}~{digest}"
+    return f"g[{label}]" + (f"#{k}" if k else "")
+
+
 class NodeRuntime:
     """One rank's runtime. ``start()`` joins the world; ``shutdown()`` leaves it."""
 
@@ -97,6 +108,7 @@ class NodeRuntime:
         self.aborted = threading.Event()
         self._abort_exc: PlaneError | None = None
         self._groups: dict[str, GroupEngine] = {}
+        self._num_groups_of: dict[tuple[int, ...], int] = {}
         self._tasks: list[asyncio.Future[Any]] = []
         self._closed = False
         self._coord: CoordinatorClient | None = None
@@ -218,6 +230,20 @@ class NodeRuntime:
         engine = GroupEngine(self, name, ranks, timeout_s or self.config.timeout_s)
         self._groups[name] = engine
         return engine
+
+    def new_group(self, ranks: Sequence[int], timeout_s: float | None = None) -> GroupEngine:
+        """A new group of global ``ranks``, named by its member set.
+
+        Only the members call this. The k-th group of one member set gets the same name on every
+        member, so members that create their groups in the same order agree without talking to
+        ranks outside the group.
+        """
+        members = tuple(sorted(int(r) for r in ranks))
+        if self.rank not in members:
+            raise ValueError(f"rank {self.rank} is not a member of the new group {list(members)}")
+        k = self._num_groups_of.get(members, 0)
+        self._num_groups_of[members] = k + 1
+        return self.group(group_name(members, k), members, timeout_s)
 
     # -- synchronous coordinator helpers ---------------------------------------------------------
     def run(self, coro: Any, timeout: float | None = None) -> Any:

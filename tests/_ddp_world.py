@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 
 import paramplane as pp
-from paramplane.ddp import DDP, shard_range
 from paramplane.nn import CrossEntropyLoss, Linear, Module, Parameter, ReLU, Sequential
 from paramplane.optim import SGD, AdamW
+from paramplane.parallel.ddp import DDP, shard_range
 
 HERE = Path(__file__).resolve()
 

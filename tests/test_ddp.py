@@ -19,10 +19,10 @@ from _ddp_world import CONFIGS, SpareMLP, check_ok, run_world, train_reference
 
 import paramplane as pp
 from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
-from paramplane.ddp import DDP
-from paramplane.ddp_buckets import MIB, assign_buckets, shard_range
 from paramplane.nn import CrossEntropyLoss, Linear, Parameter, ReLU, Sequential
 from paramplane.optim import SGD
+from paramplane.parallel.ddp import DDP
+from paramplane.parallel.ddp_buckets import MIB, assign_buckets, shard_range
 
 # world size -> (env for every rank, per-rank env, global batch). World 4 spans two fake hosts
 # (2 host ids x 2 ranks), so its gradient all-reduces take the hierarchical path (shm + gRPC).

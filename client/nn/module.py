@@ -62,6 +62,9 @@ class Parameter:
         self.grad: Array | None = None
         self.requires_grad = requires_grad
         self.name = name
+        self.layout: Any = None
+        """Set by sharding wrappers (FSDP) on a flat shard: a ``paramplane.parallel.sharding.FlatLayout``
+        mapping it onto the original parameters. None for an ordinary parameter."""
         self._grad_hooks: dict[int, GradHook] = {}
 
     @property

@@ -44,10 +44,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from paramplane.ddp_buckets import MIB, Bucket, assign_buckets, shard_range
 from paramplane.group import ProcessGroup
 from paramplane.nn.module import Array, LoadResult, Module, Parameter, RemovableHandle
 from paramplane.optim.optimizer import Optimizer
+from paramplane.parallel.ddp_buckets import MIB, Bucket, assign_buckets, shard_range
 
 __all__ = ["DDP", "shard_range"]
 

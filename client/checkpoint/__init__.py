@@ -1,0 +1,1 @@
+"""Sharded, atomic checkpoints that reshard to any world size."""
