@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from paramplane import nn, optim
     from paramplane.group import ProcessGroup
     from paramplane.parallel.ddp import DDP, shard_range
+    from paramplane.parallel.fsdp import FSDP
+    from paramplane.parallel.fsdp_config import CPUOffload, MixedPrecision
     from paramplane.parallel.mesh import Mesh
     from paramplane.work import Work
     from paramplane.world import KVStore, World, init
@@ -35,6 +37,9 @@ _LAZY = {
     "DDP": "paramplane.parallel.ddp",
     "shard_range": "paramplane.parallel.ddp",
     "Mesh": "paramplane.parallel.mesh",
+    "FSDP": "paramplane.parallel.fsdp",
+    "MixedPrecision": "paramplane.parallel.fsdp_config",
+    "CPUOffload": "paramplane.parallel.fsdp_config",
     "nn": "paramplane.nn",
     "optim": "paramplane.optim",
     "ProcessGroup": "paramplane.group",
@@ -62,12 +67,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DDP",
+    "FSDP",
     "AuthError",
+    "CPUOffload",
     "CollectiveMismatch",
     "CollectiveTimeout",
     "CoordinatorUnavailable",
     "KVStore",
     "Mesh",
+    "MixedPrecision",
     "PeerLost",
     "PlaneClosed",
     "PlaneError",

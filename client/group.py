@@ -52,6 +52,12 @@ class ProcessGroup:
         """This rank's Chrome tracer when ``PARAMPLANE_TRACE`` is set, else None."""
         return self._e.ctx.tracer
 
+    def hosts(self) -> list[list[int]]:
+        """Group ranks per host (hosts in node order, ranks ascending)."""
+        topology = self._e.ctx.topology
+        index = {r: i for i, r in enumerate(self._e.ranks)}
+        return [[index[r] for r in host] for host in topology.hosts(self._e.ranks)]
+
     def new_subgroup(self, members: Sequence[int], *, timeout: float | None = None) -> ProcessGroup:
         """A group of the given members of this group (group ranks, this rank among them).
 

@@ -1,0 +1,569 @@
+"""``FSDP``: fully sharded data parallelism (ZeRO) over explicit-backward modules.
+
+Usage::
+
+    fsdp = pp.FSDP(model, world.group, strategy="full_shard")
+    opt = pp.optim.AdamW(fsdp.parameters(), lr=1e-3)    # this rank's flat shards: optimizer state is sharded
+    fsdp.attach(opt)                                     # opt.step() first waits for the gradient sync
+    loss = crit(fsdp(x_shard), y_shard)
+    fsdp.backward(crit.backward())
+    opt.step()
+
+Every strategy is one algorithm over a ``("replicate", "shard")`` mesh of the group:
+parameters are sharded over the shard group (size S) and replicated over the replicate
+group (size R). full_shard and shard_grad_op use S = N; no_shard uses S = 1 (DDP-like);
+hybrid_shard and hybrid_shard_zero2 use S = ``intra_size`` (default: ranks per host).
+A unit's flat parameter is all-gathered over the shard group before its forward and
+(when resharded after forward: full_shard, hybrid_shard) again before its backward.
+After its backward the unit's flat gradient is reduce-scattered over the shard group at
+once (async, overlapping the rest of the backward), and its shard all-reduced over the
+replicate group. Gradients are averaged over all N ranks, so equal batch shards and a
+mean loss reproduce one process on the whole batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from paramplane.group import ProcessGroup
+from paramplane.nn.layers import Sequential
+from paramplane.nn.module import Array, Module, Parameter, RemovableHandle
+from paramplane.node.arrays import array_module
+from paramplane.node.errors import CollectiveMismatch
+from paramplane.optim.optimizer import Optimizer
+from paramplane.parallel.fsdp_config import STRATEGIES, CPUOffload, MemoryTracker, MixedPrecision
+from paramplane.parallel.fsdp_units import FlatUnit, concat_params
+from paramplane.parallel.mesh import Mesh
+from paramplane.parallel.sharding import ShardedArray
+
+__all__ = ["FSDP", "STRATEGIES", "CPUOffload", "MixedPrecision"]
+
+
+class FSDP:
+    """Shard ``module``'s parameters, gradients and optimizer state over ``group`` (module docstring)."""
+
+    def __init__(
+        self,
+        module: Module,
+        group: ProcessGroup,
+        strategy: str = "full_shard",
+        *,
+        units: Sequence[Module] | None = None,
+        intra_size: int | None = None,
+        cpu_offload: bool | CPUOffload = False,
+        mixed_precision: MixedPrecision | None = None,
+        forward_prefetch: bool = True,
+        backward_prefetch: str | None = "pre",
+        reshard_after_forward: bool | None = None,
+        sync_module_states: bool = True,
+    ) -> None:
+        if not isinstance(module, Module):
+            raise ValueError(f"FSDP wraps a paramplane.nn.Module, got {type(module).__name__}")
+        if not isinstance(group, ProcessGroup):
+            raise ValueError(f"FSDP needs a ProcessGroup, got {type(group).__name__}")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
+        if backward_prefetch not in ("pre", "post", None):
+            raise ValueError(f"backward_prefetch must be 'pre', 'post' or None, got {backward_prefetch!r}")
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+            raise ValueError("mixed_precision must be a pp.MixedPrecision")
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError(f"FSDP: {type(module).__name__} has no trainable parameters to shard")
+        self.module = module
+        self.group = group
+        self.strategy = strategy
+        self.offload = cpu_offload if isinstance(cpu_offload, CPUOffload) else CPUOffload(bool(cpu_offload))
+        self.forward_prefetch = forward_prefetch
+        self.backward_prefetch = backward_prefetch
+        hybrid = strategy.startswith("hybrid")
+        self.reshard_after_forward = (
+            reshard_after_forward
+            if reshard_after_forward is not None
+            else strategy in ("full_shard", "hybrid_shard")
+        )
+        shard_size = self._shard_size(strategy, intra_size, hybrid)
+        self.mesh = Mesh(group, dims=[("replicate", group.size // shard_size), ("shard", shard_size)])
+        self.shard_group = self.mesh.group("shard")
+        self.replicate_group = self.mesh.group("replicate")
+        master = named[0][1].dtype
+        self.master_dtype = master
+        mp = mixed_precision or MixedPrecision()
+        self.param_dtype = np.dtype(mp.param_dtype) if mp.param_dtype is not None else master
+        self.reduce_dtype = np.dtype(mp.reduce_dtype) if mp.reduce_dtype is not None else self.param_dtype
+        self.output_dtype = np.dtype(mp.output_dtype) if mp.output_dtype is not None else None
+        self.memory = MemoryTracker()
+        _check_same_model(group, named)
+        self.units = self._build_units(module, named, units, sync_module_states)
+        self._order = {id(u): i for i, u in enumerate(self.units)}
+        self._wrapped = [u for u in self.units if u.module is not None]
+        self._root = next((u for u in self.units if u.module is None), None)
+        self._originals: list[tuple[Module, Any, Any]] = []
+        for u in self._wrapped:
+            self._wrap(u)
+        self._no_sync = False
+        self._round_open = False
+        self._forward_open = False
+        self._reduce_queue: list[FlatUnit] = []
+        self._optimizer: Optimizer | None = None
+        self.memory.set("params_sharded", sum(u.shard.data.nbytes for u in self.units))
+
+    # -- construction ------------------------------------------------------------------------------
+    def _shard_size(self, strategy: str, intra_size: int | None, hybrid: bool) -> int:
+        n = self.group.size
+        if not hybrid:
+            if intra_size is not None:
+                raise ValueError(f"intra_size applies to the hybrid strategies only, not {strategy!r}")
+            return 1 if strategy == "no_shard" else n
+        hosts = self.group.hosts()
+        size = intra_size if intra_size is not None else len(hosts[0])
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1 or n % size:
+            raise ValueError(f"intra_size={size!r} must be a positive divisor of the group size {n}")
+        for start in range(0, n, size):
+            if not any(set(range(start, start + size)) <= set(h) for h in hosts):
+                raise ValueError(
+                    f"intra_size={size} does not match the hosts: group ranks {start}..{start + size - 1} "
+                    f"do not share one host (ranks per host: {[len(h) for h in hosts]}); hybrid strategies "
+                    "shard inside a host and replicate across hosts"
+                )
+        return size
+
+    def _build_units(
+        self, module: Module, named: list[tuple[str, Parameter]], units: Sequence[Module] | None, sync: bool
+    ) -> list[FlatUnit]:
+        if units is None:
+            children = [(n, m) for n, m in module.named_children() if m.parameters()]
+            chosen = children if isinstance(module, Sequential) or len(children) > 1 else []
+        else:
+            paths = {id(m): path for path, m in module.named_modules()}
+            chosen = []
+            for m in units:
+                if id(m) not in paths or m is module:
+                    raise ValueError(
+                        "every unit must be a submodule of the wrapped module (not the module itself)"
+                    )
+                chosen.append((paths[id(m)], m))
+        owner: dict[int, str] = {}
+        groups: list[tuple[str, Module | None, list[tuple[str, Parameter]]]] = []
+        by_id = {id(p): n for n, p in named}
+        for path, m in chosen:
+            mine = [(by_id[id(p)], p) for p in m.parameters() if id(p) in by_id]
+            for _, p in mine:
+                if id(p) in owner:
+                    raise ValueError(
+                        f"units overlap: parameter {by_id[id(p)]!r} is in unit {owner[id(p)]!r} and in {path!r}"
+                    )
+                owner[id(p)] = path
+            if mine:
+                groups.append((path, m, mine))
+        rest = [(n, p) for n, p in named if id(p) not in owner]
+        if rest:
+            groups.append(("<root>", None, rest))
+        built = []
+        s_rank, s_count = self.shard_group.rank, self.shard_group.size
+        for path, unit_module, mine in groups:
+            dtypes = {p.dtype for _, p in mine}
+            if len(dtypes) != 1:
+                raise ValueError(
+                    f"unit {path!r} mixes parameter dtypes {sorted(map(str, dtypes))}; FSDP needs one"
+                )
+            flat = concat_params([p for _, p in mine], sum(p.size for _, p in mine), self.master_dtype)
+            if sync and self.group.size > 1:
+                self.group.broadcast(flat, src=0)
+            unit = FlatUnit.build(path, unit_module, mine, s_rank, s_count, flat)
+            unit.release_from(flat)
+            built.append(unit)
+        return built
+
+    def _wrap(self, unit: FlatUnit) -> None:
+        m = unit.module
+        assert m is not None
+        orig_forward, orig_backward = m.forward, m.backward
+
+        def forward(x: Array) -> Array:
+            self._ensure_gathered(unit)
+            if self.forward_prefetch:
+                self._prefetch(self._neighbor(unit, +1))
+            y = orig_forward(x)
+            unit.forward_done = True
+            if self.reshard_after_forward:
+                self._release(unit)
+            return y
+
+        def backward(grad: Array) -> Array:
+            self._ensure_gathered(unit)
+            if self.backward_prefetch == "pre":
+                self._prefetch(self._neighbor(unit, -1))
+            grad_in = orig_backward(grad)
+            self._post_backward(unit)
+            if self.backward_prefetch == "post":
+                self._prefetch(self._neighbor(unit, -1))
+            return grad_in
+
+        self._originals.append((m, orig_forward, orig_backward))
+        object.__setattr__(m, "forward", forward)
+        object.__setattr__(m, "backward", backward)
+
+    def _neighbor(self, unit: FlatUnit, step: int) -> FlatUnit | None:
+        i = self._wrapped.index(unit) + step
+        return self._wrapped[i] if 0 <= i < len(self._wrapped) else None
+
+    # -- gathering ---------------------------------------------------------------------------------
+    def _prefetch(self, unit: FlatUnit | None, dtype: Any = None) -> None:
+        """Start ``unit``'s all-gather unless it is gathered or on its way."""
+        if unit is None or unit.gathered or unit.gather_work is not None:
+            return
+        dtype = np.dtype(dtype) if dtype is not None else self.param_dtype
+        xp = array_module(unit.shard.data)
+        src = unit.shard.data if unit.shard.data.dtype == dtype else unit.shard.data.astype(dtype)
+        if self.shard_group.size == 1:
+            self._use(unit, src)
+            return
+        buf = xp.empty(unit.padded, dtype)
+        unit.extra["buffer"], unit.extra["source"] = buf, src
+        unit.gather_work = self.shard_group.all_gather(src, out=buf, async_op=True)
+
+    def _ensure_gathered(self, unit: FlatUnit, dtype: Any = None) -> None:
+        if unit.gathered:
+            return
+        self._prefetch(unit, dtype)
+        if unit.gather_work is not None:
+            unit.gather_work.wait()
+            unit.gather_work = None
+            self._use(unit, unit.extra.pop("buffer"))
+            unit.extra.pop("source", None)
+
+    def _use(self, unit: FlatUnit, full: Array) -> None:
+        unit.use_full(full)
+        if full is not unit.shard.data:
+            self.memory.add("params_gathered", full.nbytes)
+
+    def _release(self, unit: FlatUnit) -> None:
+        if unit.full is not None and unit.full is not unit.shard.data:
+            self.memory.add("params_gathered", -unit.full.nbytes)
+        unit.release()
+
+    # -- forward / backward ------------------------------------------------------------------------
+    def forward(self, x: Array) -> Array:
+        """Run the module unit by unit: each unit is gathered for its forward (and prefetched)."""
+        for u in self.units:
+            if u.gathered and u is not self._root:
+                self._release(u)  # a previous forward without backward (eval): shards may have changed
+        if self._root is not None:
+            self._release(self._root)
+            self._ensure_gathered(self._root)
+        if self.forward_prefetch and self._wrapped:
+            self._prefetch(self._wrapped[0])
+        y = self.module.forward(x)
+        self._forward_open = True
+        return y.astype(self.output_dtype) if self.output_dtype is not None else y
+
+    def __call__(self, x: Array) -> Array:
+        return self.forward(x)
+
+    def backward(self, grad_out: Array) -> Array:
+        """Run the module's backward; each unit's gradient reduce-scatter starts as soon as it is ready."""
+        if not self._forward_open:
+            raise ValueError("FSDP.backward() called without a forward() since the last backward")
+        self._forward_open = False
+        grad_out = grad_out.astype(self.param_dtype) if grad_out.dtype != self.param_dtype else grad_out
+        grad_in = self.module.backward(grad_out)
+        if self._root is not None:
+            self._post_backward(self._root)
+        return grad_in
+
+    def _post_backward(self, unit: FlatUnit) -> None:
+        self._release(unit)
+        if self._no_sync:
+            return
+        self._round_open = True
+        xp = array_module(unit.shard.data)
+        flat = unit.flatten_grads(self.reduce_dtype, xp)
+        unit.drop_param_grads()
+        self._launch_reduce(unit, flat)
+
+    def _launch_reduce(self, unit: FlatUnit, flat: Array) -> None:
+        if unit.grad_flat is not None or unit in self._reduce_queue:
+            raise RuntimeError(
+                f"FSDP: unit {unit.name!r} produced gradients twice in one step; call finish_gradient_sync() "
+                "(or optimizer.step() on an attached optimizer) between synchronised backwards"
+            )
+        self.memory.add("grads", flat.nbytes)
+        unit.grad_flat = flat
+        if self.shard_group.size > 1:
+            out = array_module(flat).empty(unit.shard_size, flat.dtype)
+            unit.grad_shard = out
+            unit.grad_work = self.shard_group.reduce_scatter(flat, "sum", out=out, async_op=True)
+        else:
+            unit.grad_shard = flat
+        self._reduce_queue.append(unit)
+        self._pump_replicate(block=False)
+
+    def _pump_replicate(self, *, block: bool) -> None:
+        """Start the replicate all-reduce of finished reduce-scatters, in unit launch order."""
+        for unit in self._reduce_queue:
+            if unit.extra.get("replicated"):
+                continue
+            if unit.grad_work is not None:
+                if not block and not unit.grad_work.is_completed():
+                    return
+                unit.grad_work.wait()
+                unit.grad_work = None
+                if unit.grad_flat is not None and unit.grad_shard is not unit.grad_flat:
+                    self.memory.add("grads", -unit.grad_flat.nbytes)
+                    unit.grad_flat = None
+            assert unit.grad_shard is not None
+            if self.replicate_group.size > 1:
+                unit.replicate_work = self.replicate_group.all_reduce(unit.grad_shard, "sum", async_op=True)
+            unit.extra["replicated"] = True
+
+    def finish_gradient_sync(self) -> None:
+        """Wait for every gradient reduction and set each shard's ``grad`` (averaged over the group).
+
+        A no-op when no synchronised backward ran since the last call.
+        """
+        if not self._round_open:
+            return
+        try:
+            xp = array_module(self.units[0].shard.data)
+            for unit in self.units:  # units whose backward never ran (unused): zeros, same on every rank
+                if unit not in self._reduce_queue:
+                    self._launch_reduce(unit, xp.zeros(unit.padded, self.reduce_dtype))
+            self._pump_replicate(block=True)
+            scale = 1.0 / self.group.size
+            for unit in self._reduce_queue:
+                if unit.replicate_work is not None:
+                    unit.replicate_work.wait()
+                assert unit.grad_shard is not None
+                g = unit.grad_shard.astype(self.master_dtype) * scale
+                shard = unit.shard
+                if shard.grad is None:
+                    shard.grad = g
+                    self.memory.add("grads", g.nbytes)
+                else:
+                    shard.grad += g
+        finally:
+            for unit in self._reduce_queue:
+                if unit.grad_flat is not None:
+                    self.memory.add("grads", -unit.grad_flat.nbytes)
+                unit.grad_flat = unit.grad_shard = None
+                unit.grad_work = unit.replicate_work = None
+                unit.extra.pop("replicated", None)
+            self._reduce_queue = []
+            self._round_open = False
+
+    def attach(self, optimizer: Optimizer) -> RemovableHandle:
+        """Make ``optimizer.step()`` call :meth:`finish_gradient_sync` first; returns the hook handle."""
+        if not isinstance(optimizer, Optimizer):
+            raise ValueError(f"attach() takes a paramplane.optim optimizer, got {type(optimizer).__name__}")
+        self._optimizer = optimizer
+        optimizer.register_step_post_hook(lambda opt: self.memory.set("optim_state", _state_bytes(opt)))
+        return optimizer.register_step_pre_hook(lambda _opt: self.finish_gradient_sync())
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate full gradients locally, without communication (like torch)."""
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    # -- gradients ---------------------------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Scale the shards' gradients so the global norm is at most ``max_norm``; returns the norm.
+
+        The norm is of the full gradient (each element counted once), the same on every rank.
+        """
+        if norm_type not in (2.0, math.inf):
+            raise ValueError(f"norm_type must be 2.0 or math.inf, got {norm_type!r}")
+        self.finish_gradient_sync()
+        grads = [u.shard.grad for u in self.units if u.shard.grad is not None]
+        xp = array_module(self.units[0].shard.data)
+        if norm_type == 2.0:
+            local = sum((float((g.astype(np.float64) ** 2).sum()) for g in grads), 0.0)
+        else:
+            local = max((float(xp.abs(g).max()) for g in grads if g.size), default=0.0)
+        total = np.array([local], np.float64)
+        if self.shard_group.size > 1:  # replicas hold equal shards: reduce over the shard group only
+            self.shard_group.all_reduce(total, "sum" if norm_type == 2.0 else "max")
+        norm = float(np.sqrt(total[0])) if norm_type == 2.0 else float(total[0])
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g *= coef
+        return norm
+
+    # -- state -------------------------------------------------------------------------------------
+    def _gather_master(self, unit: FlatUnit) -> Array:
+        """The unit's full flat parameter in the master dtype (a collective on the shard group)."""
+        if self.shard_group.size == 1:
+            return unit.shard.data.copy()
+        out = array_module(unit.shard.data).empty(unit.padded, self.master_dtype)
+        self.shard_group.all_gather(unit.shard.data, out=out)
+        return out
+
+    def state_dict(self) -> dict[str, Array]:
+        """The full, unsharded state (same keys as ``module.state_dict()``), on every rank."""
+        values: dict[str, Array] = {}
+        for unit in self.units:
+            full = self._gather_master(unit)
+            for name, p, off in zip(unit.names, unit.params, unit.offsets):
+                values[name] = full[off : off + p.size].reshape(p.shape).copy()
+        out = {name: values[name] for name, _ in self.module.named_parameters() if name in values}
+        for name, buf in self.module.named_buffers():
+            out[name] = buf.copy()
+        return out
+
+    def load_state_dict(self, state: dict[str, Array]) -> None:
+        """Load a full state dict: every rank keeps its shard (no communication)."""
+        wanted = {n: p.shape for u in self.units for n, p in zip(u.names, u.params)}
+        buffers = dict(self.module.named_buffers())
+        missing = sorted((set(wanted) | set(buffers)) - set(state))
+        unexpected = sorted(set(state) - set(wanted) - set(buffers))
+        if missing or unexpected:
+            raise ValueError(f"FSDP.load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        for key, shape in [*wanted.items(), *((k, tuple(b.shape)) for k, b in buffers.items())]:
+            if tuple(state[key].shape) != tuple(shape):
+                raise ValueError(
+                    f"FSDP.load_state_dict: {key!r} has shape {tuple(state[key].shape)}, expected {shape}"
+                )
+        for unit in self.units:
+            self._release(unit)
+            xp = array_module(unit.shard.data)
+            flat = xp.zeros(unit.padded, self.master_dtype)
+            for name, p, off in zip(unit.names, unit.params, unit.offsets):
+                flat[off : off + p.size] = xp.asarray(state[name]).reshape(-1)
+            lo = self.shard_group.rank * unit.shard_size
+            unit.shard.data[...] = flat[lo : lo + unit.shard_size]
+        for key, buf in buffers.items():
+            buf[...] = array_module(buf).asarray(state[key])
+
+    def sharded_state_dict(self) -> dict[str, ShardedArray | Array]:
+        """This rank's pieces as ``ShardedArray`` views into the live shards, plus buffers (replicated).
+
+        Replicas (no_shard, hybrid) hold equal ranges; a writer keeps one of them.
+        """
+        out: dict[str, ShardedArray | Array] = {}
+        for unit in self.units:
+            out.update(unit.shard.layout.views(unit.shard.data))
+        for name, buf in self.module.named_buffers():
+            out[name] = buf
+        return out
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        """Copy ``state`` (as returned by :meth:`sharded_state_dict`, possibly refilled) into the shards."""
+        mine = self.sharded_state_dict()
+        for key, target in mine.items():
+            if key not in state:
+                raise ValueError(f"FSDP.load_sharded_state_dict: missing key {key!r}")
+            value = state[key]
+            if isinstance(target, ShardedArray):
+                if not isinstance(value, ShardedArray) or (value.global_shape, value.start, value.stop) != (
+                    target.global_shape,
+                    target.start,
+                    target.stop,
+                ):
+                    raise ValueError(
+                        f"FSDP.load_sharded_state_dict: {key!r} does not cover this rank's range"
+                    )
+                if value.local is not target.local:
+                    target.local[...] = value.local
+            else:
+                target[...] = array_module(target).asarray(value)
+
+    @contextlib.contextmanager
+    def summon_full_params(self) -> Iterator[None]:
+        """Full parameters (master dtype) in the module inside; writes are kept; resharded after."""
+        self.finish_gradient_sync()
+        for unit in self.units:
+            self._release(unit)
+            self._use(unit, self._gather_master(unit))
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                assert unit.full is not None
+                lo = self.shard_group.rank * unit.shard_size
+                unit.shard.data[...] = unit.full[lo : lo + unit.shard_size]
+                self._release(unit)
+
+    # -- inspection --------------------------------------------------------------------------------
+    def parameters(self) -> list[Parameter]:
+        """This rank's flat shards (what an optimizer should step)."""
+        return [u.shard for u in self.units]
+
+    def named_parameters(self) -> list[tuple[str, Parameter]]:
+        return [(u.shard.name, u.shard) for u in self.units]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for unit in self.units:
+            if set_to_none:
+                unit.shard.grad = None
+            elif unit.shard.grad is not None:
+                unit.shard.grad[...] = 0
+            unit.drop_param_grads()
+        self.memory.set("grads", 0)
+
+    def train(self, mode: bool = True) -> FSDP:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> FSDP:
+        return self.train(False)
+
+    def memory_stats(self) -> dict[str, Any]:
+        """Measured bytes per kind (``current`` and ``peak`` since ``reset_peak``) and the analytic estimate."""
+        if self._optimizer is not None:
+            self.memory.set("optim_state", _state_bytes(self._optimizer))
+        stats: dict[str, Any] = self.memory.snapshot()
+        total = sum(u.numel for u in self.units)
+        item = self.master_dtype.itemsize
+        stats["estimate"] = {
+            "total_params": total,
+            "param_memory_bytes": total * item // self.shard_group.size,
+            "grad_memory_bytes": total * item // self.shard_group.size,
+            "optim_memory_bytes": 2 * total * item // self.shard_group.size,
+            "world_size": self.group.size,
+        }
+        return stats
+
+    def reset_peak(self) -> None:
+        self.memory.reset_peak()
+
+    def __repr__(self) -> str:
+        return (
+            f"FSDP({type(self.module).__name__}, strategy={self.strategy}, units={len(self.units)}, "
+            f"shard={self.shard_group.size}, replicate={self.replicate_group.size})"
+        )
+
+
+def _state_bytes(optimizer: Optimizer) -> int:
+    return sum(int(v.nbytes) for s in optimizer.state.values() for v in s.values() if hasattr(v, "nbytes"))
+
+
+def _check_same_model(group: ProcessGroup, named: list[tuple[str, Parameter]]) -> None:
+    """CollectiveMismatch naming the first parameter whose name, shape or dtype differs across ranks."""
+    if group.size == 1:
+        return
+    counts = group.all_gather(np.array([len(named)], np.int64))
+    if len(set(counts.tolist())) != 1:
+        raise CollectiveMismatch(
+            f"FSDP: ranks wrap models with different numbers of parameters: {dict(enumerate(counts.tolist()))} "
+            f"(group ranks of '{group.name}'); every rank must wrap the same model"
+        )
+    sigs = np.array([zlib.crc32(f"{n}|{p.shape}|{p.dtype}".encode()) for n, p in named], np.int64)
+    every = group.all_gather(sigs).reshape(group.size, -1)
+    for i, (name, p) in enumerate(named):
+        differ = [r for r in range(group.size) if every[r, i] != sigs[i]]
+        if differ:
+            raise CollectiveMismatch(
+                f"FSDP: parameter {name!r} (shape {p.shape}, {p.dtype} on group rank {group.rank}) differs on "
+                f"group ranks {differ} of '{group.name}'; every rank must wrap the same model"
+            )

@@ -1,0 +1,83 @@
+"""FSDP's options (strategies, mixed precision, CPU offload) and its measured memory accounting."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from paramplane.node.arrays import dtype_name
+
+STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
+MEMORY_KINDS = ("params_sharded", "params_gathered", "grads", "optim_state")
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Dtypes for FSDP's communication and compute; the optimizer always steps the master shards.
+
+    On CPU, ``"bfloat16"`` and ``"float16"`` are numpy dtypes (bfloat16 from ml_dtypes: numpy
+    matmuls on it compute through float32, so it saves memory and bytes on the wire, not
+    time). On cupy use ``"float16"`` (cupy has no bfloat16).
+    """
+
+    param_dtype: Any = None
+    """Dtype of the gathered parameters and of the compute; None keeps the model's dtype."""
+    reduce_dtype: Any = None
+    """Dtype gradients are reduced in; None uses ``param_dtype``."""
+    output_dtype: Any = None
+    """Dtype the forward output is cast to; None leaves it as computed."""
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            try:
+                dt = np.dtype(value)
+                dtype_name(dt)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(
+                    f"MixedPrecision.{name}={value!r} is not a dtype the plane moves ({exc})"
+                ) from None
+            if dt.kind not in "fV":
+                raise ValueError(f"MixedPrecision.{name} must be a floating dtype, got {dt}")
+
+
+@dataclass(frozen=True)
+class CPUOffload:
+    """Keep shards, gradients and optimizer state in host memory (numpy); compute on the device.
+
+    On a CPU-only machine every array already lives in host memory, so this changes nothing.
+    """
+
+    params: bool = False
+    """Offload the sharded parameters (and with them gradients and optimizer state)."""
+
+
+@dataclass
+class MemoryTracker:
+    """Bytes FSDP holds per kind, current and peak (peaks since ``reset_peak``)."""
+
+    current: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MEMORY_KINDS, 0))
+    peak: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MEMORY_KINDS, 0))
+    peak_total: int = 0
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.set(kind, self.current[kind] + int(nbytes))
+
+    def set(self, kind: str, nbytes: int) -> None:
+        assert nbytes >= 0, (kind, nbytes)
+        self.current[kind] = int(nbytes)
+        self.peak[kind] = max(self.peak[kind], self.current[kind])
+        self.peak_total = max(self.peak_total, sum(self.current.values()))
+
+    def reset_peak(self) -> None:
+        self.peak = dict(self.current)
+        self.peak_total = sum(self.current.values())
+
+    def snapshot(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: {"current": self.current[k], "peak": self.peak[k]} for k in MEMORY_KINDS}
+        out["total"] = {"current": sum(self.current.values()), "peak": self.peak_total}
+        return out

@@ -1,0 +1,144 @@
+"""FSDP's flat units: one flat, padded parameter per unit, sharded over the shard group.
+
+A unit owns a list of the model's parameters. Their elements are concatenated (in
+``named_parameters`` order) into one flat buffer padded to a multiple of the shard-group
+size ``S``; group rank ``r`` keeps elements ``[r * k, (r + 1) * k)`` with ``k = padded / S``
+as its ``shard`` Parameter, which is what the optimizer sees. While a unit is gathered the
+original parameters' ``data`` are views into the full buffer; while it is sharded they are
+zero-stride placeholders of the right shape that hold no memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from paramplane.nn.module import Array, Module, Parameter
+from paramplane.node.arrays import array_module
+from paramplane.parallel.sharding import FlatLayout, LayoutEntry
+from paramplane.work import Work
+
+
+def placeholder(shape: tuple[int, ...], dtype: Any, xp: Any) -> Array:
+    """A read-only array of ``shape`` that holds one element: a sharded parameter's ``data``."""
+    return xp.broadcast_to(xp.zeros((), dtype), shape)
+
+
+def concat_params(params: Sequence[Parameter], size: int, dtype: Any) -> Array:
+    """The parameters' current values, flattened and concatenated, zero-padded to ``size``."""
+    xp = array_module(params[0].data)
+    flat = xp.zeros(size, dtype)
+    start = 0
+    for p in params:
+        flat[start : start + p.size] = p.data.reshape(-1)
+        start += p.size
+    return flat
+
+
+@dataclass
+class FlatUnit:
+    """One FSDP unit (see the module docstring)."""
+
+    name: str
+    module: Module | None
+    """The submodule whose forward/backward bracket the unit's use; None for the root unit."""
+    names: list[str]
+    params: list[Parameter]
+    offsets: list[int]
+    numel: int
+    """Real elements (padding excluded)."""
+    padded: int
+    shard: Parameter
+    """This rank's shard of the flat parameter, in the master dtype."""
+    full: Array | None = None
+    """The gathered flat parameter while gathered, else None."""
+    gather_work: Work[Any] | None = None
+    grad_work: Work[Any] | None = None
+    grad_flat: Array | None = None
+    """The unsharded flat gradient while its reduce-scatter runs."""
+    grad_shard: Array | None = None
+    """The reduce-scatter's output (this rank's gradient piece, reduce dtype)."""
+    replicate_work: Work[Any] | None = None
+    forward_done: bool = False
+    backward_done: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def shard_size(self) -> int:
+        return int(self.shard.data.size)
+
+    @property
+    def gathered(self) -> bool:
+        return self.full is not None
+
+    @classmethod
+    def build(
+        cls,
+        name: str,
+        module: Module | None,
+        named: Sequence[tuple[str, Parameter]],
+        shard_rank: int,
+        shard_count: int,
+        flat: Array,
+    ) -> FlatUnit:
+        """A unit over ``named`` whose full flat values are ``flat`` (already agreed on by every rank)."""
+        params = [p for _, p in named]
+        offsets, start = [], 0
+        for p in params:
+            offsets.append(start)
+            start += p.size
+        padded = math.ceil(start / shard_count) * shard_count
+        k = padded // shard_count
+        lo = shard_rank * k
+        xp = array_module(flat)
+        piece = xp.zeros(k, flat.dtype)
+        real = max(0, min(lo + k, start) - lo)
+        if real:
+            piece[:real] = flat[lo : lo + real]
+        entries = []
+        for (pname, p), off in zip(named, offsets):
+            a, b = max(off, lo), min(off + p.size, lo + k)
+            if b > a:
+                entries.append(LayoutEntry(pname, p.shape, a - off, a - lo, b - a))
+        shard = Parameter(piece, name=f"{name}.flat_shard")
+        shard.layout = FlatLayout(tuple(entries), k)
+        return cls(name, module, [n for n, _ in named], params, offsets, start, padded, shard)
+
+    def flatten_grads(self, dtype: Any, xp: Any) -> Array:
+        """The padded concatenation of the parameters' gradients (zeros where there is none)."""
+        flat = xp.zeros(self.padded, dtype)
+        for p, off in zip(self.params, self.offsets):
+            if p.grad is not None:
+                flat[off : off + p.size] = p.grad.reshape(-1)
+        return flat
+
+    def use_full(self, full: Array) -> None:
+        """Point every parameter's ``data`` at its piece of the gathered flat buffer."""
+        self.full = full
+        for p, off in zip(self.params, self.offsets):
+            p.data = full[off : off + p.size].reshape(p.shape)
+
+    def release_from(self, flat: Array) -> None:
+        """After construction: the parameters stop holding their full values (placeholders)."""
+        xp = array_module(flat)
+        for p in self.params:
+            p.data = placeholder(p.shape, flat.dtype, xp)
+            p.grad = None
+
+    def release(self) -> None:
+        """Drop the gathered buffer; parameters become placeholders."""
+        if self.full is None:
+            return
+        xp = array_module(self.full)
+        for p in self.params:
+            p.data = placeholder(p.shape, self.full.dtype, xp)
+        self.full = None
+
+    def drop_param_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def has_param_grads(self) -> bool:
+        return any(p.grad is not None for p in self.params)
