@@ -14,10 +14,12 @@ from _world import run_world
 HOSTS = {0: "hostA", 1: "hostA", 2: "hostB", 3: "hostB"}
 
 
-def _run(n: int, args: list[str], **kw: object) -> list[dict[str, object]]:
-    world = run_world(n, "fsdp.py", args=args, env={"PARAMPLANE_TIMEOUT": "60"}, timeout=240, **kw)  # type: ignore[arg-type]
+def _run(
+    n: int, args: list[str], target: str = "fsdp.py", min_checks: int = 20, **kw: object
+) -> list[dict[str, object]]:
+    world = run_world(n, target, args=args, env={"PARAMPLANE_TIMEOUT": "60"}, timeout=240, **kw)  # type: ignore[arg-type]
     results = world.check_ok()
-    assert all(int(r["num_checks"]) > 20 for r in results), [r["num_checks"] for r in results]  # type: ignore[call-overload]
+    assert all(int(r["num_checks"]) >= min_checks for r in results), [r["num_checks"] for r in results]  # type: ignore[call-overload]
     assert world.shm_leaks() == set()
     return results
 
@@ -38,3 +40,15 @@ def test_hybrid_strategies_on_two_hosts() -> None:
         ["hybrid_shard,hybrid_shard_zero2", "--quick"],
         rank_env={r: {"PARAMPLANE_HOST_ID": h} for r, h in HOSTS.items()},
     )
+
+
+def test_errors_sharded_state_summon_and_mixed_precision() -> None:
+    results = _run(2, ["basics"], target="fsdp_extras.py")
+    assert all(float(r["values"]["mp_relative_loss_gap"]) < 3e-2 for r in results)  # type: ignore[index]
+
+
+def test_full_shard_memory_is_measured_and_sharded() -> None:
+    results = _run(4, ["memory"], target="fsdp_extras.py", min_checks=6)
+    for r in results:
+        mem = r["values"]["memory"]  # type: ignore[index]
+        assert mem["peak"] <= mem["bound"], mem

@@ -561,9 +561,12 @@ def _check_same_model(group: ProcessGroup, named: list[tuple[str, Parameter]]) -
     sigs = np.array([zlib.crc32(f"{n}|{p.shape}|{p.dtype}".encode()) for n, p in named], np.int64)
     every = group.all_gather(sigs).reshape(group.size, -1)
     for i, (name, p) in enumerate(named):
-        differ = [r for r in range(group.size) if every[r, i] != sigs[i]]
-        if differ:
+        versions: dict[int, list[int]] = {}
+        for r in range(group.size):
+            versions.setdefault(int(every[r, i]), []).append(r)
+        if len(versions) > 1:
             raise CollectiveMismatch(
-                f"FSDP: parameter {name!r} (shape {p.shape}, {p.dtype} on group rank {group.rank}) differs on "
-                f"group ranks {differ} of '{group.name}'; every rank must wrap the same model"
+                f"FSDP: parameter {name!r} differs across the group ranks of '{group.name}': ranks "
+                f"{' vs '.join(map(str, versions.values()))} hold different names, shapes or dtypes (here, group "
+                f"rank {group.rank}: shape {p.shape}, {p.dtype}); every rank must wrap the same model"
             )

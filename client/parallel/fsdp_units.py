@@ -99,9 +99,11 @@ class FlatUnit:
             piece[:real] = flat[lo : lo + real]
         entries = []
         for (pname, p), off in zip(named, offsets):
-            a, b = max(off, lo), min(off + p.size, lo + k)
-            if b > a:
-                entries.append(LayoutEntry(pname, p.shape, a - off, a - lo, b - a))
+            # Every parameter gets an entry; one this shard does not reach gets an empty range.
+            a = min(max(off, lo), off + p.size)
+            b = max(a, min(off + p.size, lo + k))
+            at = min(max(a - lo, 0), k)
+            entries.append(LayoutEntry(pname, p.shape, a - off, at, b - a))
         shard = Parameter(piece, name=f"{name}.flat_shard")
         shard.layout = FlatLayout(tuple(entries), k)
         return cls(name, module, [n for n, _ in named], params, offsets, start, padded, shard)
