@@ -20,7 +20,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "paramplane.coordinator.cli",
     ),
     "launch": ("start N rank processes of a script on this host (like torchrun)", "paramplane.launch"),
-    "demo": ("the main job: DDP training on 4 local ranks (scikit-learn digits)", "paramplane.demo"),
+    "demo": (
+        "the main job: DDP (or --fsdp) training on 4 local ranks (scikit-learn digits)",
+        "paramplane.demo",
+    ),
     "bench": ("run a benchmark from benchmarks/ (collectives, rendezvous, ddp)", "paramplane.bench"),
     "trace": ("tools for PARAMPLANE_TRACE timelines (trace merge DIR)", "paramplane.trace"),
 }

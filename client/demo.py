@@ -1,4 +1,4 @@
-"""``paramplane demo``: a 4-rank DDP training run on this machine, end to end.
+"""``paramplane demo``: a 4-rank DDP (or, with ``--fsdp``, FSDP) training run on this machine, end to end.
 
 Starts an embedded coordinator on 127.0.0.1, spawns ``--world-size`` rank processes
 running ``examples/train_ddp.py`` (the script a user copies; the demo runs it as is),
@@ -16,7 +16,9 @@ from pathlib import Path
 
 import paramplane
 
-EXAMPLE = Path(paramplane.__file__).resolve().parent.parent / "examples" / "train_ddp.py"
+EXAMPLES = Path(paramplane.__file__).resolve().parent.parent / "examples"
+EXAMPLE = EXAMPLES / "train_ddp.py"
+FSDP_EXAMPLE = EXAMPLES / "train_fsdp.py"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,6 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--transport", choices=("auto", "grpc", "shm"), default="auto", help="data plane (default auto: shm)"
+    )
+    parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="train with FSDP full_shard (examples/train_fsdp.py) instead of DDP",
     )
     parser.add_argument(
         "--timeout", type=float, default=120.0, help="collective timeout in seconds (default 120)"
@@ -48,29 +55,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.epochs < 1 or args.world_size < 1 or not args.timeout > 0:
         print("paramplane demo: --epochs, --world-size and --timeout must be positive", file=sys.stderr)
         return 2
-    if not EXAMPLE.is_file():
-        print(f"paramplane demo: {EXAMPLE} is missing; the demo needs a source checkout", file=sys.stderr)
+    example = FSDP_EXAMPLE if args.fsdp else EXAMPLE
+    if not example.is_file():
+        print(f"paramplane demo: {example} is missing; the demo needs a source checkout", file=sys.stderr)
         return 1
     from paramplane.launch import LaunchConfig, launch
 
     os.environ["PARAMPLANE_TRANSPORT"] = args.transport
     config = LaunchConfig(
         num_ranks=args.world_size,
-        target=str(EXAMPLE),
-        args=("--epochs", str(args.epochs), "--out", str(args.out)),
+        target=str(example),
+        args=("--epochs", str(args.epochs)) + (() if args.fsdp else ("--out", str(args.out))),
         standalone=True,
         timeout_s=args.timeout,
-        prefix=False,  # rank 0's progress bar redraws its line; prefixes would break it
+        prefix=args.fsdp,  # DDP: rank 0's progress bar redraws its line; prefixes would break it
     )
-    print(f"paramplane demo: training on {args.world_size} ranks", flush=True)
+    print(
+        f"paramplane demo: training with {'FSDP' if args.fsdp else 'DDP'} on {args.world_size} ranks",
+        flush=True,
+    )
     started = time.monotonic()
     code = launch(config)
     if code == 0:
         elapsed = time.monotonic() - started
-        print(
-            f"paramplane demo: done in {elapsed:.1f} s; loss curve saved to {args.out / 'loss.png'}",
-            flush=True,
-        )
+        saved = "" if args.fsdp else f"; loss curve saved to {args.out / 'loss.png'}"
+        print(f"paramplane demo: done in {elapsed:.1f} s{saved}", flush=True)
     return code
 
 

@@ -98,7 +98,9 @@ class FSDP:
         self.param_dtype = np.dtype(mp.param_dtype) if mp.param_dtype is not None else master
         self.reduce_dtype = np.dtype(mp.reduce_dtype) if mp.reduce_dtype is not None else self.param_dtype
         self.output_dtype = np.dtype(mp.output_dtype) if mp.output_dtype is not None else None
-        self.memory = MemoryTracker()
+        self._optimizer: Optimizer | None = None
+        self.units: list[FlatUnit] = []
+        self.memory = MemoryTracker(self._lasting_bytes)
         _check_same_model(group, named)
         self.units = self._build_units(module, named, units, sync_module_states)
         self._order = {id(u): i for i, u in enumerate(self.units)}
@@ -111,8 +113,7 @@ class FSDP:
         self._round_open = False
         self._forward_open = False
         self._reduce_queue: list[FlatUnit] = []
-        self._optimizer: Optimizer | None = None
-        self.memory.set("params_sharded", sum(u.shard.data.nbytes for u in self.units))
+        self.memory.update()
 
     # -- construction ------------------------------------------------------------------------------
     def _shard_size(self, strategy: str, intra_size: int | None, hybrid: bool) -> int:
@@ -285,6 +286,7 @@ class FSDP:
         self._round_open = True
         xp = array_module(unit.shard.data)
         flat = unit.flatten_grads(self.reduce_dtype, xp)
+        self.memory.add("grads", flat.nbytes)  # measured while the layers' gradients are alive too
         unit.drop_param_grads()
         self._launch_reduce(unit, flat)
 
@@ -294,7 +296,6 @@ class FSDP:
                 f"FSDP: unit {unit.name!r} produced gradients twice in one step; call finish_gradient_sync() "
                 "(or optimizer.step() on an attached optimizer) between synchronised backwards"
             )
-        self.memory.add("grads", flat.nbytes)
         unit.grad_flat = flat
         if self.shard_group.size > 1:
             out = array_module(flat).empty(unit.shard_size, flat.dtype)
@@ -334,7 +335,9 @@ class FSDP:
             xp = array_module(self.units[0].shard.data)
             for unit in self.units:  # units whose backward never ran (unused): zeros, same on every rank
                 if unit not in self._reduce_queue:
-                    self._launch_reduce(unit, xp.zeros(unit.padded, self.reduce_dtype))
+                    zeros = xp.zeros(unit.padded, self.reduce_dtype)
+                    self.memory.add("grads", zeros.nbytes)
+                    self._launch_reduce(unit, zeros)
             self._pump_replicate(block=True)
             scale = 1.0 / self.group.size
             for unit in self._reduce_queue:
@@ -345,7 +348,6 @@ class FSDP:
                 shard = unit.shard
                 if shard.grad is None:
                     shard.grad = g
-                    self.memory.add("grads", g.nbytes)
                 else:
                     shard.grad += g
         finally:
@@ -363,7 +365,7 @@ class FSDP:
         if not isinstance(optimizer, Optimizer):
             raise ValueError(f"attach() takes a paramplane.optim optimizer, got {type(optimizer).__name__}")
         self._optimizer = optimizer
-        optimizer.register_step_post_hook(lambda opt: self.memory.set("optim_state", _state_bytes(opt)))
+        optimizer.register_step_post_hook(lambda _opt: self.memory.update())
         return optimizer.register_step_pre_hook(lambda _opt: self.finish_gradient_sync())
 
     @contextlib.contextmanager
@@ -509,7 +511,7 @@ class FSDP:
             elif unit.shard.grad is not None:
                 unit.shard.grad[...] = 0
             unit.drop_param_grads()
-        self.memory.set("grads", 0)
+        self.memory.update()
 
     def train(self, mode: bool = True) -> FSDP:
         self.module.train(mode)
@@ -520,8 +522,6 @@ class FSDP:
 
     def memory_stats(self) -> dict[str, Any]:
         """Measured bytes per kind (``current`` and ``peak`` since ``reset_peak``) and the analytic estimate."""
-        if self._optimizer is not None:
-            self.memory.set("optim_state", _state_bytes(self._optimizer))
         stats: dict[str, Any] = self.memory.snapshot()
         total = sum(u.numel for u in self.units)
         item = self.master_dtype.itemsize
@@ -537,15 +537,32 @@ class FSDP:
     def reset_peak(self) -> None:
         self.memory.reset_peak()
 
+    def _lasting_bytes(self) -> dict[str, int]:
+        """Shards, their gradients (and unsharded ones accumulated under no_sync) and optimizer state."""
+        grads = sum(int(u.shard.grad.nbytes) for u in self.units if u.shard.grad is not None)
+        grads += sum(int(p.grad.nbytes) for u in self.units for p in u.params if p.grad is not None)
+        optim = 0
+        if self._optimizer is not None:
+            mine = {id(u.shard) for u in self.units}
+            opt = self._optimizer
+            optim = sum(
+                int(v.nbytes)
+                for i, state in opt.state.items()
+                if id(opt.params[i]) in mine
+                for v in state.values()
+                if hasattr(v, "nbytes")
+            )
+        return {
+            "params_sharded": sum(int(u.shard.data.nbytes) for u in self.units),
+            "grads": grads,
+            "optim_state": optim,
+        }
+
     def __repr__(self) -> str:
         return (
             f"FSDP({type(self.module).__name__}, strategy={self.strategy}, units={len(self.units)}, "
             f"shard={self.shard_group.size}, replicate={self.replicate_group.size})"
         )
-
-
-def _state_bytes(optimizer: Optimizer) -> int:
-    return sum(int(v.nbytes) for s in optimizer.state.values() for v in s.values() if hasattr(v, "nbytes"))
 
 
 def _check_same_model(group: ProcessGroup, named: list[tuple[str, Parameter]]) -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -56,28 +57,41 @@ class CPUOffload:
     """Offload the sharded parameters (and with them gradients and optimizer state)."""
 
 
-@dataclass
 class MemoryTracker:
-    """Bytes FSDP holds per kind, current and peak (peaks since ``reset_peak``)."""
+    """Bytes FSDP holds per kind, current and peak (peaks since ``reset_peak``).
 
-    current: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MEMORY_KINDS, 0))
-    peak: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MEMORY_KINDS, 0))
-    peak_total: int = 0
+    Transient buffers (gathered parameters, flat gradients in flight) are counted as they are
+    allocated and dropped; lasting ones (shards, their gradients, optimizer state) are measured
+    from the live arrays by ``measure`` at every such event, so nothing drifts when a caller drops
+    gradients or an optimizer creates state.
+    """
+
+    def __init__(self, measure: Callable[[], dict[str, int]]) -> None:
+        self._measure = measure
+        self.transient: dict[str, int] = dict.fromkeys(MEMORY_KINDS, 0)
+        self.current: dict[str, int] = dict.fromkeys(MEMORY_KINDS, 0)
+        self.peak: dict[str, int] = dict.fromkeys(MEMORY_KINDS, 0)
+        self.peak_total = 0
 
     def add(self, kind: str, nbytes: int) -> None:
-        self.set(kind, self.current[kind] + int(nbytes))
+        self.transient[kind] += int(nbytes)
+        assert self.transient[kind] >= 0, (kind, self.transient[kind])
+        self.update()
 
-    def set(self, kind: str, nbytes: int) -> None:
-        assert nbytes >= 0, (kind, nbytes)
-        self.current[kind] = int(nbytes)
-        self.peak[kind] = max(self.peak[kind], self.current[kind])
+    def update(self) -> None:
+        lasting = self._measure()
+        for kind in MEMORY_KINDS:
+            self.current[kind] = self.transient[kind] + lasting.get(kind, 0)
+            self.peak[kind] = max(self.peak[kind], self.current[kind])
         self.peak_total = max(self.peak_total, sum(self.current.values()))
 
     def reset_peak(self) -> None:
+        self.update()
         self.peak = dict(self.current)
         self.peak_total = sum(self.current.values())
 
     def snapshot(self) -> dict[str, Any]:
+        self.update()
         out: dict[str, Any] = {k: {"current": self.current[k], "peak": self.peak[k]} for k in MEMORY_KINDS}
         out["total"] = {"current": sum(self.current.values()), "peak": self.peak_total}
         return out
