@@ -8,6 +8,9 @@ state_dict round trip, and that parameters hold no memory between uses.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from _world import run_world
 
@@ -52,3 +55,36 @@ def test_full_shard_memory_is_measured_and_sharded() -> None:
     for r in results:
         mem = r["values"]["memory"]  # type: ignore[index]
         assert mem["peak"] <= mem["bound"], mem
+
+
+def _overlaps(trace: Path, rank: int) -> dict[str, int]:
+    """All-gathers that started while a unit's forward or backward computed, per pass."""
+    events = json.loads((trace / f"rank-{rank}.json").read_text())["traceEvents"]
+    gathers = [e for e in events if e.get("name") == "all_gather"]
+    spans = [e for e in events if str(e.get("name", "")).startswith("fsdp ")]
+    out = {"forward": 0, "backward": 0}
+    for span in spans:
+        kind = span["name"].split()[1]
+        lo, hi = span["ts"], span["ts"] + span["dur"]
+        out[kind] += sum(1 for g in gathers if lo < g["ts"] < hi)
+    assert spans, "no FSDP compute spans traced"
+    return out
+
+
+def test_prefetch_overlaps_the_next_gather_with_compute(tmp_path: Path) -> None:
+    for mode in ("on", "off"):
+        trace = tmp_path / mode
+        world = run_world(
+            2,
+            "fsdp_extras.py",
+            args=["prefetch", mode],
+            env={"PARAMPLANE_TIMEOUT": "60", "PARAMPLANE_TRACE": str(trace)},
+            timeout=120,
+        )
+        world.check_ok()
+        for rank in range(2):
+            seen = _overlaps(trace, rank)
+            if mode == "on":
+                assert seen["forward"] >= 1 and seen["backward"] >= 1, seen
+            else:  # without prefetch every gather finishes before its unit computes
+                assert seen == {"forward": 0, "backward": 0}, seen

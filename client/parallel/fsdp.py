@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -191,7 +192,9 @@ class FSDP:
             self._ensure_gathered(unit)
             if self.forward_prefetch:
                 self._prefetch(self._neighbor(unit, +1))
+            start = time.monotonic()
             y = orig_forward(x)
+            self._mark(f"forward {unit.name}", start)
             unit.forward_done = True
             if self.reshard_after_forward:
                 self._release(unit)
@@ -201,7 +204,9 @@ class FSDP:
             self._ensure_gathered(unit)
             if self.backward_prefetch == "pre":
                 self._prefetch(self._neighbor(unit, -1))
+            start = time.monotonic()
             grad_in = orig_backward(grad)
+            self._mark(f"backward {unit.name}", start)
             self._post_backward(unit)
             if self.backward_prefetch == "post":
                 self._prefetch(self._neighbor(unit, -1))
@@ -210,6 +215,11 @@ class FSDP:
         self._originals.append((m, orig_forward, orig_backward))
         object.__setattr__(m, "forward", forward)
         object.__setattr__(m, "backward", backward)
+
+    def _mark(self, name: str, start: float) -> None:
+        tracer = self.group.tracer
+        if tracer is not None and hasattr(tracer, "mark"):
+            tracer.mark(f"fsdp {name}", start, time.monotonic())
 
     def _neighbor(self, unit: FlatUnit, step: int) -> FlatUnit | None:
         i = self._wrapped.index(unit) + step

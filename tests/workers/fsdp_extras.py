@@ -218,10 +218,27 @@ def main() -> None:
             errors(world, rep)
             sharded_state(world, rep)
             mixed_precision(world, rep)
+        elif which == "prefetch":
+            prefetch(world, rep)
         else:
             memory(world, rep)
 
     run_rank(scenario)
+
+
+def prefetch(world: Any, rep: Report) -> None:
+    """Run two steps of a wide model; the test reads the trace to see the overlap."""
+    rng = np.random.default_rng(5)
+    on = sys.argv[2] == "on"
+    model = Sequential(*(Linear(384, 384, dtype=np.float64, rng=rng) for _ in range(4)))
+    fsdp = pp.FSDP(model, world.group, forward_prefetch=on, backward_prefetch="pre" if on else None)
+    x = np.random.default_rng(world.rank).standard_normal((256, 384))
+    for _ in range(2):
+        y = fsdp(x)
+        fsdp.backward(np.ones_like(y) / y.size)
+        fsdp.finish_gradient_sync()
+        fsdp.zero_grad()
+    rep.check("ran", True)
 
 
 if __name__ == "__main__":
