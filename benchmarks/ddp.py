@@ -131,8 +131,9 @@ def _spawn(impl: str, world_size: int, args: argparse.Namespace, env: dict[str, 
     base += ["--bucket-mb", str(args.bucket_mb)]
     coord = None
     extra = dict(os.environ, **THREADS, **env)
-    for key, value in MALLOC.items():  # every run alike: large grads are reused without page faults
-        extra.setdefault(key, value)
+    if impl == "paramplane":  # our launcher's defaults for our ranks; a peer runs at its own defaults
+        for key, value in MALLOC.items():
+            extra.setdefault(key, value)
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         if impl == "paramplane" and world_size > 1:

@@ -77,10 +77,16 @@ class FSDP:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError(f"FSDP: {type(module).__name__} has no trainable parameters to shard")
+        offload = cpu_offload if isinstance(cpu_offload, CPUOffload) else CPUOffload(bool(cpu_offload))
+        if offload.params and any(array_module(p.data) is not np for _, p in named):
+            raise NotImplementedError(
+                "FSDP cpu_offload for device (cupy) parameters is not implemented yet; numpy models already keep "
+                "everything in host memory (offload is a no-op there)"
+            )
         self.module = module
         self.group = group
         self.strategy = strategy
-        self.offload = cpu_offload if isinstance(cpu_offload, CPUOffload) else CPUOffload(bool(cpu_offload))
+        self.offload = offload
         self.forward_prefetch = forward_prefetch
         self.backward_prefetch = backward_prefetch
         hybrid = strategy.startswith("hybrid")

@@ -50,7 +50,8 @@ class MixedPrecision:
 class CPUOffload:
     """Keep shards, gradients and optimizer state in host memory (numpy); compute on the device.
 
-    On a CPU-only machine every array already lives in host memory, so this changes nothing.
+    numpy models already live in host memory, so this changes nothing for them; for cupy models it is
+    not implemented yet (FSDP raises NotImplementedError).
     """
 
     params: bool = False

@@ -1,0 +1,244 @@
+"""FSDP per-rank memory and step time, every strategy, beside torch FSDP2 (``fully_shard``, gloo).
+
+    python benchmarks/fsdp.py [--width 2500] [--layers 8] [--steps 3] [--out benchmarks/results/fsdp.jsonl]
+
+A stack of ``--layers`` Linear layers of ``--width`` (8 x 2500^2: about 50M float32
+parameters, one FSDP unit each) trains with AdamW on random data, local batch
+``--local-batch``, one BLAS thread per process. Memory is measured per rank over the
+training steps (model construction excluded: every implementation builds the full
+model on each rank first): ``tracemalloc`` peak for paramplane (numpy reports its
+buffers to it) and the growth of peak RSS for both implementations. The 1-process
+row is the same model trained without sharding. Hybrid strategies run on two fake
+hosts of world/2 ranks. paramplane ranks get the launcher's MALLOC_* defaults; torch
+gets none of our settings. One JSON line per configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
+STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
+
+
+def _rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def worker_paramplane(args: argparse.Namespace) -> dict[str, Any]:
+    from paramplane.nn import Linear, ReLU, Sequential
+    from paramplane.optim import AdamW
+
+    rng = np.random.default_rng(0)
+    layers: list[Any] = []
+    for _ in range(args.layers):
+        layers += [Linear(args.width, args.width, rng=rng), ReLU()]
+    model: Any = Sequential(*layers[:-1])
+    world = None
+    if args.strategy != "single":
+        import paramplane as pp
+
+        world = pp.init()
+        model = pp.FSDP(model, world.group, args.strategy)
+    opt = AdamW(model.parameters(), lr=1e-4)
+    if world is not None:
+        model.attach(opt)
+    x = np.random.default_rng(1).standard_normal((args.local_batch, args.width)).astype(np.float32)
+    rss0 = _rss()
+    tracemalloc.start()
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        y = model.forward(x)
+        model.backward(np.ones_like(y) / y.size)
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t)
+    _, traced = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    out = {"times": times, "traced_peak": traced, "rss_growth": _rss() - rss0, "rss_peak": _rss()}
+    if world is not None:
+        out["measured_peak"] = model.memory_stats()["total"]["peak"]
+        world.group.barrier()
+        world.shutdown()
+    return out
+
+
+def worker_torch(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    layers: list[Any] = []
+    for _ in range(args.layers):
+        layers += [torch.nn.Linear(args.width, args.width), torch.nn.ReLU()]
+    model: Any = torch.nn.Sequential(*layers[:-1])
+    if args.strategy != "single":
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group(
+            "gloo", init_method=f"file://{args.store}", rank=args.rank, world_size=args.world_size
+        )
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(args.local_batch, args.width)
+    rss0 = _rss()
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        model(x).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t)
+    out = {"times": times, "rss_growth": _rss() - rss0, "rss_peak": _rss()}
+    if args.strategy != "single":
+        dist.barrier()
+        dist.destroy_process_group()
+    return out
+
+
+def _spawn(impl: str, strategy: str, world_size: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    base = [sys.executable, str(Path(__file__).resolve()), "--worker", impl, "--strategy", strategy]
+    base += ["--world-size", str(world_size), "--steps", str(args.steps), "--width", str(args.width)]
+    base += ["--layers", str(args.layers), "--local-batch", str(args.local_batch)]
+    env = dict(os.environ, **THREADS, **(MALLOC if impl == "paramplane" else {}))
+    coord = None
+    with tempfile.TemporaryDirectory() as tmp:
+        if impl == "paramplane" and strategy != "single":
+            from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
+
+            coord = CoordinatorThread(CoordinatorConfig(world_size=world_size, host="127.0.0.1", port=0))
+            env["PARAMPLANE_COORDINATOR"] = coord.start()
+            env["PARAMPLANE_WORLD_SIZE"] = str(world_size)
+            env["PARAMPLANE_TIMEOUT"] = "600"
+        procs = []
+        try:
+            for r in range(world_size):
+                rank_env = dict(env, PARAMPLANE_RANK=str(r))
+                if strategy.startswith("hybrid"):
+                    rank_env["PARAMPLANE_HOST_ID"] = f"host{r // max(1, world_size // 2)}"
+                cmd = [*base, "--rank", str(r), "--store", os.path.join(tmp, "store")]
+                procs.append(subprocess.Popen(cmd, env=rank_env, stdout=subprocess.PIPE, text=True))
+            outs = [p.communicate(timeout=1800)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(10)
+            if coord is not None:
+                coord.stop()
+    for r, p in enumerate(procs):
+        if p.returncode != 0:
+            raise RuntimeError(f"{impl} {strategy} rank {r} of {world_size} exited {p.returncode}")
+    return [json.loads(o.strip().splitlines()[-1]) for o in outs]
+
+
+def _row(
+    impl: str, strategy: str, world: int, ranks: list[dict[str, Any]], args: argparse.Namespace
+) -> dict[str, Any]:
+    params = args.layers * (args.width * args.width + args.width)
+    row: dict[str, Any] = {
+        "bench": "fsdp",
+        "impl": impl,
+        "strategy": strategy,
+        "world_size": world,
+        "params": params,
+        "local_batch": args.local_batch,
+        # the first step creates optimizer state; later steps are the steady state
+        "step_s_median": max(statistics.median(r["times"][1:] or r["times"]) for r in ranks),
+        "rss_growth_max": max(r["rss_growth"] for r in ranks),
+    }
+    if "traced_peak" in ranks[0]:
+        row["traced_peak_max"] = max(r["traced_peak"] for r in ranks)
+    if "measured_peak" in ranks[0]:
+        row["measured_peak_max"] = max(r["measured_peak"] for r in ranks)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=2500)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--local-batch", type=int, default=8)
+    parser.add_argument("--worlds", default="2,4")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--worker", choices=("paramplane", "torch"), help=argparse.SUPPRESS)
+    parser.add_argument("--strategy", default="single", help=argparse.SUPPRESS)
+    parser.add_argument("--world-size", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--store", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if min(args.width, args.layers, args.steps, args.local_batch) < 1:
+        parser.error("--width, --layers, --steps and --local-batch must be positive")
+    if args.worker:
+        fn = worker_paramplane if args.worker == "paramplane" else worker_torch
+        print(json.dumps(fn(args)), flush=True)
+        return 0
+    try:
+        import torch  # noqa: F401
+
+        have_torch = not args.no_torch
+    except ImportError:
+        have_torch = False
+    rows = [_row("paramplane", "single", 1, _spawn("paramplane", "single", 1, args), args)]
+    if have_torch:
+        rows.append(_row("torch", "single", 1, _spawn("torch", "single", 1, args), args))
+    for world in (int(w) for w in args.worlds.split(",")):
+        for strategy in args.strategies.split(","):
+            rows.append(
+                _row("paramplane", strategy, world, _spawn("paramplane", strategy, world, args), args)
+            )
+        if have_torch:
+            rows.append(
+                _row("torch", "fully_shard", world, _spawn("torch", "fully_shard", world, args), args)
+            )
+    single = rows[0]
+    for row in rows:
+        if row["impl"] == "paramplane" and row["world_size"] > 1:
+            row["peak_vs_single_over_n"] = row["traced_peak_max"] / (
+                single["traced_peak_max"] / row["world_size"]
+            )
+            torch_row = next(
+                (
+                    r
+                    for r in rows
+                    if r["impl"] == "torch"
+                    and r["world_size"] == row["world_size"]
+                    and r["strategy"] != "single"
+                ),
+                None,
+            )
+            if torch_row is not None:
+                row["step_vs_torch_fsdp2"] = row["step_s_median"] / torch_row["step_s_median"]
+    lines = [json.dumps(r) for r in rows]
+    print("\n".join(lines), flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with args.out.open("a") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
