@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from paramplane.parallel.fsdp import FSDP
     from paramplane.parallel.fsdp_config import CPUOffload, MixedPrecision
     from paramplane.parallel.mesh import Mesh
+    from paramplane.parallel.tensor import ColumnParallelLinear, RowParallelLinear
     from paramplane.work import Work
     from paramplane.world import KVStore, World, init
 
@@ -38,6 +39,8 @@ _LAZY = {
     "shard_range": "paramplane.parallel.ddp",
     "Mesh": "paramplane.parallel.mesh",
     "FSDP": "paramplane.parallel.fsdp",
+    "ColumnParallelLinear": "paramplane.parallel.tensor",
+    "RowParallelLinear": "paramplane.parallel.tensor",
     "MixedPrecision": "paramplane.parallel.fsdp_config",
     "CPUOffload": "paramplane.parallel.fsdp_config",
     "nn": "paramplane.nn",
@@ -72,6 +75,7 @@ __all__ = [
     "CPUOffload",
     "CollectiveMismatch",
     "CollectiveTimeout",
+    "ColumnParallelLinear",
     "CoordinatorUnavailable",
     "KVStore",
     "Mesh",
@@ -81,6 +85,7 @@ __all__ = [
     "PlaneError",
     "ProcessGroup",
     "RendezvousError",
+    "RowParallelLinear",
     "TransportError",
     "Work",
     "World",

@@ -1,0 +1,109 @@
+"""Tensor-parallel scenarios: the TP MLP equals the dense one; TP x DP trains like one process.
+
+Usage: ``tensor.py tp`` (world 2: tp=2) or ``tensor.py tpdp`` (world 4: dp=2 x tp=2).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import Report, run_rank
+
+import paramplane as pp
+from paramplane.nn import GELU, Linear, MSELoss, Sequential
+from paramplane.optim import SGD
+from paramplane.parallel.ddp import shard_range
+
+D, H = 8, 12
+RTOL = 1e-12
+
+
+def tp_mlp(group: Any, **kw: Any) -> Sequential:
+    return Sequential(
+        pp.ColumnParallelLinear(D, H, group, dtype=np.float64, rng=5, **kw.get("col", {})),
+        GELU(),
+        pp.RowParallelLinear(H, D, group, dtype=np.float64, rng=6, **kw.get("row", {})),
+    )
+
+
+def dense_mlp() -> Sequential:
+    return Sequential(Linear(D, H, dtype=np.float64, rng=5), GELU(), Linear(H, D, dtype=np.float64, rng=6))
+
+
+def tp(world: Any, rep: Report) -> None:
+    g = world.group
+    r, k = g.rank, H // g.size
+    x = np.random.default_rng(1).standard_normal((4, 3, D))
+    grad_y = np.random.default_rng(2).standard_normal((4, 3, D))
+    dense, model = dense_mlp(), tp_mlp(g)
+    y_dense, y = dense.forward(x), model.forward(x)
+    rep.equal("output", y, y_dense, rtol=RTOL)
+    gx_dense, gx = dense.backward(grad_y), model.backward(grad_y)
+    rep.equal("input grad", gx, gx_dense, rtol=RTOL)
+    rep.equal("col weight grad", model[0].weight.grad, dense[0].weight.grad[r * k : (r + 1) * k], rtol=RTOL)
+    rep.equal("col bias grad", model[0].bias.grad, dense[0].bias.grad[r * k : (r + 1) * k], rtol=RTOL)
+    rep.equal(
+        "row weight grad", model[2].weight.grad, dense[2].weight.grad[:, r * k : (r + 1) * k], rtol=RTOL
+    )
+    rep.equal("row bias grad", model[2].bias.grad, dense[2].bias.grad, rtol=RTOL)
+    # The other paths: gathered column output, and a row layer that splits a full input itself.
+    wide = tp_mlp(g, col={"gather_output": True}, row={"input_is_parallel": False})
+    rep.equal("gathered path output", wide.forward(x), y_dense, rtol=RTOL)
+    rep.equal("gathered path input grad", wide.backward(grad_y), gx_dense, rtol=RTOL)
+    rep.equal(
+        "gathered path row grad", wide[2].weight.grad, dense[2].weight.grad[:, r * k : (r + 1) * k], rtol=RTOL
+    )
+    # full_weight / load_full_weight
+    for i in (0, 2):
+        w, b = model[i].full_weight()
+        rep.equal(f"full weight {i}", w, dense[i].weight.data)
+        rep.equal(f"full bias {i}", b, dense[i].bias.data)
+        model[i].load_full_weight(w * 2, b * 2)
+        w2, b2 = model[i].full_weight()
+        rep.equal(f"loaded weight {i}", w2, dense[i].weight.data * 2)
+    rep.raises("uneven split", ValueError, lambda: pp.ColumnParallelLinear(D, 7, g), "out_features=7")
+    rep.raises("uneven row", ValueError, lambda: pp.RowParallelLinear(7, D, g), "in_features=7")
+    rep.raises("wrong slice", ValueError, lambda: model[2].forward(np.ones((2, H))), f"(..., {k})")
+    # Ranks that disagree on the batch fail the tp group's all-reduce on both, naming the shapes.
+    bad = np.ones((2 + r, D))
+    rep.raises("mismatch", pp.CollectiveMismatch, lambda: model.forward(bad), "all_reduce")
+
+
+def tpdp(world: Any, rep: Report) -> None:
+    mesh = pp.Mesh(world, dp=2, tp=2)
+    rep.check(
+        "tp members", mesh.group("tp").ranks == [world.rank // 2 * 2, world.rank // 2 * 2 + 1], str(mesh)
+    )
+    rep.check("dp members", mesh.group("dp").ranks == [world.rank % 2, world.rank % 2 + 2], str(mesh))
+    model = tp_mlp(mesh.group("tp"))
+    ddp = pp.DDP(model, mesh.group("dp"))
+    opt = SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ddp.attach(opt)
+    dense = dense_mlp()
+    ref_opt = SGD(dense.parameters(), lr=0.1, momentum=0.9)
+    crit, ref_crit = MSELoss(), MSELoss()
+    a, b = shard_range(8, 2, mesh.coordinate("dp"))
+    for step in range(3):
+        rng = np.random.default_rng(10 + step)
+        x, t = rng.standard_normal((8, D)), rng.standard_normal((8, D))
+        ref_crit.forward(dense.forward(x), t)
+        dense.backward(ref_crit.backward())
+        ref_opt.step()
+        ref_opt.zero_grad()
+        crit.forward(ddp.forward(x[a:b]), t[a:b])
+        ddp.backward(crit.backward())
+        opt.step()
+        opt.zero_grad()
+    for i in (0, 2):
+        w, bias = model[i].full_weight()
+        rep.equal(f"trained weight {i}", w, dense[i].weight.data, rtol=1e-10)
+        rep.equal(f"trained bias {i}", bias, dense[i].bias.data, rtol=1e-10)
+
+
+if __name__ == "__main__":
+    run_rank(tp if sys.argv[1] == "tp" else tpdp)
