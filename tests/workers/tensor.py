@@ -64,7 +64,7 @@ def tp(world: Any, rep: Report) -> None:
         rep.equal(f"full weight {i}", w, dense[i].weight.data)
         rep.equal(f"full bias {i}", b, dense[i].bias.data)
         model[i].load_full_weight(w * 2, b * 2)
-        w2, b2 = model[i].full_weight()
+        w2, _ = model[i].full_weight()
         rep.equal(f"loaded weight {i}", w2, dense[i].weight.data * 2)
     rep.raises("uneven split", ValueError, lambda: pp.ColumnParallelLinear(D, 7, g), "out_features=7")
     rep.raises("uneven row", ValueError, lambda: pp.RowParallelLinear(7, D, g), "in_features=7")
