@@ -23,7 +23,7 @@ from paramplane.node.errors import (
 )
 
 if TYPE_CHECKING:
-    from paramplane import nn, optim
+    from paramplane import checkpoint, nn, optim
     from paramplane.group import ProcessGroup
     from paramplane.parallel.ddp import DDP, shard_range
     from paramplane.parallel.fsdp import FSDP
@@ -44,6 +44,7 @@ _LAZY = {
     "MixedPrecision": "paramplane.parallel.fsdp_config",
     "CPUOffload": "paramplane.parallel.fsdp_config",
     "nn": "paramplane.nn",
+    "checkpoint": "paramplane.checkpoint",
     "optim": "paramplane.optim",
     "ProcessGroup": "paramplane.group",
     "Work": "paramplane.work",
@@ -90,6 +91,7 @@ __all__ = [
     "Work",
     "World",
     "WorldAborted",
+    "checkpoint",
     "init",
     "nn",
     "optim",

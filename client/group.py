@@ -52,6 +52,10 @@ class ProcessGroup:
         """This rank's Chrome tracer when ``PARAMPLANE_TRACE`` is set, else None."""
         return self._e.ctx.tracer
 
+    def check(self) -> None:
+        """Raise the group's failure (PeerLost, WorldAborted, ...) if it has one; else return."""
+        self._e.check()
+
     def hosts(self) -> list[list[int]]:
         """Group ranks per host (hosts in node order, ranks ascending)."""
         topology = self._e.ctx.topology

@@ -140,6 +140,59 @@ class Optimizer:
             raise
         self.state = new_state
 
+    def _state_entries(self, index: int, param: Parameter) -> dict[str, Any]:
+        """``param``'s state under its checkpoint keys (see :meth:`sharded_state_dict`)."""
+        out: dict[str, Any] = {}
+        for name, value in self.state.get(index, {}).items():
+            if hasattr(value, "shape") and param.layout is not None:
+                for key, piece in param.layout.views(value.reshape(-1)).items():
+                    out[f"state.{key}.{name}"] = piece
+            else:
+                out[f"state.{param.name or index}.{name}"] = value
+        return out
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """State and hyper-parameters for checkpoints, keyed ``state.<param>.<name>`` / ``hyperparams.<name>``.
+
+        Arrays of a parameter with a ``layout`` (an FSDP flat shard) become per-original-parameter
+        ``ShardedArray`` views (keyed by the original names, so they reshard); other arrays are whole
+        (replicated). Values are live: a loader writes into them.
+        """
+        out: dict[str, Any] = {f"hyperparams.{k}": getattr(self, k) for k in self.HYPERPARAMS}
+        for i, p in enumerate(self.params):
+            out.update(self._state_entries(i, p))
+        return out
+
+    def ensure_state(self, index: int, arrays: Iterable[str], values: dict[str, Any]) -> None:
+        """Give parameter ``index`` zero arrays named ``arrays`` and the scalar ``values`` if it has no state
+        (a checkpoint loader fills them in place afterwards)."""
+        if index in self.state:
+            return
+        p = self.params[index]
+        xp = array_module(p.data)
+        self.state[index] = {**{n: xp.zeros_like(p.data) for n in arrays}, **values}
+
+    def load_sharded_state_dict(self, state: dict[str, Any], *, drop: Iterable[str] = ()) -> None:
+        """Take hyper-parameters and scalar state from ``state`` (arrays were loaded in place).
+
+        ``drop`` names state keys the checkpoint did not have: those parameters get no state.
+        """
+        for key in self.HYPERPARAMS:
+            if f"hyperparams.{key}" in state:
+                value = state[f"hyperparams.{key}"]
+                setattr(self, key, tuple(value) if isinstance(value, list) else value)
+        self._validate()
+        dropped = set(drop)
+        for i, p in enumerate(self.params):
+            entries = self._state_entries(i, p)
+            if set(entries) & dropped:
+                self.state.pop(i, None)
+                continue
+            for name, value in list(self.state.get(i, {}).items()):
+                key = f"state.{p.name or i}.{name}"
+                if not hasattr(value, "shape") and key in state:
+                    self.state[i][name] = state[key]
+
     def __repr__(self) -> str:
         hyper = ", ".join(f"{k}={getattr(self, k)!r}" for k in self.HYPERPARAMS)
         return f"{type(self).__name__}({len(self.params)} params, {hyper})"

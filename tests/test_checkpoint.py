@@ -1,0 +1,126 @@
+"""Sharded checkpoints in real worlds: reshard N -> M across strategies, atomic commit, damage detection.
+
+FSDP full_shard at world 4 saves after 3 steps; fresh worlds of 2 (full_shard), 3 (shard_grad_op),
+1 (no_shard) and 4 on two fake hosts (hybrid_shard) load it: every parameter equals the saved one bit
+for bit, the optimizer state and plain values come back, and 3 more steps equal a single process
+trained 6 steps (float64, 1e-10).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _world import run_world
+
+from paramplane.checkpoint import latest, prune, read_manifest
+
+ENV = {"PARAMPLANE_TIMEOUT": "60"}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("ckpt")
+    run_world(4, "checkpoint.py", args=["save", str(root)], env=ENV, timeout=180).check_ok()
+    return root
+
+
+def test_manifest_records_every_piece(saved: Path) -> None:
+    m = read_manifest(saved / "step_3")
+    assert m["world_size"] == 4 and m["values"]["step"] == 3
+    weight = m["arrays"]["model/0.weight"]
+    assert weight["global_shape"] == [7, 13] and weight["dtype"] == "float64"
+    ranges = sorted((p["start"], p["stop"]) for p in weight["pieces"])
+    assert ranges[0][0] == 0 and ranges[-1][1] == 91
+    assert all(b == c for (_, b), (c, _) in itertools.pairwise(ranges))  # the pieces tile the array
+    assert any(k.startswith("optim/state.0.weight.exp_avg") for k in m["arrays"])
+    assert not list((saved / "step_3").glob(".rank-*")), "per-rank lists are removed at commit"
+
+
+@pytest.mark.parametrize(
+    ("n", "strategy", "hosts"),
+    [
+        (2, "full_shard", False),
+        (3, "shard_grad_op", False),
+        (1, "no_shard", False),
+        (4, "hybrid_shard", True),
+    ],
+)
+def test_load_reshards_and_training_continues(saved: Path, n: int, strategy: str, hosts: bool) -> None:
+    rank_env = {r: {"PARAMPLANE_HOST_ID": f"host{r // 2}"} for r in range(n)} if hosts else None
+    world = run_world(
+        n, "checkpoint.py", args=["load", str(saved), strategy], env=ENV, rank_env=rank_env, timeout=180
+    )
+    assert all(r["num_checks"] >= 10 for r in world.check_ok())
+
+
+def test_plain_state_mismatch_and_async(tmp_path: Path) -> None:
+    world = run_world(2, "checkpoint.py", args=["plain", str(tmp_path)], env=ENV, timeout=120)
+    assert all(r["num_checks"] >= 10 for r in world.check_ok())
+
+
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    world = run_world(
+        2,
+        "checkpoint.py",
+        args=["crash", str(tmp_path)],
+        env={**ENV, "PARAMPLANE_TIMEOUT": "20"},
+        rank_env={1: {"PARAMPLANE_TEST_CRASH_IN_SAVE": "1@step_2"}},
+        heartbeat_timeout_s=3.0,
+        timeout=90,
+    )
+    assert not world.timed_out, world.describe()
+    assert world.ranks[1].returncode == 17, world.describe()  # died after writing its shards
+    r0 = world.ranks[0].result
+    assert r0 is not None and r0["values"].get("saved_step_1") and r0["failures"] == [], world.describe()
+    assert r0["values"].get("save_error") in ("PeerLost", "WorldAborted"), r0
+    assert latest(tmp_path) == tmp_path / "step_1"
+    assert (tmp_path / "step_2").is_dir() and not (tmp_path / "step_2" / "manifest.json").exists()
+    assert read_manifest(tmp_path / "step_1")["values"]["step"] == 1
+
+
+def test_inspect_consolidate_corruption_and_prune(saved: Path, tmp_path: Path) -> None:
+    cli = [sys.executable, "-m", "paramplane.checkpoint"]
+    out = subprocess.run([*cli, "inspect", str(saved / "step_3")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "written by 4 ranks" in out.stdout and "model/0.weight" in out.stdout, out
+    npz = tmp_path / "full.npz"
+    out = subprocess.run(
+        [*cli, "consolidate", str(saved / "step_3"), str(npz)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    full, want = np.load(npz), np.load(saved / "saved_model.npz")
+    for key in want.files:
+        assert np.array_equal(full[f"model/{key}"], want[key]), key
+    # One flipped byte in one shard file: caught by its checksum.
+    broken = tmp_path / "broken" / "step_3"
+    shutil.copytree(saved / "step_3", broken)
+    victim = sorted(broken.glob("model__0.weight.*.npy"))[0]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    out = subprocess.run(
+        [*cli, "consolidate", str(broken), str(tmp_path / "x.npz")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1 and "corrupted" in out.stderr, out
+    # prune keeps the newest K complete checkpoints; a directory without a manifest is not one.
+    root = tmp_path / "many"
+    for i in range(3):
+        shutil.copytree(saved / "step_3", root / f"step_{i}")
+    newest = root / "step_1" / "manifest.json"
+    manifest = json.loads(newest.read_text())
+    manifest["saved_at"] += 1000.0  # the newest, whatever its name
+    newest.write_text(json.dumps(manifest))
+    (root / "partial").mkdir()
+    deleted = prune(root, keep=1)
+    assert latest(root) == root / "step_1"
+    assert sorted(d.name for d in deleted) == ["step_0", "step_2"]
+    assert (root / "partial").is_dir() and not (root / "step_0").exists()

@@ -1,0 +1,189 @@
+"""Checkpoint scenarios (see tests/test_checkpoint.py). Usage: ``checkpoint.py MODE DIR [STRATEGY]``.
+
+save    FSDP at this world trains 3 steps, saves DIR/step_3 (model, optimizer, plain values), trains on.
+load    a fresh FSDP (any world, STRATEGY) loads DIR/step_3: parameters equal the saved ones bit for bit;
+        3 more steps equal a single process trained 6 steps on the same global batches.
+plain   DDP + SGD state and plain values round-trip; a mismatching model is refused before any change;
+        save_async overlaps further training.
+crash   save step_1, then a save during which rank 1 dies after writing its shards.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import Report, run_rank
+from fsdp import BATCH, batch, make_model, make_opt, reference
+
+import paramplane as pp
+from paramplane.nn import CrossEntropyLoss, Linear, ReLU, Sequential
+from paramplane.optim import SGD
+from paramplane.parallel.ddp import shard_range
+
+
+def train_steps(world: Any, fsdp: Any, opt: Any, steps: range) -> None:
+    """Shards may be uneven (world 3): a sum loss scaled by N / B makes FSDP's average the global mean."""
+    crit = CrossEntropyLoss(reduction="sum")
+    a, b = shard_range(BATCH, world.world_size, world.rank)
+    for step in steps:
+        x, y = batch(step, np.float64)
+        crit.forward(fsdp(x[a:b]), y[a:b])
+        fsdp.backward(crit.backward(grad_scale=world.world_size / BATCH))
+        opt.step()
+        opt.zero_grad()
+
+
+def fsdp_run(world: Any, strategy: str) -> tuple[Any, Any]:
+    intra = 2 if strategy.startswith("hybrid") else None
+    fsdp = pp.FSDP(make_model(np.float64), world.group, strategy, intra_size=intra)
+    opt = make_opt("adamw", fsdp.parameters())
+    fsdp.attach(opt)
+    return fsdp, opt
+
+
+def save(world: Any, rep: Report, root: Path) -> None:
+    fsdp, opt = fsdp_run(world, "full_shard")
+    train_steps(world, fsdp, opt, range(3))
+    saved = fsdp.state_dict()
+    path = pp.checkpoint.save(
+        {"model": fsdp, "optim": opt, "step": 3, "data": {"epoch": 1, "seen": [3, 5]}},
+        root / "step_3",
+        world.group,
+    )
+    rep.check("committed", pp.checkpoint.latest(root) == path, str(pp.checkpoint.latest(root)))
+    if world.rank == 0:
+        np.savez(root / "saved_model.npz", **saved)
+    rep.raises(
+        "no overwrite", FileExistsError, lambda: pp.checkpoint.save({"step": 3}, path, world.group), "already"
+    )
+
+
+def load(world: Any, rep: Report, root: Path, strategy: str) -> None:
+    fsdp, opt = fsdp_run(world, strategy)
+    # A fresh model of another seed: the load must overwrite every value.
+    got = pp.checkpoint.load(
+        {"model": fsdp, "optim": opt, "step": 0, "data": None}, root / "step_3", world.group
+    )
+    rep.check("plain values", got == {"step": 3, "data": {"epoch": 1, "seen": [3, 5]}}, str(got))
+    saved = np.load(root / "saved_model.npz")
+    now = fsdp.state_dict()
+    for key in saved.files:
+        rep.equal(f"loaded {key} bit for bit", now[key], saved[key])
+    rep.check(
+        "optimizer state loaded",
+        all(s["step"] == 3 for s in opt.state.values()) and len(opt.state) == len(fsdp.units),
+        str({i: s.get("step") for i, s in opt.state.items()}),
+    )
+    train_steps(world, fsdp, opt, range(3, 6))
+    want = reference(np.float64, "adamw", 6, 1, False, None)["state"]
+    final = fsdp.state_dict()
+    for key, value in want.items():
+        rep.equal(f"resumed {key}", final[key], value, rtol=1e-10)
+
+
+def _plain_model(hidden: int = 6) -> Sequential:
+    rng = np.random.default_rng(3)
+    return Sequential(
+        Linear(4, hidden, dtype=np.float64, rng=rng), ReLU(), Linear(hidden, 2, dtype=np.float64, rng=rng)
+    )
+
+
+def plain(world: Any, rep: Report, root: Path) -> None:
+    g = world.group
+    model = pp.DDP(_plain_model(), g)
+    opt = SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model.attach(opt)
+    x = np.random.default_rng(world.rank).standard_normal((4, 4))
+    for _ in range(2):
+        y = model.forward(x)
+        model.backward(np.ones_like(y))
+        opt.step()
+        opt.zero_grad()
+    table = np.arange(6.0).reshape(2, 3)
+    path = pp.checkpoint.save({"model": model, "optim": opt, "step": 2, "table": table}, root / "plain", g)
+    files = sorted(p.name for p in path.iterdir() if p.suffix == ".npy")
+    rep.check("replicated state written once", len(files) == 4 + 4 + 1, str(files))  # params, momenta, table
+    fresh = pp.DDP(_plain_model(), g)
+    fresh_opt = SGD(fresh.parameters(), lr=0.5, momentum=0.0)
+    got = pp.checkpoint.load(
+        {"model": fresh, "optim": fresh_opt, "step": 0, "table": np.zeros((2, 3))}, path, g
+    )
+    rep.check("values", got["step"] == 2 and np.array_equal(got["table"], table), str(got))
+    for (k, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
+        rep.equal(f"plain {k}", b, a)
+    rep.check("hyperparameters", fresh_opt.lr == 0.1 and fresh_opt.momentum == 0.9, str(fresh_opt))
+    rep.equal("momentum", fresh_opt.state[0]["momentum_buffer"], opt.state[0]["momentum_buffer"])
+    # A different model is refused on every rank, naming the key, and changes nothing.
+    other = _plain_model(hidden=5)
+    before = other.state_dict()
+    rep.raises(
+        "mismatch",
+        pp.checkpoint.CheckpointError,
+        lambda: pp.checkpoint.load({"model": other}, path, g),
+        "'model/0.weight'",
+        "nothing was modified",
+    )
+    rep.check(
+        "unchanged", all(np.array_equal(v, other.state_dict()[k]) for k, v in before.items()), "modified"
+    )
+    rep.raises(
+        "missing key",
+        pp.checkpoint.CheckpointError,
+        lambda: pp.checkpoint.load({"model": fresh, "epoch": 0}, path, g),
+        "'epoch'",
+    )
+    # save_async: training (collectives) goes on while the files are written; the result is the same.
+    handle = pp.checkpoint.save_async({"model": model, "step": 3}, root / "async", g)
+    for _ in range(2):
+        y = model.forward(x)
+        model.backward(np.ones_like(y))
+        opt.step()
+        opt.zero_grad()
+    handle.wait(60)
+    again = pp.DDP(_plain_model(), g)
+    pp.checkpoint.load({"model": again}, root / "async", g)
+    rep.check(
+        "async saved the staged state",
+        not all(
+            np.array_equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values())
+        ),
+        "",
+    )
+
+
+def crash(world: Any, rep: Report, root: Path) -> None:
+    model = _plain_model()
+    fsdp = pp.FSDP(model, world.group)
+    pp.checkpoint.save({"model": fsdp, "step": 1}, root / "step_1", world.group)
+    rep.values["saved_step_1"] = True
+    try:
+        pp.checkpoint.save({"model": fsdp, "step": 2}, root / "step_2", world.group)
+    except pp.PlaneError as exc:
+        rep.values["save_error"] = type(exc).__name__
+        return
+    rep.check("the save with a dead rank failed", False, "it returned")
+
+
+def main() -> None:
+    mode, root = sys.argv[1], Path(sys.argv[2])
+
+    def scenario(world: Any, rep: Report) -> None:
+        if mode == "save":
+            save(world, rep, root)
+        elif mode == "load":
+            load(world, rep, root, sys.argv[3])
+        elif mode == "plain":
+            plain(world, rep, root)
+        else:
+            crash(world, rep, root)
+
+    run_rank(scenario)
+
+
+if __name__ == "__main__":
+    main()
