@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from paramplane.parallel.fsdp import FSDP
     from paramplane.parallel.fsdp_config import CPUOffload, MixedPrecision
     from paramplane.parallel.mesh import Mesh
+    from paramplane.parallel.pipeline import Pipeline
     from paramplane.parallel.tensor import ColumnParallelLinear, RowParallelLinear
     from paramplane.work import Work
     from paramplane.world import KVStore, World, init
@@ -40,6 +41,7 @@ _LAZY = {
     "Mesh": "paramplane.parallel.mesh",
     "FSDP": "paramplane.parallel.fsdp",
     "ColumnParallelLinear": "paramplane.parallel.tensor",
+    "Pipeline": "paramplane.parallel.pipeline",
     "RowParallelLinear": "paramplane.parallel.tensor",
     "MixedPrecision": "paramplane.parallel.fsdp_config",
     "CPUOffload": "paramplane.parallel.fsdp_config",
@@ -82,6 +84,7 @@ __all__ = [
     "Mesh",
     "MixedPrecision",
     "PeerLost",
+    "Pipeline",
     "PlaneClosed",
     "PlaneError",
     "ProcessGroup",

@@ -133,6 +133,10 @@ class GroupEngine:
     def _deadline(self) -> float:
         return time.monotonic() + self.timeout_s
 
+    def check(self) -> None:
+        """Raise the group's failure, if any (public form of the check every op makes first)."""
+        self._raise_if_failed()
+
     def _raise_if_failed(self) -> None:
         if self.failure is not None:
             raise self.failure

@@ -1,0 +1,156 @@
+"""Pipeline schedules as data: each rank's ordered list of actions, validated before anything runs.
+
+Stages ``0 .. S-1`` (S = ranks x chunks per rank ``v``) sit on ranks in looped placement:
+stage ``s`` on rank ``s % p``. Actions are ``F`` / ``B`` (forward / backward of one stage on
+one microbatch) and the transfers around them: ``RECV_F`` before a forward whose input comes
+from the previous stage, ``SEND_F`` after a forward whose output feeds the next one,
+``RECV_B`` / ``SEND_B`` likewise for gradients. Sends are buffered by the data plane, receives
+wait; ``validate`` runs every rank's list against that rule and finds any deadlock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+KINDS = ("F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str
+    stage: int
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.stage}.{self.microbatch}"
+
+
+def _compute_order(schedule: str, rank: int, p: int, m: int, v: int) -> list[tuple[str, int, int]]:
+    """This rank's F/B order as (kind, stage, microbatch)."""
+    if schedule == "gpipe":
+        s = rank
+        return [("F", s, i) for i in range(m)] + [("B", s, i) for i in range(m)]
+    if schedule == "1f1b":
+        s = rank
+        warmup = min(p - rank - 1, m)
+        order = [("F", s, i) for i in range(warmup)]
+        for i in range(m - warmup):
+            order += [("F", s, warmup + i), ("B", s, i)]
+        return order + [("B", s, i) for i in range(m - warmup, m)]
+    # Interleaved 1F1B (Megatron): virtual microbatch k runs on chunk (k // p) % v, microbatches in groups of p.
+    total = m * v
+
+    def forward(k: int) -> tuple[str, int, int]:
+        chunk = (k // p) % v
+        return ("F", chunk * p + rank, (k // (p * v)) * p + k % p)
+
+    def backward(k: int) -> tuple[str, int, int]:
+        chunk = v - 1 - (k // p) % v
+        return ("B", chunk * p + rank, (k // (p * v)) * p + k % p)
+
+    warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    order = [forward(k) for k in range(warmup)]
+    for i in range(total - warmup):
+        order += [forward(warmup + i), backward(i)]
+    return order + [backward(k) for k in range(total - warmup, total)]
+
+
+def build(schedule: str, rank: int, num_ranks: int, num_microbatches: int, chunks: int = 1) -> list[Action]:
+    """Rank ``rank``'s action list (ValueError for a schedule that cannot run with these sizes)."""
+    check(schedule, num_ranks, num_microbatches, chunks)
+    last = num_ranks * chunks - 1
+    actions: list[Action] = []
+    for kind, s, mb in _compute_order(schedule, rank, num_ranks, num_microbatches, chunks):
+        if kind == "F":
+            actions += [Action("RECV_F", s, mb)] if s > 0 else []
+            actions.append(Action("F", s, mb))
+            actions += [Action("SEND_F", s, mb)] if s < last else []
+        else:
+            actions += [Action("RECV_B", s, mb)] if s < last else []
+            actions.append(Action("B", s, mb))
+            actions += [Action("SEND_B", s, mb)] if s > 0 else []
+    return actions
+
+
+def check(schedule: str, num_ranks: int, num_microbatches: int, chunks: int) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+    if num_ranks < 1 or num_microbatches < 1 or chunks < 1:
+        raise ValueError("ranks, microbatches and chunks per rank must be positive")
+    if schedule != "interleaved_1f1b" and chunks != 1:
+        raise ValueError(
+            f"{schedule} runs one stage per rank; got {chunks} stage modules (use interleaved_1f1b)"
+        )
+    if schedule != "gpipe" and num_microbatches < num_ranks:
+        raise ValueError(
+            f"{schedule} needs at least as many microbatches as stages' ranks: {num_microbatches} < {num_ranks}"
+        )
+    if schedule == "interleaved_1f1b" and num_microbatches % num_ranks:
+        raise ValueError(
+            f"interleaved_1f1b needs microbatches divisible by the pipeline ranks: {num_microbatches} % {num_ranks}"
+        )
+
+
+def validate(lists: list[list[Action]], num_microbatches: int, chunks: int) -> None:
+    """ValueError unless every rank's list is complete, ordered, and the ranks together cannot deadlock."""
+    p = len(lists)
+    stages = p * chunks
+    for rank, actions in enumerate(lists):
+        done: set[tuple[str, int, int]] = set()
+        for a in actions:
+            if a.stage % p != rank:
+                raise ValueError(
+                    f"rank {rank} runs {a} of stage {a.stage}, which lives on rank {a.stage % p}"
+                )
+            if a.kind == "B" and ("F", a.stage, a.microbatch) not in done:
+                raise ValueError(f"rank {rank}: {a} comes before its forward")
+            key = (a.kind, a.stage, a.microbatch)
+            if key in done:
+                raise ValueError(f"rank {rank}: {a} appears twice")
+            done.add(key)
+        want = {
+            (k, s, mb) for s in range(rank, stages, p) for mb in range(num_microbatches) for k in ("F", "B")
+        }
+        missing = want - {d for d in done if d[0] in ("F", "B")}
+        if missing:
+            raise ValueError(f"rank {rank} never runs {sorted(missing)[:4]}")
+    # Run all lists: a send completes at once, a receive waits for its send; stages run in order per microbatch.
+    sent: set[tuple[str, int, int]] = set()
+    pos = [0] * p
+    while any(pos[r] < len(lists[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            while pos[r] < len(lists[r]):
+                a = lists[r][pos[r]]
+                if a.kind == "RECV_F" and ("F", a.stage - 1, a.microbatch) not in sent:
+                    break
+                if a.kind == "RECV_B" and ("B", a.stage + 1, a.microbatch) not in sent:
+                    break
+                if a.kind == "SEND_F":
+                    sent.add(("F", a.stage, a.microbatch))
+                elif a.kind == "SEND_B":
+                    sent.add(("B", a.stage, a.microbatch))
+                pos[r] += 1
+                moved = True
+        if not moved:
+            stuck = {r: str(lists[r][pos[r]]) for r in range(p) if pos[r] < len(lists[r])}
+            raise ValueError(f"the schedule deadlocks: ranks wait at {stuck}")
+
+
+def table(lists: list[list[Action]]) -> str:
+    """One line per rank: its compute actions in order (transfers omitted)."""
+    return "\n".join(
+        f"rank {r}: " + " ".join(str(a) for a in actions if a.kind in ("F", "B"))
+        for r, actions in enumerate(lists)
+    )
+
+
+def gpipe_peak_activations(num_ranks: int, num_microbatches: int) -> int:
+    """Activation sets GPipe keeps alive on every stage: all microbatches."""
+    return num_microbatches
+
+
+def one_f_one_b_peak_activations(num_ranks: int, num_microbatches: int, rank: int = 0) -> int:
+    """Activation sets 1F1B keeps alive on ``rank`` (the first stage holds the most: ``p``)."""
+    return min(num_ranks - rank, num_microbatches)

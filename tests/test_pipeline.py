@@ -1,0 +1,83 @@
+"""Pipeline parallelism: schedules validated as data over a grid, and real worlds equal to one process."""
+
+from __future__ import annotations
+
+import pytest
+from _world import run_world
+
+from paramplane.parallel.pipeline import schedules
+
+
+@pytest.mark.parametrize("schedule", schedules.SCHEDULES)
+def test_every_schedule_is_complete_ordered_and_deadlock_free(schedule: str) -> None:
+    checked = 0
+    for p in (1, 2, 3, 4):
+        for m in (1, 2, 3, 4, 6, 8, 12):
+            for v in (1, 2, 3) if schedule == "interleaved_1f1b" else (1,):
+                try:
+                    lists = [schedules.build(schedule, r, p, m, v) for r in range(p)]
+                except ValueError:
+                    continue
+                schedules.validate(lists, m, v)
+                checked += 1
+    assert checked >= 10
+
+
+def test_schedule_rules() -> None:
+    one = [schedules.build("1f1b", r, 4, 8) for r in range(4)]
+    # 1F1B: the first stage holds at most p forwards before its first backward; GPipe holds m.
+    first = [a.kind for a in one[0] if a.kind in ("F", "B")]
+    assert first.index("B") == 4
+    gp = [a.kind for a in schedules.build("gpipe", 0, 4, 8) if a.kind in ("F", "B")]
+    assert gp.index("B") == 8
+    with pytest.raises(ValueError, match="at least as many microbatches"):
+        schedules.build("1f1b", 0, 4, 3)
+    with pytest.raises(ValueError, match="divisible"):
+        schedules.build("interleaved_1f1b", 0, 2, 5, 2)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        schedules.build("zigzag", 0, 2, 4)
+    # A hand-broken list is caught: a backward before its forward, and a receive nobody sends.
+    broken = [list(reversed(schedules.build("gpipe", 0, 1, 2)))]
+    with pytest.raises(ValueError, match="before its forward"):
+        schedules.validate(broken, 2, 1)
+    swapped = [schedules.build("1f1b", r, 2, 2) for r in range(2)]
+    swapped[1] = [a for a in swapped[1] if a.kind != "SEND_B"]
+    with pytest.raises(ValueError, match="deadlocks"):
+        schedules.validate(swapped, 2, 1)
+
+
+CASES = [
+    ("gpipe", 2, 4, 1, "mean"),
+    ("gpipe", 2, 8, 1, "sum"),
+    ("1f1b", 2, 4, 1, "mean"),
+    ("1f1b", 2, 8, 1, "sum"),
+    ("interleaved_1f1b", 2, 4, 2, "mean"),
+    ("interleaved_1f1b", 2, 8, 2, "sum"),
+    pytest.param("1f1b", 4, 4, 1, "mean", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("schedule", "p", "m", "v", "reduction"), CASES)
+def test_pipeline_equals_one_process(schedule: str, p: int, m: int, v: int, reduction: str) -> None:
+    world = run_world(
+        p,
+        "pipeline.py",
+        args=[schedule, str(m), str(v), reduction],
+        env={"PARAMPLANE_TIMEOUT": "60"},
+        timeout=120,
+    )
+    results = world.check_ok()
+    assert all(r["num_checks"] >= 2 * v for r in results)
+    first = results[0]["values"]["memory"]
+    if schedule == "gpipe":
+        assert first["peak_activation_sets"] == m == first["gpipe_peak_activations"]
+    elif schedule == "1f1b":
+        assert first["peak_activation_sets"] <= first["one_f_one_b_peak_activations"] == p
+
+
+def test_a_dead_stage_is_named_not_hung() -> None:
+    world = run_world(2, "pipeline.py", args=["kill"], env={"PARAMPLANE_TIMEOUT": "30"}, timeout=90)
+    assert not world.timed_out, world.describe()
+    assert world.ranks[1].returncode == 9
+    r0 = world.ranks[0].result
+    assert r0 is not None and r0["failures"] == [] and r0["num_checks"] == 1, world.describe()

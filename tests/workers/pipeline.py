@@ -1,0 +1,104 @@
+"""Pipeline scenarios: every schedule equals the unpipelined model on the whole batch.
+
+Usage: ``pipeline.py SCHEDULE MICROBATCHES CHUNKS REDUCTION`` or ``pipeline.py kill``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import Report, run_rank
+
+import paramplane as pp
+from paramplane.nn import GELU, CrossEntropyLoss, Linear, Module, Sequential
+
+IN, HIDDEN, CLASSES, PER_MB = 6, 8, 3, 2
+
+
+def stage_module(s: int, num_stages: int) -> Module:
+    rng = np.random.default_rng(100 + s)
+    if s == num_stages - 1:
+        return Linear(IN if s == 0 else HIDDEN, CLASSES, dtype=np.float64, rng=rng)
+    return Sequential(Linear(IN if s == 0 else HIDDEN, HIDDEN, dtype=np.float64, rng=rng), GELU())
+
+
+def equivalence(world: Any, rep: Report, schedule: str, m: int, v: int, reduction: str) -> None:
+    g = world.group
+    p = g.size
+    stages = p * v
+    mine = list(range(g.rank, stages, p))
+    modules = [stage_module(s, stages) for s in mine]
+    pipe = pp.Pipeline(
+        modules if v > 1 else modules[0],
+        g,
+        schedule,
+        m,
+        CrossEntropyLoss(reduction),
+        scale_grads=reduction == "mean",
+    )
+    rng = np.random.default_rng(7)
+    x, y = rng.standard_normal((m * PER_MB, IN)), rng.integers(0, CLASSES, m * PER_MB)
+    losses = pipe.step(x if g.rank == 0 else None, y if pipe.is_last else None)
+    ref = Sequential(*[stage_module(s, stages) for s in range(stages)])
+    crit = CrossEntropyLoss(reduction)
+    crit.forward(ref.forward(x), y)
+    ref.backward(crit.backward())
+    for s, module in zip(mine, modules):
+        for (name, got), (_, want) in zip(module.named_parameters(), ref[s].named_parameters()):
+            rep.equal(f"stage {s} {name} grad", got.grad, want.grad, rtol=1e-10)
+    if pipe.is_last:
+        assert losses is not None
+        per_mb = [
+            float(
+                CrossEntropyLoss(reduction).forward(
+                    ref.forward(x[i * PER_MB : (i + 1) * PER_MB]), y[i * PER_MB : (i + 1) * PER_MB]
+                )
+            )
+            for i in range(m)
+        ]
+        rep.equal("losses", np.array(losses), np.array(per_mb), rtol=1e-12)
+    rep.values["memory"] = pipe.memory_stats()
+    out = pipe.eval_step(x if g.rank == 0 else None)
+    if pipe.is_last:
+        rep.equal("eval output", out, ref.forward(x), rtol=1e-12)
+    rep.values["table"] = pipe.schedule_table()
+
+
+def kill(world: Any, rep: Report) -> None:
+    """Rank 1 dies after its first forward; rank 0 learns which rank it lost, without hanging."""
+    g = world.group
+    module = stage_module(g.rank, 2)
+    if g.rank == 1:
+        original = module.forward
+
+        def dying(x: Any) -> Any:
+            original(x)
+            os._exit(9)
+
+        object.__setattr__(module, "forward", dying)
+    pipe = pp.Pipeline(module, g, "1f1b", 4, CrossEntropyLoss())
+    x, y = np.ones((8, IN)), np.zeros(8, np.int64)
+    rep.raises(
+        "peer lost",
+        pp.PeerLost,
+        lambda: pipe.step(x if g.rank == 0 else None, y if g.rank == 1 else None),
+        "rank 1",
+    )
+
+
+def main() -> None:
+    if sys.argv[1] == "kill":
+        run_rank(kill)
+        return
+    schedule, m, v, reduction = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    run_rank(lambda world, rep: equivalence(world, rep, schedule, m, v, reduction))
+
+
+if __name__ == "__main__":
+    main()
