@@ -81,3 +81,35 @@ def test_a_dead_stage_is_named_not_hung() -> None:
     assert world.ranks[1].returncode == 9
     r0 = world.ranks[0].result
     assert r0 is not None and r0["failures"] == [] and r0["num_checks"] == 1, world.describe()
+
+
+def test_pipeline_times_data_parallel_trains_like_one_process() -> None:
+    world = run_world(4, "pipeline.py", args=["dp_pp"], env={"PARAMPLANE_TIMEOUT": "60"}, timeout=180)
+    assert all(r["num_checks"] >= 2 for r in world.check_ok())
+
+
+def test_train_pipeline_example_runs_under_the_launcher() -> None:
+    import re
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "paramplane.cli",
+            "launch",
+            "--standalone",
+            "-n",
+            "2",
+            "examples/train_pipeline.py",
+            "--epochs",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    match = re.search(r"test accuracy: (\d\.\d+)", proc.stdout)
+    assert match and float(match.group(1)) > 0.5, proc.stdout

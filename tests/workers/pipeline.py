@@ -92,9 +92,40 @@ def kill(world: Any, rep: Report) -> None:
     )
 
 
+def dp_pp(world: Any, rep: Report) -> None:
+    """A 2 (dp) x 2 (pp) mesh trains 3 SGD steps exactly like one process on the whole batch."""
+    from paramplane.optim import SGD
+
+    mesh = pp.Mesh(world, dp=2, pp=2)
+    s = mesh.coordinate("pp")
+    module = stage_module(s, 2)
+    pipe = pp.Pipeline(module, mesh.group("pp"), "1f1b", 2, CrossEntropyLoss(), dp_group=mesh.group("dp"))
+    opt = SGD(module.parameters(), lr=0.5, momentum=0.9)
+    ref = Sequential(stage_module(0, 2), stage_module(1, 2))
+    ref_opt = SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    crit = CrossEntropyLoss()
+    d = mesh.coordinate("dp")
+    for step in range(3):
+        rng = np.random.default_rng(step)
+        x, y = rng.standard_normal((8, IN)), rng.integers(0, CLASSES, 8)
+        crit.forward(ref.forward(x), y)
+        ref.backward(crit.backward())
+        ref_opt.step()
+        ref_opt.zero_grad()
+        xs, ys = x[d * 4 : (d + 1) * 4], y[d * 4 : (d + 1) * 4]
+        pipe.step(xs if pipe.is_first else None, ys if pipe.is_last else None)
+        opt.step()
+        opt.zero_grad()
+    for (name, got), (_, want) in zip(module.named_parameters(), ref[s].named_parameters()):
+        rep.equal(f"stage {s} {name}", got.data, want.data, rtol=1e-10)
+
+
 def main() -> None:
     if sys.argv[1] == "kill":
         run_rank(kill)
+        return
+    if sys.argv[1] == "dp_pp":
+        run_rank(dp_pp)
         return
     schedule, m, v, reduction = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     run_rank(lambda world, rep: equivalence(world, rep, schedule, m, v, reduction))

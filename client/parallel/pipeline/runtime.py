@@ -10,6 +10,8 @@ Usage::
 The batch is split along axis 0 into equal microbatches. Every activation or gradient crosses
 stages as a small header (dtype and shape) and then the array, on the pp group's send/recv lane,
 so shapes may change between steps and a disagreement is a CollectiveMismatch, not a hang.
+With ``dp_group`` the stage gradients are averaged over data-parallel replicas once, after the
+last microbatch (``mesh.group("dp")``; each replica steps on its share of the batch).
 With ``scale_grads`` (default) each microbatch's loss gradient is divided by the number of
 microbatches: a ``"mean"`` loss then gives the gradient of the mean loss over the whole batch.
 For a ``"sum"`` loss pass ``scale_grads=False`` to get the gradient of the sum over the batch.
@@ -46,6 +48,7 @@ class Pipeline:
         microbatches: int = 8,
         loss_fn: Loss | None = None,
         scale_grads: bool = True,
+        dp_group: ProcessGroup | None = None,
     ) -> None:
         modules = [stage_modules] if isinstance(stage_modules, Module) else list(stage_modules)
         if not modules or not all(isinstance(m, Module) for m in modules):
@@ -65,6 +68,7 @@ class Pipeline:
         self.num_microbatches = microbatches
         self.loss_fn = loss_fn
         self.scale_grads = scale_grads
+        self.dp_group = dp_group
         self.num_stages = group.size * len(modules)
         self.actions = schedules.build(schedule, group.rank, group.size, microbatches, len(modules))
         self._all = [
@@ -178,7 +182,23 @@ class Pipeline:
             else:  # SEND_B
                 self._send(grads.pop(key), a.stage - 1)
         assert not states and not received, "schedule left work undone"
+        if self.dp_group is not None and self.dp_group.size > 1:
+            self._sync_data_parallel(self.dp_group)
         return [losses[i] for i in range(self.num_microbatches)] if self.is_last else None
+
+    def _sync_data_parallel(self, dp: ProcessGroup) -> None:
+        """Average the stage modules' gradients over ``dp``: one all-reduce of one flat buffer per dtype."""
+        params = [p for p in self.parameters() if p.grad is not None]
+        for dtype in sorted({p.grad.dtype.str for p in params if p.grad is not None}):
+            mine = [p for p in params if p.grad is not None and p.grad.dtype.str == dtype]
+            xp = array_module(mine[0].grad)
+            flat = xp.concatenate([p.grad.reshape(-1) for p in mine if p.grad is not None])
+            dp.all_reduce(flat, "mean")
+            start = 0
+            for p in mine:
+                assert p.grad is not None
+                p.grad[...] = flat[start : start + p.grad.size].reshape(p.grad.shape)
+                start += p.grad.size
 
     def eval_step(self, x: Array | None = None) -> Array | None:
         """Forward only, microbatch by microbatch; the concatenated outputs on the last stage."""
