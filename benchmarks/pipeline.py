@@ -1,0 +1,156 @@
+"""Pipeline bubble: measured idle fraction of a step against theory, per schedule and microbatch count.
+
+    python benchmarks/pipeline.py [--compute-ms 20] [--steps 3] [--out benchmarks/results/pipeline.jsonl]
+
+p = 2 ranks, one stage each (interleaved: v = 2 chunks each). Every stage spends a fixed, known
+time per microbatch in forward and in backward (``--compute-ms``; each chunk of an interleaved
+rank gets half, so a rank's work per microbatch is the same). The time is a wait, not arithmetic:
+two ranks spinning on this 2-core machine would distort the schedule with core contention, which
+is not what this measures. Bubble fraction = 1 - (compute per step) / (step time), taken on the
+slowest rank; theory (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m + p-1) for interleaved 1F1B.
+Also the measured peak of live activation sets on the first stage. One JSON line per configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+P = 2
+
+
+def worker(args: argparse.Namespace) -> None:
+    import paramplane as pp
+    from paramplane.nn import Module, MSELoss
+
+    class Wait(Module):
+        def __init__(self, seconds: float) -> None:
+            super().__init__()
+            self.seconds = seconds
+
+        def forward(self, x: Any) -> Any:
+            self._save(mark=True)
+            time.sleep(self.seconds)
+            return x.copy()
+
+        def backward(self, grad: Any) -> Any:
+            self._take_saved()
+            time.sleep(self.seconds)
+            return grad.copy()
+
+    rows = []
+    with pp.init() as world:
+        for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
+            v = 2 if schedule == "interleaved_1f1b" else 1
+            for m in [int(x) for x in args.microbatches.split(",")]:
+                if schedule != "gpipe" and m < P:
+                    continue
+                chunks = [Wait(args.compute_ms / 1000 / v) for _ in range(v)]
+                pipe = pp.Pipeline(chunks if v > 1 else chunks[0], world.group, schedule, m, MSELoss())
+                x = np.zeros((m, 8))
+                times = []
+                for _ in range(args.steps + 1):
+                    world.group.barrier()
+                    t = time.perf_counter()
+                    pipe.step(x if pipe.is_first else None, x if pipe.is_last else None)
+                    times.append(time.perf_counter() - t)
+                step = float(np.median(times[1:]))
+                compute = m * 2 * args.compute_ms / 1000
+                rows.append(
+                    {
+                        "schedule": schedule,
+                        "m": m,
+                        "v": v,
+                        "step_s": step,
+                        "compute_s": compute,
+                        "peak_activation_sets": pipe.memory_stats()["peak_activation_sets"],
+                    }
+                )
+    print(json.dumps(rows), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compute-ms", type=float, default=20.0)
+    parser.add_argument("--microbatches", default="2,4,8,16")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
+
+    with CoordinatorThread(CoordinatorConfig(world_size=P, host="127.0.0.1", port=0)) as coord:
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            "--compute-ms",
+            str(args.compute_ms),
+            "--microbatches",
+            args.microbatches,
+            "--steps",
+            str(args.steps),
+        ]
+        procs = [
+            subprocess.Popen(
+                cmd,
+                env=dict(
+                    os.environ,
+                    PARAMPLANE_COORDINATOR=coord.address,
+                    PARAMPLANE_RANK=str(r),
+                    PARAMPLANE_WORLD_SIZE=str(P),
+                ),
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(P)
+        ]
+        outs = [p.communicate(timeout=1800)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"a pipeline benchmark rank failed: {[p.returncode for p in procs]}")
+    per_rank = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    lines = []
+    for rows in zip(*per_rank):
+        step = max(r["step_s"] for r in rows)
+        first = rows[0]
+        m, v = first["m"], first["v"]
+        measured = 1.0 - first["compute_s"] / step
+        theory = (P - 1) / (v * m + P - 1) if v > 1 else (P - 1) / (m + P - 1)
+        lines.append(
+            json.dumps(
+                {
+                    "bench": "pipeline",
+                    "schedule": first["schedule"],
+                    "p": P,
+                    "m": m,
+                    "v": v,
+                    "compute_ms": args.compute_ms,
+                    "step_s": step,
+                    "bubble_measured": measured,
+                    "bubble_theory": theory,
+                    "measured_over_theory": measured / theory,
+                    "peak_activation_sets_first_stage": first["peak_activation_sets"],
+                }
+            )
+        )
+    print("\n".join(lines), flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with args.out.open("a") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
