@@ -1,0 +1,65 @@
+"""``paramplane health HOST:PORT``: exit 0 when the coordinator's gRPC health service says SERVING.
+
+Meant for container health checks (docker compose ``healthcheck``) and scripts. The job token
+(and ``PARAMPLANE_TLS_CA`` for a TLS coordinator) comes from ``--token-file``, ``PARAMPLANE_TOKEN_FILE`` or ``PARAMPLANE_TOKEN`` (the coordinator
+refuses calls without it); every call has a deadline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from paramplane.world import _token
+
+
+def check(address: str, token: str | None, timeout_s: float) -> str:
+    """The health status name (``SERVING``, ``NOT_SERVING``, ...) of the coordinator at ``address``."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from paramplane.protos.auth import token_metadata
+
+    ca = os.environ.get("PARAMPLANE_TLS_CA")
+    if ca:  # a TLS coordinator, verified like the ranks verify it
+        with open(ca, "rb") as f:
+            channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=f.read()))
+    else:
+        channel = grpc.insecure_channel(address)
+    with channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        reply = stub.Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=timeout_s, metadata=token_metadata(token)
+        )
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="paramplane health", description=__doc__.splitlines()[0])
+    parser.add_argument("address", metavar="HOST:PORT")
+    parser.add_argument(
+        "--timeout", type=float, default=3.0, help="deadline of the check in seconds (default 3)"
+    )
+    parser.add_argument("--token-file", default=None, help="file holding the job token")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else 2
+    token = None
+    if args.token_file:
+        with open(args.token_file) as f:
+            token = f.read().strip() or None
+    import grpc
+
+    try:
+        status = check(args.address, _token(token), args.timeout)
+    except grpc.RpcError as exc:
+        print(f"paramplane health: {args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    print(f"{args.address}: {status}")
+    return 0 if status == "SERVING" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""``paramplane health``: SERVING from a live coordinator (the health RPC needs no token, like a liveness
+probe), and a clear, bounded failure where nothing serves."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from paramplane import health
+from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
+
+
+def test_health_needs_the_token_and_a_server(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("PARAMPLANE_TOKEN_FILE", raising=False)
+    monkeypatch.delenv("PARAMPLANE_TLS_CA", raising=False)
+    with CoordinatorThread(
+        CoordinatorConfig(host="127.0.0.1", port=0, world_size=2, token="s3cret")
+    ) as coord:
+        monkeypatch.setenv("PARAMPLANE_TOKEN", "s3cret")
+        assert health.main([coord.address]) == 0
+        assert "SERVING" in capsys.readouterr().out
+        monkeypatch.delenv("PARAMPLANE_TOKEN")
+        assert health.main([coord.address]) == 0
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    assert health.main([f"127.0.0.1:{free}", "--timeout", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "UNAVAILABLE" in err or "DEADLINE_EXCEEDED" in err, err
