@@ -300,7 +300,7 @@ class Launcher:
         env.update(
             PARAMPLANE_COORDINATOR=address,
             PARAMPLANE_WORLD_SIZE=str(config.total_ranks),
-            PARAMPLANE_HOST_ID=config.host_id or socket.gethostname(),
+            PARAMPLANE_HOST_ID=config.host_id or os.environ.get("PARAMPLANE_HOST_ID") or socket.gethostname(),
             PARAMPLANE_LOCAL_RANK=str(index),
             PYTHONUNBUFFERED="1",
         )
@@ -426,7 +426,11 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--standalone", action="store_true", help="start an embedded coordinator on 127.0.0.1")
     where.add_argument("--coordinator", metavar="HOST:PORT", help="address of a running coordinator")
     add("--world-size", type=int, metavar="W", help="ranks in the whole job, on all hosts (default: -n)")
-    add("--host-id", metavar="ID", help="this host's identity (default: its hostname)")
+    add(
+        "--host-id",
+        metavar="ID",
+        help="this host's identity (default: $PARAMPLANE_HOST_ID, else the hostname)",
+    )
     add("--token-file", type=Path, metavar="FILE", help="job token file (default: $PARAMPLANE_TOKEN[_FILE])")
     add("--timeout", dest="timeout_s", type=float, metavar="S", help="the ranks' default collective timeout")
     add(
