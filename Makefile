@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo test lint typecheck unit protos bench clean
+.PHONY: install demo test lint typecheck unit protos bench clean compose-demo test-compose
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -38,6 +38,12 @@ bench: $(STAMP)
 	$(BIN)/paramplane bench collectives --out benchmarks/results/collectives.jsonl
 	$(BIN)/python benchmarks/rendezvous.py --out benchmarks/results/rendezvous.jsonl
 	$(BIN)/python benchmarks/ddp.py --out benchmarks/results/ddp.jsonl
+
+compose-demo:
+	bash scripts/compose.sh demo
+
+test-compose:
+	bash scripts/compose.sh test
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

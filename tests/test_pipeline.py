@@ -113,3 +113,8 @@ def test_train_pipeline_example_runs_under_the_launcher() -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     match = re.search(r"test accuracy: (\d\.\d+)", proc.stdout)
     assert match and float(match.group(1)) > 0.5, proc.stdout
+
+
+def test_pipeline_argument_errors_on_every_rank() -> None:
+    world = run_world(2, "pipeline.py", args=["errors"], env={"PARAMPLANE_TIMEOUT": "30"}, timeout=90)
+    assert all(r["num_checks"] == 4 for r in world.check_ok())

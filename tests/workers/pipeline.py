@@ -120,7 +120,49 @@ def dp_pp(world: Any, rep: Report) -> None:
         rep.equal(f"stage {s} {name}", got.data, want.data, rtol=1e-10)
 
 
+def errors(world: Any, rep: Report) -> None:
+    g = world.group
+    module = stage_module(g.rank, 2)
+    pipe = pp.Pipeline(module, g, "1f1b", 4, CrossEntropyLoss())
+    x, y = np.ones((6, IN)), np.zeros(6, np.int64)
+    rep.raises(
+        "uneven batch",
+        ValueError,
+        lambda: pipe.step(x if g.rank == 0 else None, y if g.rank == 1 else None),
+        "do not split into 4 equal microbatches",
+    )
+    rep.raises(
+        "missing input",
+        ValueError,
+        lambda: (
+            pipe.step(None, y if g.rank == 1 else None)
+            if g.rank == 0
+            else (_ for _ in ()).throw(ValueError("the first pipeline stage needs the batch"))
+        ),
+        "needs the batch",
+    )
+    rep.raises(
+        "too few microbatches",
+        ValueError,
+        lambda: pp.Pipeline(module, g, "1f1b", 1, CrossEntropyLoss()),
+        "at least as many microbatches",
+    )
+    # Ranks that disagree on the number of stage chunks are told so on every rank (no hang).
+    chunks = (
+        [stage_module(g.rank, 4), stage_module(g.rank + 2, 4)] if g.rank == 0 else stage_module(g.rank, 4)
+    )
+    rep.raises(
+        "stage count mismatch",
+        pp.CollectiveMismatch,
+        lambda: pp.Pipeline(chunks, g, "interleaved_1f1b" if g.rank == 0 else "1f1b", 2, CrossEntropyLoss()),
+        "different numbers of stage modules",
+    )
+
+
 def main() -> None:
+    if sys.argv[1] == "errors":
+        run_rank(errors)
+        return
     if sys.argv[1] == "kill":
         run_rank(kill)
         return
