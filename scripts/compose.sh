@@ -73,6 +73,7 @@ prepare() {
   $PY -m pip wheel -q -w .compose/wheels . >"$LOG.wheels" 2>&1
 }
 
+mkdir -p .compose
 trap cleanup EXIT
 ensure_docker
 ensure_base
