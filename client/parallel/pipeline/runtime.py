@@ -7,9 +7,10 @@ Usage::
     losses = pipe.step(x, target=y)   # x on the first stage, y on the last; per-microbatch losses there
     opt.step()                        # gradients were accumulated in the stage modules
 
-The batch is split along axis 0 into equal microbatches. Every activation or gradient crosses
-stages as a small header (dtype and shape) and then the array, on the pp group's send/recv lane,
-so shapes may change between steps and a disagreement is a CollectiveMismatch, not a hang.
+The batch is split along axis 0 into equal microbatches. Activations and gradients cross stages on
+the pp group's send/recv lane; the first microbatch of each step on each edge also carries a small
+header (dtype and shape) that the others reuse, so shapes may change between steps and a
+disagreement is a CollectiveMismatch, not a hang.
 With ``dp_group`` the stage gradients are averaged over data-parallel replicas once, after the
 last microbatch (``mesh.group("dp")``; each replica steps on its share of the batch).
 With ``scale_grads`` (default) each microbatch's loss gradient is divided by the number of
@@ -77,6 +78,7 @@ class Pipeline:
         schedules.validate(self._all, microbatches, len(modules))
         self._peak_sets = 0
         self._peak_bytes = 0
+        self._shapes: dict[tuple[str, int], tuple[Any, tuple[int, ...]]] = {}
 
     # -- inspection ---------------------------------------------------------------------------------
     @property
@@ -105,26 +107,35 @@ class Pipeline:
         }
 
     # -- transfers ----------------------------------------------------------------------------------
-    def _send(self, x: Array, stage: int) -> None:
+    def _send(self, x: Array, stage: int, microbatch: int) -> None:
+        """Send to ``stage``; microbatch 0 of a step also sends the dtype and shape (equal for all of them)."""
         dst = stage % self.group.size
         x = array_module(x).ascontiguousarray(x)
-        if x.ndim > _META - 2:
-            raise ValueError(f"pipeline activations may have at most {_META - 2} dimensions, got {x.ndim}")
-        meta = np.zeros(_META, np.int64)
-        meta[:2] = _NAMES.index(dtype_name(x.dtype)), x.ndim
-        meta[2 : 2 + x.ndim] = x.shape
-        self.group.send(meta, dst)
+        if microbatch == 0:
+            if x.ndim > _META - 2:
+                raise ValueError(
+                    f"pipeline activations may have at most {_META - 2} dimensions, got {x.ndim}"
+                )
+            meta = np.zeros(_META, np.int64)
+            meta[:2] = _NAMES.index(dtype_name(x.dtype)), x.ndim
+            meta[2 : 2 + x.ndim] = x.shape
+            self.group.send(meta, dst)
         self.group.send(x, dst)
 
-    def _recv(self, stage: int, like: Any) -> Array:
+    def _recv(self, stage: int, microbatch: int, kind: str, like: Any) -> Array:
+        """Receive from ``stage``; a microbatch after the first reuses microbatch 0's dtype and shape, and a
+        sender whose array differs from it fails with CollectiveMismatch (the frame header names both)."""
         src = stage % self.group.size
-        meta = np.empty(_META, np.int64)
-        self.group.recv(meta, src)
-        ndim = int(meta[1])
-        buf = array_module(like).empty(
-            tuple(int(d) for d in meta[2 : 2 + ndim]), DTYPES[_NAMES[int(meta[0])]]
-        )
-        return self.group.recv(buf, src)
+        if microbatch == 0:
+            meta = np.empty(_META, np.int64)
+            self.group.recv(meta, src)
+            ndim = int(meta[1])
+            self._shapes[(kind, stage)] = (
+                DTYPES[_NAMES[int(meta[0])]],
+                tuple(int(d) for d in meta[2 : 2 + ndim]),
+            )
+        dtype, shape = self._shapes[(kind, stage)]
+        return self.group.recv(array_module(like).empty(shape, dtype), src)
 
     # -- running ------------------------------------------------------------------------------------
     def _split(self, x: Array | None, what: str) -> list[Array] | None:
@@ -154,9 +165,9 @@ class Pipeline:
             key = (a.stage, a.microbatch)
             module = self.modules[a.stage // p]
             if a.kind == "RECV_F":
-                received[("F", *key)] = self._recv(a.stage - 1, like)
+                received[("F", *key)] = self._recv(a.stage - 1, a.microbatch, "F", like)
             elif a.kind == "RECV_B":
-                received[("B", *key)] = self._recv(a.stage + 1, like)
+                received[("B", *key)] = self._recv(a.stage + 1, a.microbatch, "B", like)
             elif a.kind == "F":
                 inp = (
                     inputs[a.microbatch] if a.stage == 0 and inputs is not None else received.pop(("F", *key))
@@ -172,7 +183,7 @@ class Pipeline:
                 states[key] = module.take_forward_state()
                 self._note(states)
             elif a.kind == "SEND_F":
-                self._send(outputs.pop(key), a.stage + 1)
+                self._send(outputs.pop(key), a.stage + 1, a.microbatch)
             elif a.kind == "B":
                 grad = grads.pop(key) if key in grads else received.pop(("B", *key))
                 module.restore_forward_state(states.pop(key))
@@ -180,7 +191,7 @@ class Pipeline:
                 if a.stage > 0:
                     grads[key] = grad_in
             else:  # SEND_B
-                self._send(grads.pop(key), a.stage - 1)
+                self._send(grads.pop(key), a.stage - 1, a.microbatch)
         assert not states and not received, "schedule left work undone"
         if self.dp_group is not None and self.dp_group.size > 1:
             self._sync_data_parallel(self.dp_group)
@@ -210,13 +221,15 @@ class Pipeline:
         outs: list[Array] = []
         for mb in range(self.num_microbatches):
             for stage in range(self.group.rank, self.num_stages, p):
-                inp = inputs[mb] if stage == 0 and inputs is not None else self._recv(stage - 1, like)
+                inp = (
+                    inputs[mb] if stage == 0 and inputs is not None else self._recv(stage - 1, mb, "F", like)
+                )
                 out = self.modules[stage // p].forward(inp)
                 self.modules[stage // p].take_forward_state()  # no backward follows
                 if stage == last:
                     outs.append(out)
                 else:
-                    self._send(out, stage + 1)
+                    self._send(out, stage + 1, mb)
         return array_module(outs[0]).concatenate(outs) if outs else None
 
     def _note(self, states: dict[tuple[int, int], Any]) -> None:
