@@ -26,6 +26,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "bench": ("run a benchmark from benchmarks/ (collectives, rendezvous, ddp)", "paramplane.bench"),
     "trace": ("tools for PARAMPLANE_TRACE timelines (trace merge DIR)", "paramplane.trace"),
+    "status": (
+        "print the world as the coordinator at HOST:PORT sees it (ranks, heartbeats, progress)",
+        "paramplane.status",
+    ),
     "health": (
         "exit 0 when the coordinator at HOST:PORT is serving (container health checks)",
         "paramplane.health",

@@ -291,6 +291,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         )
         return pb.AbortResponse()
 
+    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
+        status = await self._sync(lambda: self._state.status(time.monotonic()))
+        return pb.StatusResponse(
+            ranks=[pb.RankStatus(**r) for r in status.pop("ranks", [])],
+            groups=[pb.GroupStatus(**g) for g in status.pop("groups", [])],
+            **status,
+        )
+
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
         await self._guard(context, self._sync(lambda: self._state.leave(request.epoch, request.rank)))
         return pb.LeaveResponse()

@@ -12,6 +12,7 @@ import math
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from paramplane.coordinator.model import (
     Assignment,
@@ -119,6 +120,44 @@ class CoordinatorState:
     @property
     def aborted(self) -> Event | None:
         return self.world.abort if self.world else None
+
+    def status(self, now: float) -> dict[str, Any]:
+        """The world as this coordinator sees it (a plain dict; ``paramplane status`` prints it)."""
+        out: dict[str, Any] = {
+            "epoch": self.epoch,
+            "world_size": self.world_size,
+            "num_waiting": len(self._pending),
+            "formed": self.world is not None,
+        }
+        w = self.world
+        if w is None:
+            return out
+        job = next(iter(w.members.values())).job_id if w.members else ""
+        out.update(job_id=job, formed_s_ago=now - w.formed_at)
+        out["ranks"] = [
+            {
+                "rank": r,
+                "host_id": j.host_id,
+                "address": j.peer_address,
+                "pid": j.pid,
+                "since_heartbeat_s": (now - seen) if (seen := w.last_seen[r]) is not None else -1.0,
+                "left": r in w.left,
+            }
+            for r, j in enumerate(w.joiners)
+        ]
+        out["groups"] = [
+            {
+                "group": g,
+                "ranks": sorted(per),
+                "issued": [per[r].issued for r in sorted(per)],
+                "completed": [per[r].completed for r in sorted(per)],
+                "unchanged_s": [now - per[r].changed_at for r in sorted(per)],
+            }
+            for g, per in sorted(w.progress.items())
+        ]
+        if w.abort is not None:
+            out.update(aborted=True, abort_reason=w.abort.reason, abort_rank=w.abort.rank)
+        return out
 
     # -- rendezvous -------------------------------------------------------------------------------
     def join(self, joiner: Joiner, waiter: int, now: float) -> None:

@@ -650,3 +650,142 @@ class LeaveResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LeaveResponse: _TypeAlias = LeaveResponse  # noqa: Y015
+
+@_typing.final
+class StatusRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StatusRequest: _TypeAlias = StatusRequest  # noqa: Y015
+
+@_typing.final
+class RankStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_FIELD_NUMBER: _builtins.int
+    HOST_ID_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    SINCE_HEARTBEAT_S_FIELD_NUMBER: _builtins.int
+    LEFT_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    host_id: _builtins.str
+    address: _builtins.str
+    since_heartbeat_s: _builtins.float
+    """negative: no heartbeat yet"""
+    left: _builtins.bool
+    pid: _builtins.int
+    def __init__(
+        self,
+        *,
+        rank: _builtins.int = ...,
+        host_id: _builtins.str = ...,
+        address: _builtins.str = ...,
+        since_heartbeat_s: _builtins.float = ...,
+        left: _builtins.bool = ...,
+        pid: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "host_id", b"host_id", "left", b"left", "pid", b"pid", "rank", b"rank", "since_heartbeat_s", b"since_heartbeat_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RankStatus: _TypeAlias = RankStatus  # noqa: Y015
+
+@_typing.final
+class GroupStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    ISSUED_FIELD_NUMBER: _builtins.int
+    COMPLETED_FIELD_NUMBER: _builtins.int
+    UNCHANGED_S_FIELD_NUMBER: _builtins.int
+    group: _builtins.str
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def issued(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def completed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def unchanged_s(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """seconds since each rank's progress last changed"""
+
+    def __init__(
+        self,
+        *,
+        group: _builtins.str = ...,
+        ranks: _abc.Iterable[_builtins.int] | None = ...,
+        issued: _abc.Iterable[_builtins.int] | None = ...,
+        completed: _abc.Iterable[_builtins.int] | None = ...,
+        unchanged_s: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed", b"completed", "group", b"group", "issued", b"issued", "ranks", b"ranks", "unchanged_s", b"unchanged_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GroupStatus: _TypeAlias = GroupStatus  # noqa: Y015
+
+@_typing.final
+class StatusResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    FORMED_FIELD_NUMBER: _builtins.int
+    NUM_WAITING_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    GROUPS_FIELD_NUMBER: _builtins.int
+    ABORTED_FIELD_NUMBER: _builtins.int
+    ABORT_REASON_FIELD_NUMBER: _builtins.int
+    ABORT_RANK_FIELD_NUMBER: _builtins.int
+    FORMED_S_AGO_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    job_id: _builtins.str
+    world_size: _builtins.int
+    formed: _builtins.bool
+    num_waiting: _builtins.int
+    """joiners waiting for the world to form"""
+    aborted: _builtins.bool
+    abort_reason: _builtins.str
+    abort_rank: _builtins.int
+    formed_s_ago: _builtins.float
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankStatus]: ...
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupStatus]: ...
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        job_id: _builtins.str = ...,
+        world_size: _builtins.int = ...,
+        formed: _builtins.bool = ...,
+        num_waiting: _builtins.int = ...,
+        ranks: _abc.Iterable[Global___RankStatus] | None = ...,
+        groups: _abc.Iterable[Global___GroupStatus] | None = ...,
+        aborted: _builtins.bool = ...,
+        abort_reason: _builtins.str = ...,
+        abort_rank: _builtins.int = ...,
+        formed_s_ago: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_rank", b"abort_rank", "abort_reason", b"abort_reason", "aborted", b"aborted", "epoch", b"epoch", "formed", b"formed", "formed_s_ago", b"formed_s_ago", "groups", b"groups", "job_id", b"job_id", "num_waiting", b"num_waiting", "ranks", b"ranks", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StatusResponse: _TypeAlias = StatusResponse  # noqa: Y015

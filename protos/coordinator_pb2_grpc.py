@@ -89,6 +89,11 @@ class CoordinatorStub:
                 request_serializer=paramplane_dot_protos_dot_coordinator__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=paramplane_dot_protos_dot_coordinator__pb2.LeaveResponse.FromString,
                 _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/paramplane.v1.Coordinator/Status',
+                request_serializer=paramplane_dot_protos_dot_coordinator__pb2.StatusRequest.SerializeToString,
+                response_deserializer=paramplane_dot_protos_dot_coordinator__pb2.StatusResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -165,6 +170,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Status(self, request, context):
+        """The world as the coordinator sees it (paramplane status).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -222,6 +234,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=paramplane_dot_protos_dot_coordinator__pb2.LeaveRequest.FromString,
                     response_serializer=paramplane_dot_protos_dot_coordinator__pb2.LeaveResponse.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=paramplane_dot_protos_dot_coordinator__pb2.StatusRequest.FromString,
+                    response_serializer=paramplane_dot_protos_dot_coordinator__pb2.StatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -521,6 +538,33 @@ class Coordinator:
             '/paramplane.v1.Coordinator/Leave',
             paramplane_dot_protos_dot_coordinator__pb2.LeaveRequest.SerializeToString,
             paramplane_dot_protos_dot_coordinator__pb2.LeaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramplane.v1.Coordinator/Status',
+            paramplane_dot_protos_dot_coordinator__pb2.StatusRequest.SerializeToString,
+            paramplane_dot_protos_dot_coordinator__pb2.StatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -47,6 +47,8 @@ class CoordinatorStub:
     """A rank reports a fatal error: the world aborts and every rank is told."""
     Leave: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.LeaveRequest, _coordinator_pb2.LeaveResponse]
     """A rank leaves cleanly: its silence afterwards is not a death."""
+    Status: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.StatusRequest, _coordinator_pb2.StatusResponse]
+    """The world as the coordinator sees it (paramplane status)."""
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -67,6 +69,8 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """A rank reports a fatal error: the world aborts and every rank is told."""
     Leave: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.LeaveRequest, _coordinator_pb2.LeaveResponse]  # type: ignore[assignment]
     """A rank leaves cleanly: its silence afterwards is not a death."""
+    Status: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.StatusRequest, _coordinator_pb2.StatusResponse]  # type: ignore[assignment]
+    """The world as the coordinator sees it (paramplane status)."""
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -150,5 +154,13 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.LeaveResponse, _abc.Awaitable[_coordinator_pb2.LeaveResponse]]:
         """A rank leaves cleanly: its silence afterwards is not a death."""
+
+    @_abc_1.abstractmethod
+    def Status(
+        self,
+        request: _coordinator_pb2.StatusRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.StatusResponse, _abc.Awaitable[_coordinator_pb2.StatusResponse]]:
+        """The world as the coordinator sees it (paramplane status)."""
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
