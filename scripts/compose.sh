@@ -80,11 +80,14 @@ ensure_base
 prepare
 say "base image: $PARAMPLANE_BASE_IMAGE"
 compose build >"$LOG" 2>&1 || { tail -40 "$LOG" >&2; exit 1; }
+# The coordinator first (compose v1 may otherwise recreate it while the nodes start), then the nodes.
+compose up -d coordinator >>"$LOG" 2>&1 || { tail -30 "$LOG" >&2; exit 1; }
 if [ "$MODE" = demo ]; then
-  compose up --abort-on-container-exit --exit-code-from node-a coordinator node-a node-b
+  compose up --no-recreate --abort-on-container-exit --exit-code-from node-a node-a node-b
   exit $?
 fi
-compose up --abort-on-container-exit --exit-code-from node-a coordinator node-a node-b >>"$LOG" 2>&1 || { tail -60 "$LOG" >&2; exit 1; }
+compose up --no-recreate --abort-on-container-exit --exit-code-from node-a node-a node-b >>"$LOG" 2>&1 \
+  || { tail -60 "$LOG" >&2; exit 1; }
 compose logs node-a node-b >"$LOG.nodes" 2>&1
 grep -q "hosts 2, ranks 4, shard group 2" "$LOG.nodes" || { say "FAILED: the world was not 2 hosts x 2 ranks"; tail -40 "$LOG.nodes" >&2; exit 1; }
 acc=$(grep -o 'accuracy: [0-9.]*' "$LOG.nodes" | tail -1 | cut -d' ' -f2)
