@@ -10,25 +10,39 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from paramplane.world import _token
 
 
-def check(address: str, token: str | None, timeout_s: float) -> str:
-    """The health status name (``SERVING``, ``NOT_SERVING``, ...) of the coordinator at ``address``."""
+def channel(address: str) -> Any:
+    """A blocking channel to the coordinator (TLS when ``PARAMPLANE_TLS_CA`` names its root certificate)."""
     import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from paramplane.protos.auth import token_metadata
 
     ca = os.environ.get("PARAMPLANE_TLS_CA")
     if ca:  # a TLS coordinator, verified like the ranks verify it
         with open(ca, "rb") as f:
-            channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=f.read()))
-    else:
-        channel = grpc.insecure_channel(address)
-    with channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+            return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=f.read()))
+    return grpc.insecure_channel(address)
+
+
+def cli_token(token_file: str | None) -> str | None:
+    """The job token from ``--token-file``, else PARAMPLANE_TOKEN_FILE / PARAMPLANE_TOKEN."""
+    token = None
+    if token_file:
+        with open(token_file) as f:
+            token = f.read().strip() or None
+    return _token(token)
+
+
+def check(address: str, token: str | None, timeout_s: float) -> str:
+    """The health status name (``SERVING``, ``NOT_SERVING``, ...) of the coordinator at ``address``."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from paramplane.protos.auth import token_metadata
+
+    with channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
         reply = stub.Check(
             health_pb2.HealthCheckRequest(service=""), timeout=timeout_s, metadata=token_metadata(token)
         )
@@ -46,14 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else 2
-    token = None
-    if args.token_file:
-        with open(args.token_file) as f:
-            token = f.read().strip() or None
     import grpc
 
     try:
-        status = check(args.address, _token(token), args.timeout)
+        status = check(args.address, cli_token(args.token_file), args.timeout)
     except grpc.RpcError as exc:
         print(f"paramplane health: {args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1

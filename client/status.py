@@ -2,7 +2,8 @@
 
 Prints the epoch, every rank by host with its last heartbeat, every group's progress (issued /
 completed collectives per rank and how long each has been unchanged) and the abort reason, if any.
-The job token comes from ``--token-file``, ``PARAMPLANE_TOKEN_FILE`` or ``PARAMPLANE_TOKEN``.
+The job token comes from ``--token-file``, ``PARAMPLANE_TOKEN_FILE`` or ``PARAMPLANE_TOKEN``; ``PARAMPLANE_TLS_CA``
+verifies a TLS coordinator.
 """
 
 from __future__ import annotations
@@ -12,20 +13,19 @@ import json
 import sys
 from typing import Any
 
-from paramplane.world import _token
+from paramplane.health import channel, cli_token
 
 
 def fetch(address: str, token: str | None, timeout_s: float) -> dict[str, Any]:
     """The coordinator's status as a plain dict."""
-    import grpc
     from google.protobuf.json_format import MessageToDict
 
     from paramplane.protos import coordinator_pb2 as pb
     from paramplane.protos import coordinator_pb2_grpc as pb_grpc
     from paramplane.protos.auth import token_metadata
 
-    with grpc.insecure_channel(address) as channel:
-        reply = pb_grpc.CoordinatorStub(channel).Status(
+    with channel(address) as ch:
+        reply = pb_grpc.CoordinatorStub(ch).Status(
             pb.StatusRequest(), timeout=timeout_s, metadata=token_metadata(token)
         )
     return MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
@@ -70,14 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else 2
-    token = None
-    if args.token_file:
-        with open(args.token_file) as f:
-            token = f.read().strip() or None
     import grpc
 
     try:
-        status = fetch(args.address, _token(token), args.timeout)
+        status = fetch(args.address, cli_token(args.token_file), args.timeout)
     except grpc.RpcError as exc:
         print(f"paramplane status: {args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1

@@ -196,3 +196,26 @@ def run_world(
             result = json.loads(path.read_text()) if path.exists() else None
             outcome.ranks.append(RankOutcome(rank, proc.returncode, text, result))
     return outcome
+
+
+def run_example(script: str, num_ranks: int, *args: str, timeout: float = 120.0) -> str:
+    """Run ``examples/<script>`` under ``paramplane launch --standalone -n N``; its output (asserts exit 0)."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "paramplane.cli",
+            "launch",
+            "--standalone",
+            "-n",
+            str(num_ranks),
+            f"examples/{script}",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stdout

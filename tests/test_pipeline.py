@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
-from _world import run_world
+from _world import run_example, run_world
 
 from paramplane.parallel.pipeline import schedules
 
@@ -89,30 +91,9 @@ def test_pipeline_times_data_parallel_trains_like_one_process() -> None:
 
 
 def test_train_pipeline_example_runs_under_the_launcher() -> None:
-    import re
-    import subprocess
-    import sys
-
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "paramplane.cli",
-            "launch",
-            "--standalone",
-            "-n",
-            "2",
-            "examples/train_pipeline.py",
-            "--epochs",
-            "2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    match = re.search(r"test accuracy: (\d\.\d+)", proc.stdout)
-    assert match and float(match.group(1)) > 0.5, proc.stdout
+    out = run_example("train_pipeline.py", 2, "--epochs", "2")
+    match = re.search(r"test accuracy: (\d\.\d+)", out)
+    assert match and float(match.group(1)) > 0.5, out
 
 
 def test_pipeline_argument_errors_on_every_rank() -> None:

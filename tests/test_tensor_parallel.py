@@ -3,7 +3,9 @@ float64), the gather/split paths too, and a 2 (dp) x 2 (tp) mesh trains exactly 
 
 from __future__ import annotations
 
-from _world import run_world
+import re
+
+from _world import run_example, run_world
 
 
 def test_tp_mlp_equals_dense() -> None:
@@ -17,27 +19,6 @@ def test_tp_times_dp_trains_like_one_process() -> None:
 
 
 def test_train_tp_example_runs_under_the_launcher() -> None:
-    import re
-    import subprocess
-    import sys
-
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "paramplane.cli",
-            "launch",
-            "--standalone",
-            "-n",
-            "2",
-            "examples/train_tp.py",
-            "--epochs",
-            "2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    match = re.search(r"test accuracy: (\d\.\d+)", proc.stdout)
-    assert match and float(match.group(1)) > 0.5, proc.stdout
+    out = run_example("train_tp.py", 2, "--epochs", "2")
+    match = re.search(r"test accuracy: (\d\.\d+)", out)
+    assert match and float(match.group(1)) > 0.5, out

@@ -39,6 +39,16 @@ def _check(group: ProcessGroup, features: int, what: str) -> int:
     return features // group.size
 
 
+def _check_dense(layer: Any, weight: Array, bias: Array | None) -> None:
+    """ValueError unless ``(weight, bias)`` is the dense layer ``layer`` stands for."""
+    if tuple(weight.shape) != (layer.out_features, layer.in_features):
+        raise ValueError(
+            f"weight must be ({layer.out_features}, {layer.in_features}), got {tuple(weight.shape)}"
+        )
+    if layer.bias is not None and (bias is None or tuple(bias.shape) != (layer.out_features,)):
+        raise ValueError(f"bias must have shape ({layer.out_features},)")
+
+
 class ColumnParallelLinear(Module):
     """``y = x @ W.T + b`` with W's rows (output features) split over ``group``."""
 
@@ -94,16 +104,12 @@ class ColumnParallelLinear(Module):
 
     def load_full_weight(self, weight: Array, bias: Array | None = None) -> None:
         """Set this rank's shards from the dense ``(weight, bias)``."""
-        if tuple(weight.shape) != (self.out_features, self.in_features):
-            raise ValueError(
-                f"weight must be ({self.out_features}, {self.in_features}), got {tuple(weight.shape)}"
-            )
+        _check_dense(self, weight, bias)
         k = self.weight.shape[0]
         lo = self.group.rank * k
         self.weight.data[...] = array_module(self.weight.data).asarray(weight[lo : lo + k])
         if self.bias is not None:
-            if bias is None or tuple(bias.shape) != (self.out_features,):
-                raise ValueError(f"bias must have shape ({self.out_features},)")
+            assert bias is not None  # checked above
             self.bias.data[...] = array_module(self.bias.data).asarray(bias[lo : lo + k])
 
     def extra_repr(self) -> str:
@@ -172,16 +178,11 @@ class RowParallelLinear(Module):
 
     def load_full_weight(self, weight: Array, bias: Array | None = None) -> None:
         """Set this rank's shards from the dense ``(weight, bias)``."""
-        if tuple(weight.shape) != (self.out_features, self.in_features):
-            raise ValueError(
-                f"weight must be ({self.out_features}, {self.in_features}), got {tuple(weight.shape)}"
-            )
+        _check_dense(self, weight, bias)
         k = self.weight.shape[1]
         lo = self.group.rank * k
         self.weight.data[...] = array_module(self.weight.data).asarray(weight[:, lo : lo + k])
         if self.bias is not None:
-            if bias is None or tuple(bias.shape) != (self.out_features,):
-                raise ValueError(f"bias must have shape ({self.out_features},)")
             self.bias.data[...] = array_module(self.bias.data).asarray(bias)
 
     def extra_repr(self) -> str:
