@@ -56,6 +56,7 @@ CASES = [
     ("interleaved_1f1b", 2, 4, 2, "mean"),
     ("interleaved_1f1b", 2, 8, 2, "sum"),
     pytest.param("1f1b", 4, 4, 1, "mean", marks=pytest.mark.slow),
+    pytest.param("gpipe", 4, 8, 1, "sum", marks=pytest.mark.slow),
 ]
 
 
