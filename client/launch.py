@@ -75,6 +75,10 @@ class LaunchConfig:
     """Prefix every output line with ``[rank i] ``; ``False`` passes output through untouched."""
     grace_s: float = 5.0
     """Seconds between SIGTERM and SIGKILL when stopping ranks (and the coordinator's stop grace)."""
+    max_restarts: int = 0
+    """After a rank fails, stop the others and start every rank again this many times at most (like
+    torchrun's ``--max-restarts``); each attempt is a new world on a fresh embedded coordinator, and
+    ranks see the attempt number in ``PARAMPLANE_RESTART_COUNT`` (resume from ``pp.checkpoint.latest``)."""
 
     def __post_init__(self) -> None:
         if self.num_ranks < 1:
@@ -109,6 +113,17 @@ class LaunchConfig:
             raise ValueError(f"--host-id must be a non-empty name without spaces, got {self.host_id!r}")
         if self.token is not None and not self.token:
             raise ValueError("the job token is empty")
+        if (
+            isinstance(self.max_restarts, bool)
+            or not isinstance(self.max_restarts, int)
+            or self.max_restarts < 0
+        ):
+            raise ValueError(f"--max-restarts must be a whole number >= 0, got {self.max_restarts!r}")
+        if self.max_restarts and not self.standalone:
+            raise ValueError(
+                "--max-restarts needs --standalone for now: re-forming a world on an external coordinator "
+                "(several hosts) is not built yet"
+            )
 
     @property
     def total_ranks(self) -> int:
@@ -243,6 +258,30 @@ class Launcher:
         if token is None and config.standalone:
             token = secrets.token_hex(16)
         previous = self._install_signal_handlers()
+        code, message = 1, None
+        try:
+            for attempt in range(config.max_restarts + 1):
+                code, message = self._attempt(token, attempt)
+                if code == 0 or self._signal is not None or attempt == config.max_restarts:
+                    break
+                with self._locks[1]:
+                    self._err(
+                        f"paramplane launch: {message}; restarting every rank (restart {attempt + 1} of "
+                        f"{config.max_restarts})\n".encode()
+                    )
+                self._ranks = []
+                self._events = queue.SimpleQueue()  # exits of the stopped attempt must not reach the next
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        if message is not None:
+            with self._locks[1]:
+                self._err(f"paramplane launch: {message}\n".encode())
+        return code
+
+    def _attempt(self, token: str | None, attempt: int) -> tuple[int, str | None]:
+        """Start the coordinator (standalone) and every rank, supervise them, stop everything."""
+        config = self.config
         coordinator: CoordinatorThread | None = None
         code, message = 1, None
         try:
@@ -255,7 +294,7 @@ class Launcher:
             for index in range(config.num_ranks):
                 if self._signal is not None:
                     break
-                self._start_rank(index, address, token)
+                self._start_rank(index, address, token, attempt)
             code, message = self._supervise()
         finally:
             try:
@@ -268,12 +307,7 @@ class Launcher:
                         thread.join(timeout=max(0.0, deadline - time.monotonic()))
                 if coordinator is not None:
                     coordinator.stop(min(config.grace_s, 1.0))
-                for signum, handler in previous.items():
-                    signal.signal(signum, handler)
-        if message is not None:
-            with self._locks[1]:
-                self._err(f"paramplane launch: {message}\n".encode())
-        return code
+        return code, message
 
     def _install_signal_handlers(self) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
@@ -287,7 +321,7 @@ class Launcher:
 
         return {signum: signal.signal(signum, on_signal) for signum in FORWARDED_SIGNALS}
 
-    def _start_rank(self, index: int, address: str, token: str | None) -> None:
+    def _start_rank(self, index: int, address: str, token: str | None, attempt: int = 0) -> None:
         config = self.config
         env = dict(os.environ)
         for stale in ("PARAMPLANE_RANK", "PARAMPLANE_TOKEN", "PARAMPLANE_TOKEN_FILE"):
@@ -302,6 +336,7 @@ class Launcher:
             PARAMPLANE_WORLD_SIZE=str(config.total_ranks),
             PARAMPLANE_HOST_ID=config.host_id or os.environ.get("PARAMPLANE_HOST_ID") or socket.gethostname(),
             PARAMPLANE_LOCAL_RANK=str(index),
+            PARAMPLANE_RESTART_COUNT=str(attempt),
             PYTHONUNBUFFERED="1",
         )
         if token is not None:  # without one, only a tokenless coordinator on loopback admits the ranks
@@ -319,7 +354,7 @@ class Launcher:
         )
         rank = _Rank(index, process)
         self._ranks.append(rank)
-        targets: list[Any] = [(self._wait_leader, (rank,))]
+        targets: list[Any] = [(self._wait_leader, (rank, self._events))]
         if config.prefix:
             assert process.stdout is not None and process.stderr is not None
             prefix = f"[rank {index}] ".encode()
@@ -330,7 +365,7 @@ class Launcher:
             thread.start()
             rank.threads.append(thread)
 
-    def _wait_leader(self, rank: _Rank) -> None:
+    def _wait_leader(self, rank: _Rank, events: queue.SimpleQueue[tuple[str, int, int]]) -> None:
         # WNOWAIT leaves the leader a zombie: its pid keeps naming our process group until we reap it.
         try:
             info = os.waitid(os.P_PID, rank.process.pid, os.WEXITED | os.WNOWAIT)
@@ -339,7 +374,7 @@ class Launcher:
         if info is None:
             return
         returncode = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-        self._events.put(("exit", rank.index, returncode))
+        events.put(("exit", rank.index, returncode))  # the queue of this rank's attempt
 
     def _handle(self, event: tuple[str, int, int]) -> None:
         kind, index, returncode = event
@@ -448,6 +483,13 @@ def _parser() -> argparse.ArgumentParser:
         help="standalone: dead rank",
     )
     add("--grace", dest="grace_s", type=float, default=5.0, metavar="S", help="SIGTERM to SIGKILL (5)")
+    add(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="restart every rank up to K times after a failure (--standalone; ranks resume from a checkpoint)",
+    )
     add("--no-prefix", dest="prefix", action="store_false", help="pass rank output through without [rank i]")
     add("-m", "--module", action="store_true", help="run the target as a module, like python -m")
     add("target", metavar="script.py", help="the script (or module, with -m) every rank runs")

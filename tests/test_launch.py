@@ -155,6 +155,7 @@ def test_ranks_get_their_environment_and_every_line_is_prefixed(tmp_path: Path) 
             "PARAMPLANE_WORLD_SIZE": "3",
             "PARAMPLANE_RANK": str(rank),
             "PARAMPLANE_LOCAL_RANK": str(rank),
+            "PARAMPLANE_RESTART_COUNT": "0",
             "PARAMPLANE_HOST_ID": socket.gethostname(),
             "PARAMPLANE_TOKEN": "file-token-77",
             "PARAMPLANE_TIMEOUT": "7.5",
@@ -362,3 +363,56 @@ def test_hello_example_end_to_end() -> None:
     ranks = sorted(int(text.split()[1].split("/")[0]) for rank_lines in lines.values() for text in rank_lines)
     assert ranks == [0, 1, 2, 3]
     assert all(f"/4 local_rank {local}" in lines[local][0] for local in range(4))
+
+
+def _restart_run(out: Path, *extra: str, restarts: int) -> subprocess.CompletedProcess[str]:
+    worker = Path(__file__).resolve().parent / "workers" / "restart.py"
+    cmd = [
+        sys.executable,
+        "-m",
+        "paramplane.cli",
+        "launch",
+        "--standalone",
+        "-n",
+        "2",
+        "--heartbeat-timeout",
+        "3",
+        "--timeout",
+        "30",
+        "--grace",
+        "2",
+        "--max-restarts",
+        str(restarts),
+        str(worker),
+        str(out),
+        *extra,
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+
+
+def test_max_restarts_resumes_from_the_checkpoint_and_ends_like_an_unbroken_run(tmp_path: Path) -> None:
+    import numpy as np
+
+    clean = _restart_run(tmp_path / "clean", restarts=0)
+    assert clean.returncode == 0, clean.stdout[-2000:] + clean.stderr[-2000:]
+    broken = _restart_run(tmp_path / "broken", "5", restarts=1)
+    assert broken.returncode == 0, broken.stdout[-2000:] + broken.stderr[-2000:]
+    assert "rank 1 exited with code 3" in broken.stderr and "restart 1 of 1" in broken.stderr, broken.stderr[
+        -2000:
+    ]
+    assert "attempt 1 resumed at step 5" in broken.stdout, broken.stdout[-2000:]
+    want, got = np.load(tmp_path / "clean" / "final.npz"), np.load(tmp_path / "broken" / "final.npz")
+    for key in want.files:
+        assert np.array_equal(got[key], want[key]), key  # bit for bit: same world, same steps
+    # Without restarts the failure ends the launch with the rank's code.
+    failed = _restart_run(tmp_path / "once", "5", restarts=0)
+    assert failed.returncode == 3 and "rank 1 exited with code 3" in failed.stderr
+
+
+def test_max_restarts_needs_standalone() -> None:
+    from paramplane.launch import LaunchConfig
+
+    with pytest.raises(ValueError, match="needs --standalone"):
+        LaunchConfig(num_ranks=2, target=__file__, coordinator="127.0.0.1:1", max_restarts=1)
+    with pytest.raises(ValueError, match="max-restarts must be"):
+        LaunchConfig(num_ranks=2, target=__file__, standalone=True, max_restarts=-1)
