@@ -210,11 +210,10 @@ class FSDP:
             self._ensure_gathered(unit)
             if self.backward_prefetch == "pre":
                 self._prefetch(self._neighbor(unit, -1))
-            flat = self._preset_grads(unit)
             start = time.monotonic()
             grad_in = orig_backward(grad)
             self._mark(f"backward {unit.name}", start)
-            self._post_backward(unit, flat)
+            self._post_backward(unit)
             if self.backward_prefetch == "post":
                 self._prefetch(self._neighbor(unit, -1))
             return grad_in
@@ -291,34 +290,19 @@ class FSDP:
             raise ValueError("FSDP.backward() called without a forward() since the last backward")
         self._forward_open = False
         grad_out = grad_out.astype(self.param_dtype) if grad_out.dtype != self.param_dtype else grad_out
-        root_flat = self._preset_grads(self._root) if self._root is not None else None
         grad_in = self.module.backward(grad_out)
         if self._root is not None:
-            self._post_backward(self._root, root_flat)
+            self._post_backward(self._root)
         return grad_in
 
-    def _preset_grads(self, unit: FlatUnit) -> Array | None:
-        """Point the unit's gradients at one zeroed flat buffer, so the layers accumulate into it.
-
-        Saves a full copy of the unit's gradients; not used under no_sync, after no_sync accumulation
-        (the gradients exist already) or when gradients are reduced in another dtype than computed.
-        """
-        if self._no_sync or self.reduce_dtype != self.param_dtype or unit.has_param_grads():
-            return None
-        flat = array_module(unit.shard.data).zeros(unit.padded, self.reduce_dtype)
-        self.memory.add("grads", flat.nbytes)
-        for p, off in zip(unit.params, unit.offsets):
-            p.grad = flat[off : off + p.size].reshape(p.shape)
-        return flat
-
-    def _post_backward(self, unit: FlatUnit, flat: Array | None = None) -> None:
+    def _post_backward(self, unit: FlatUnit) -> None:
         self._release(unit)
         if self._no_sync:
             return
         self._round_open = True
-        if flat is None:
-            flat = unit.flatten_grads(self.reduce_dtype, array_module(unit.shard.data))
-            self.memory.add("grads", flat.nbytes)  # measured while the layers' gradients are alive too
+        xp = array_module(unit.shard.data)
+        flat = unit.flatten_grads(self.reduce_dtype, xp)
+        self.memory.add("grads", flat.nbytes)  # measured while the layers' gradients are alive too
         unit.drop_param_grads()
         self._launch_reduce(unit, flat)
 
