@@ -77,8 +77,10 @@ class LaunchConfig:
     """Seconds between SIGTERM and SIGKILL when stopping ranks (and the coordinator's stop grace)."""
     max_restarts: int = 0
     """After a rank fails, stop the others and start every rank again this many times at most (like
-    torchrun's ``--max-restarts``); each attempt is a new world on a fresh embedded coordinator, and
-    ranks see the attempt number in ``PARAMPLANE_RESTART_COUNT`` (resume from ``pp.checkpoint.latest``)."""
+    torchrun's ``--max-restarts``). Each attempt is a new world: a fresh embedded coordinator, or, with
+    ``--coordinator``, the next epoch of that coordinator (the launcher aborts the failed world there, so
+    every host's ranks fail and their launchers restart too). Ranks see the attempt number in
+    ``PARAMPLANE_RESTART_COUNT`` and resume from ``pp.checkpoint.latest``."""
 
     def __post_init__(self) -> None:
         if self.num_ranks < 1:
@@ -119,11 +121,6 @@ class LaunchConfig:
             or self.max_restarts < 0
         ):
             raise ValueError(f"--max-restarts must be a whole number >= 0, got {self.max_restarts!r}")
-        if self.max_restarts and not self.standalone:
-            raise ValueError(
-                "--max-restarts needs --standalone for now: re-forming a world on an external coordinator "
-                "(several hosts) is not built yet"
-            )
 
     @property
     def total_ranks(self) -> int:
@@ -269,6 +266,8 @@ class Launcher:
                         f"paramplane launch: {message}; restarting every rank (restart {attempt + 1} of "
                         f"{config.max_restarts})\n".encode()
                     )
+                if config.coordinator is not None:
+                    self._abort_world(config.coordinator, token, message or "a rank failed")
                 self._ranks = []
                 self._events = queue.SimpleQueue()  # exits of the stopped attempt must not reach the next
         finally:
@@ -308,6 +307,36 @@ class Launcher:
                 if coordinator is not None:
                     coordinator.stop(min(config.grace_s, 1.0))
         return code, message
+
+    def _abort_world(self, address: str, token: str | None, reason: str) -> None:
+        """Abort the failed world on the coordinator, in the name of one of our ranks that was in it.
+
+        Every host's ranks then fail at once (their launchers restart them too), and the restarted ranks'
+        joins open the next epoch instead of finding the old world full.
+        """
+        from paramplane.health import channel
+        from paramplane.protos import coordinator_pb2 as pb
+        from paramplane.protos import coordinator_pb2_grpc as pb_grpc
+        from paramplane.protos.auth import token_metadata
+
+        pids = {r.process.pid for r in self._ranks}
+        metadata = token_metadata(token)
+        try:
+            with channel(address) as ch:
+                stub = pb_grpc.CoordinatorStub(ch)
+                status = stub.Status(pb.StatusRequest(), timeout=10, metadata=metadata)
+                ours = [r.rank for r in status.ranks if r.pid in pids]
+                if status.formed and not status.aborted and ours:
+                    stub.Abort(
+                        pb.AbortRequest(
+                            epoch=status.epoch, rank=ours[0], reason=f"launcher restarts: {reason}"
+                        ),
+                        timeout=10,
+                        metadata=metadata,
+                    )
+        except Exception as exc:  # the restart still happens; the coordinator's liveness checks catch up
+            with self._locks[1]:
+                self._err(f"paramplane launch: could not abort the world on {address}: {exc}\n".encode())
 
     def _install_signal_handlers(self) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():

@@ -165,9 +165,11 @@ class CoordinatorState:
         n = self.world_size
         if not joiner.instance_id or not joiner.host_id:
             raise StateError(ErrorKind.INVALID_ARGUMENT, "join needs a non-empty instance_id and host_id")
+        if self.world is not None and (
+            self.world.abort is not None or len(self.world.left) == self.world_size
+        ):
+            self._next_epoch()  # the old world is over: this join starts forming the next one
         if self.world is not None:
-            if self.world.abort is not None:
-                raise self._aborted_error(self.world.abort)
             if joiner.instance_id in self.world.members:
                 rank = self.world.members[joiner.instance_id].rank
                 raise StateError(
@@ -202,6 +204,20 @@ class CoordinatorState:
         if len(self._pending) == n:
             self._form(now)
 
+    def _next_epoch(self) -> None:
+        """Forget an aborted (or fully left) world: epoch + 1, an empty KV store and no barriers.
+
+        Restarted ranks (``paramplane launch --max-restarts``, on every host) join again and form a new
+        world; calls that still name the old epoch are refused ("join again").
+        """
+        self.epoch += 1
+        self.world = None
+        self._kv.clear()
+        self._barriers.clear()
+        for waiter in list(self._waits):
+            self._resolve(waiter, error=StateError(ErrorKind.ABORTED, "the world was replaced by a new epoch"))
+        self._waits.clear()
+
     def _form(self, now: float) -> None:
         pending = list(self._pending.values())
         self._pending.clear()
@@ -232,13 +248,13 @@ class CoordinatorState:
     def member(self, epoch: int, rank: int | None = None, *, allow_aborted: bool = False) -> _World:
         """The world, if ``epoch`` is current (and ``rank`` in it); raises StateError otherwise."""
         world = self.world
-        if world is None:
-            raise StateError(ErrorKind.FAILED_PRECONDITION, "the world has not formed yet: join first")
         if epoch != self.epoch:
             raise StateError(
                 ErrorKind.FAILED_PRECONDITION,
                 f"epoch {epoch} is not the current epoch {self.epoch}: join again",
             )
+        if world is None:
+            raise StateError(ErrorKind.FAILED_PRECONDITION, "the world has not formed yet: join first")
         if world.abort is not None and not allow_aborted:
             raise self._aborted_error(world.abort)
         if rank is not None and not 0 <= rank < self.world_size:

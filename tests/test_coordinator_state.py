@@ -296,10 +296,25 @@ def test_abort_by_a_rank_names_it_and_fails_waiters() -> None:
     )
     s.abort(1, 0, "second")
     assert not s.take_effects().events
-    with pytest.raises(StateError) as late:
-        s.join(joiner(9, "a"), waiter=9, now=1.0)
-    assert late.value.kind is ErrorKind.ABORTED
     assert [e.kind for e in s.snapshot_events(1, 0)] == [EventKind.MEMBERSHIP, EventKind.ABORT]
+
+
+def test_a_join_after_an_abort_forms_the_next_epoch() -> None:
+    """Restarted ranks (launch --max-restarts, on every host) re-form the world at epoch + 1."""
+    s = state(2)
+    form(s, ["a", "b"])
+    s.kv_set(1, "nccl/world", b"old")
+    s.abort(1, 1, "rank 1 died")
+    s.take_effects()
+    s.join(joiner(10, "a"), waiter=10, now=5.0)
+    assert s.epoch == 2 and s.world is None
+    with pytest.raises(StateError) as stale:
+        s.kv_get(1, "nccl/world")  # a survivor of the old world is told to join again
+    assert "join again" in str(stale.value)
+    s.join(joiner(11, "b"), waiter=11, now=5.5)
+    formed = s.take_effects().formed
+    assert [a.epoch for a in formed] == [2, 2]
+    assert s.kv_get(2, "nccl/world") is None  # the old epoch's keys are gone
 
 
 def test_shutdown_fails_every_waiter() -> None:

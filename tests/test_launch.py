@@ -416,3 +416,81 @@ def test_max_restarts_needs_standalone() -> None:
         LaunchConfig(num_ranks=2, target=__file__, coordinator="127.0.0.1:1", max_restarts=1)
     with pytest.raises(ValueError, match="max-restarts must be"):
         LaunchConfig(num_ranks=2, target=__file__, standalone=True, max_restarts=-1)
+
+
+def test_max_restarts_across_two_launchers_reforms_the_world_on_the_coordinator(tmp_path: Path) -> None:
+    """Two launchers (two host ids) share an external coordinator; a rank on one of them dies at step 5.
+    Its launcher aborts the world there, both launchers restart their ranks, the coordinator forms epoch 2,
+    and the job ends like an unbroken run (within float64 rounding: the reduction order across hosts differs
+    from the single-host reference)."""
+    import numpy as np
+
+    from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
+
+    worker = Path(__file__).resolve().parent / "workers" / "restart.py"
+    ref_cmd = [
+        sys.executable,
+        "-m",
+        "paramplane.cli",
+        "launch",
+        "--standalone",
+        "-n",
+        "4",
+        str(worker),
+        str(tmp_path / "ref"),
+    ]
+    ref = subprocess.run(ref_cmd, capture_output=True, text=True, timeout=180)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    out = tmp_path / "multi"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PARAMPLANE_")}
+    config = CoordinatorConfig(
+        host="127.0.0.1", port=0, world_size=4, token="restart-token", heartbeat_timeout_s=5
+    )
+    with CoordinatorThread(config) as coord:
+        env["PARAMPLANE_TOKEN"] = "restart-token"
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "paramplane.cli",
+                    "launch",
+                    "-n",
+                    "2",
+                    "--coordinator",
+                    coord.address,
+                    "--world-size",
+                    "4",
+                    "--host-id",
+                    host,
+                    "--timeout",
+                    "30",
+                    "--grace",
+                    "2",
+                    "--max-restarts",
+                    "1",
+                    str(worker),
+                    str(out),
+                    "5",
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for host in ("hostA", "hostB")
+        ]
+        try:
+            results = [p.communicate(timeout=240) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(10)
+    for p, (stdout, stderr) in zip(procs, results):
+        assert p.returncode == 0, stdout[-2000:] + stderr[-3000:]
+        assert "restart 1 of 1" in stderr, stderr[-2000:]
+    assert any("attempt 1 resumed at step 5" in stdout for stdout, _ in results)
+    want, got = np.load(tmp_path / "ref" / "final.npz"), np.load(out / "final.npz")
+    for key in want.files:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-10, atol=1e-12)
