@@ -215,7 +215,9 @@ class CoordinatorState:
         self._kv.clear()
         self._barriers.clear()
         for waiter in list(self._waits):
-            self._resolve(waiter, error=StateError(ErrorKind.ABORTED, "the world was replaced by a new epoch"))
+            self._resolve(
+                waiter, error=StateError(ErrorKind.ABORTED, "the world was replaced by a new epoch")
+            )
         self._waits.clear()
 
     def _form(self, now: float) -> None:

@@ -15,13 +15,14 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from paramplane.node.coord_client import CoordinatorClient, Membership
-from paramplane.node.errors import PeerLost, PlaneClosed, PlaneError, WorldAborted
+from paramplane.node.errors import CoordinatorUnavailable, PeerLost, PlaneClosed, PlaneError, WorldAborted
 from paramplane.node.group import TRANSPORTS, GroupEngine, Tracer
 from paramplane.node.loop import LoopThread
 from paramplane.node.peer import PeerPlane, TlsConfig
@@ -147,17 +148,33 @@ class NodeRuntime:
         return m
 
     async def _heartbeats(self) -> None:
-        interval = max(0.05, self.membership.heartbeat_interval_s)
+        """Beat every interval; ride out coordinator blips shorter than the heartbeat timeout, and past
+        it fail every pending and later op with CoordinatorUnavailable (no failure detection is left)."""
+        m = self.membership
+        interval = max(0.05, m.heartbeat_interval_s)
+        limit = m.heartbeat_timeout_s if m.heartbeat_timeout_s > 0 else 10.0
+        last_ok = time.monotonic()
         while True:
             progress = {name: g.progress() for name, g in list(self._groups.items())}
             try:
-                aborted, reason = await self.coord.heartbeat(progress)
+                aborted, reason = await asyncio.wait_for(self.coord.heartbeat(progress), max(interval, 1.0))
+                last_ok = time.monotonic()
                 if aborted:
                     self._abort(WorldAborted(f"the coordinator aborted the world: {reason}"))
             except (WorldAborted, PeerLost) as exc:
                 self._abort(exc)
-            except PlaneError as exc:
-                log.warning("heartbeat failed: %s", exc)
+            except (PlaneError, asyncio.TimeoutError) as exc:
+                silent = time.monotonic() - last_ok
+                if silent > limit:
+                    self._abort(
+                        CoordinatorUnavailable(
+                            f"the coordinator at {self.config.coordinator} has not answered for {silent:.1f} s "
+                            f"(heartbeat timeout {limit:g} s; last error: {exc or type(exc).__name__}); no rank can "
+                            "be told of failures any more: stop, and restart the job from its last checkpoint"
+                        )
+                    )
+                    return
+                log.warning("heartbeat failed (%.1f s without an answer): %s", silent, exc)
             await asyncio.sleep(interval)
 
     async def _watch(self) -> None:
