@@ -80,6 +80,8 @@ class Event:
     epoch: int
     rank: int = -1
     reason: str = ""
+    lost: bool = False
+    """For ABORT: ``rank`` is gone or stuck (missed heartbeats, no progress), not a rank that chose to abort."""
 
 
 @dataclass(frozen=True)

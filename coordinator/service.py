@@ -278,7 +278,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             while True:
                 event = pending.pop(0) if pending else await queue.get()
                 yield pb.WatchEvent(
-                    kind=_EVENT_KINDS[event.kind], epoch=event.epoch, rank=event.rank, reason=event.reason
+                    kind=_EVENT_KINDS[event.kind],
+                    epoch=event.epoch,
+                    rank=event.rank,
+                    reason=event.reason,
+                    lost=event.lost,
                 )
                 if event.kind in (EventKind.ABORT, EventKind.SHUTDOWN):
                     return

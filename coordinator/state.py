@@ -429,8 +429,8 @@ class CoordinatorState:
         if world.abort is None:
             self._abort(world, rank, f"rank {rank} aborted: {reason or 'no reason given'}")
 
-    def _abort(self, world: _World, rank: int, reason: str) -> None:
-        world.abort = Event(EventKind.ABORT, self.epoch, rank, reason)
+    def _abort(self, world: _World, rank: int, reason: str, *, lost: bool = False) -> None:
+        world.abort = Event(EventKind.ABORT, self.epoch, rank, reason, lost)
         self._effects.events.append(world.abort)
         error = self._aborted_error(world.abort)
         for waiter in self._waits:
@@ -510,6 +510,7 @@ class CoordinatorState:
                 rank,
                 f"rank {rank} missed heartbeats for {silent:.1f} s (last seen {last}; host {joiner.host_id}, "
                 f"pid {joiner.pid}): the process died, hangs, or cannot reach the coordinator",
+                lost=True,
             )
             return
 
@@ -535,5 +536,6 @@ class CoordinatorState:
                 f"rank {rank} made no progress on group {group!r} for {now - p.changed_at:.1f} s "
                 f"(issued {p.issued}, completed {p.completed}) while rank {leader} issued "
                 f"{per_rank[leader].issued}: rank {rank} is stuck or waits on something outside the plane",
+                lost=True,
             )
             return

@@ -73,6 +73,8 @@ class WatchEventInfo:
     rank: int
     reason: str
     epoch: int
+    lost: bool = False
+    """For "abort": the named rank is gone or stuck (not a rank that chose to abort)."""
 
 
 def _plane_error(e: grpc.aio.AioRpcError, address: str, call: str) -> PlaneError | ValueError:
@@ -302,7 +304,9 @@ class CoordinatorClient:
         stream = self._stub.Watch(pb.WatchRequest(epoch=m.epoch, rank=m.rank), metadata=self._metadata)
         try:
             async for event in stream:
-                yield WatchEventInfo(_KINDS.get(event.kind, "unknown"), event.rank, event.reason, event.epoch)
+                yield WatchEventInfo(
+                    _KINDS.get(event.kind, "unknown"), event.rank, event.reason, event.epoch, event.lost
+                )
         except grpc.aio.AioRpcError as e:
             raise _plane_error(e, self.address, "watch") from None
         finally:

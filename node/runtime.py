@@ -181,7 +181,7 @@ class NodeRuntime:
         try:
             async for event in self.coord.watch():
                 if event.kind == "abort":
-                    if 0 <= event.rank != self.rank:
+                    if event.lost and 0 <= event.rank != self.rank:
                         self._abort(PeerLost(f"rank {event.rank} was lost: {event.reason}", event.rank))
                     else:
                         self._abort(WorldAborted(f"the world was aborted: {event.reason}", event.rank))

@@ -554,10 +554,13 @@ class WatchEvent(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    LOST_FIELD_NUMBER: _builtins.int
     kind: Global___WatchEvent.Kind.ValueType
     epoch: _builtins.int
     rank: _builtins.int
     reason: _builtins.str
+    lost: _builtins.bool
+    """ABORT: rank is gone or stuck (missed heartbeats, no progress), rather than a rank that chose to abort."""
     def __init__(
         self,
         *,
@@ -565,10 +568,11 @@ class WatchEvent(_message.Message):
         epoch: _builtins.int = ...,
         rank: _builtins.int = ...,
         reason: _builtins.str = ...,
+        lost: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "kind", b"kind", "rank", b"rank", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "kind", b"kind", "lost", b"lost", "rank", b"rank", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,33 @@
+"""A rank that hangs (SIGSTOP) is named to every survivor within the heartbeat timeout; world.abort(reason)
+reaches every other rank with the reason. End to end: real processes, coordinator, runtime."""
+
+from __future__ import annotations
+
+from _world import run_world
+
+
+def test_a_stopped_rank_is_named_to_every_survivor() -> None:
+    world = run_world(
+        3,
+        "hung.py",
+        args=["sigstop"],
+        env={"PARAMPLANE_TIMEOUT": "60"},
+        heartbeat_timeout_s=2.0,
+        heartbeat_interval_s=0.2,
+        timeout=120,
+    )
+    results = world.check_ok()
+    stopped_at = results[1]["values"]["stopped_at"]
+    for r in (0, 2):
+        v = results[r]["values"]
+        assert v["error"] == "PeerLost" and v["rank"] == 1 and "rank 1" in v["message"], v
+        assert "missed heartbeats" in v["message"], v
+        assert v["at"] - stopped_at < 2.0 + 15, v  # the heartbeat timeout, with slack for a busy machine
+
+
+def test_world_abort_reaches_every_rank_with_its_reason() -> None:
+    world = run_world(3, "hung.py", args=["abort"], env={"PARAMPLANE_TIMEOUT": "60"}, timeout=90)
+    results = world.check_ok()
+    for r in (0, 1, 2):
+        v = results[r]["values"]
+        assert v["error"] == "WorldAborted" and "loss became NaN at step 7" in v["message"], v
