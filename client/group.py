@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from paramplane.node.arrays import array_module, is_cupy, to_host
+from paramplane.node.arrays import array_module, from_foreign, is_cupy, to_host
 from paramplane.node.group import GroupEngine, check_array
 from paramplane.node.spec import OpSpec
 from paramplane.work import Work
@@ -91,8 +91,15 @@ class ProcessGroup:
         *,
         transport: str = "grpc",
         p2p: bool = False,
+        result: Callable[[Any], Any] | None = None,
     ) -> Any:
         e = self._e
+        if result is not None:  # results go back to the caller's tensor library (DLPack inputs)
+            plain, mapper = body, result
+
+            def body(seq: int) -> Any:
+                return mapper(plain(seq))
+
         if is_cupy(x):
             # The op may run on the group's worker thread: give it the caller's device and stream.
             from paramplane.node.nccl import capture_stream, on_stream
@@ -135,7 +142,12 @@ class ProcessGroup:
 
     # -- collectives -----------------------------------------------------------------------------
     def all_reduce(self, x: Any, op: str = "sum", *, async_op: bool = False) -> Any:
-        """Reduce ``x`` across the group in place (op: sum, mean, min, max, product); returns ``x``."""
+        """Reduce ``x`` across the group in place (op: sum, mean, min, max, product); returns ``x``.
+
+        ``x`` may also be any ``__dlpack__`` tensor (torch, JAX): it is reduced in place, zero-copy.
+        """
+        caller = x
+        x, _ = from_foreign(x)
         check_array(x)
         self._e.check_reduce(op, x)
         e = self._e
@@ -155,10 +167,12 @@ class ProcessGroup:
 
             return self._in_place(x, transport, lambda: e.nccl(x.device.id).all_reduce(x, op), on_host)
 
-        return self._issue("all_reduce", x, body, async_op, transport=transport)
+        return self._issue("all_reduce", x, body, async_op, transport=transport, result=lambda _: caller)
 
     def broadcast(self, x: Any, src: int = 0, *, async_op: bool = False) -> Any:
         """Overwrite ``x`` on every rank with ``src``'s ``x`` (``src`` is a group rank); returns ``x``."""
+        caller = x
+        x, _ = from_foreign(x)
         check_array(x)
         e = self._e
         e.check_root(src, "src")
@@ -176,13 +190,16 @@ class ProcessGroup:
 
             return self._in_place(x, transport, lambda: e.nccl(x.device.id).broadcast(x, src), on_host)
 
-        return self._issue("broadcast", x, body, async_op, transport=transport)
+        return self._issue("broadcast", x, body, async_op, transport=transport, result=lambda _: caller)
 
     def all_gather(self, x: Any, *, out: Any = None, async_op: bool = False) -> Any:
         """Every rank's ``x`` concatenated along axis 0 in group order (0-d inputs give shape (size,)).
 
         ``out`` (optional) receives the result, so a caller can reuse one buffer across steps.
         """
+        x, wrap = from_foreign(x)
+        out_caller = out
+        out, _ = from_foreign(out)
         check_array(x, writable=False)
         e = self._e
         transport = e.transport_for(x, "all_gather")
@@ -210,7 +227,8 @@ class ProcessGroup:
             self._back(result, host_out)
             return result
 
-        return self._issue("all_gather", x, body, async_op, transport=transport)
+        back = wrap if out is None else (lambda _: out_caller)
+        return self._issue("all_gather", x, body, async_op, transport=transport, result=back)
 
     @staticmethod
     def _check_out(out: Any, shape: tuple[int, ...], x: Any) -> None:
@@ -230,6 +248,9 @@ class ProcessGroup:
         get R // n + 1 rows and the others R // n. ``x`` itself is left unchanged; ``out``
         (optional) receives the result.
         """
+        x, wrap = from_foreign(x)
+        out_caller = out
+        out, _ = from_foreign(out)
         check_array(x, writable=False)
         if x.ndim == 0:
             raise ValueError("reduce_scatter needs an array with at least one axis (it splits axis 0)")
@@ -266,10 +287,12 @@ class ProcessGroup:
             self._back(result, host_out)
             return result
 
-        return self._issue("reduce_scatter", x, body, async_op, transport=transport)
+        back = wrap if out is None else (lambda _: out_caller)
+        return self._issue("reduce_scatter", x, body, async_op, transport=transport, result=back)
 
     def gather(self, x: Any, dst: int = 0, *, async_op: bool = False) -> Any:
         """On ``dst``: every rank's ``x`` concatenated along axis 0 in group order; elsewhere None."""
+        x, wrap = from_foreign(x)
         check_array(x, writable=False)
         e = self._e
         e.check_root(dst, "dst")
@@ -293,7 +316,9 @@ class ProcessGroup:
                 self._grpc(e._grpc.gather(spec, piece, dst, flat_out), deadline)
             return xp.asarray(out) if (out is not None and is_cupy(x)) else out
 
-        return self._issue("gather", x, body, async_op, transport=transport)
+        return self._issue(
+            "gather", x, body, async_op, transport=transport, result=lambda r: None if r is None else wrap(r)
+        )
 
     def scatter(self, chunks: Sequence[Any] | Any, src: int = 0, *, async_op: bool = False) -> Any:
         """Give group rank i ``chunks[i]`` from ``src``; returns this rank's chunk.
@@ -383,6 +408,7 @@ class ProcessGroup:
 
     def send(self, x: Any, dst: int, *, async_op: bool = False) -> Any:
         """Send ``x`` to group rank ``dst`` (matched by a ``recv`` there, in order)."""
+        x, _ = from_foreign(x)
         check_array(x, writable=False)
         self._check_peer(dst, "dst")
         e = self._e
@@ -399,6 +425,8 @@ class ProcessGroup:
 
     def recv(self, x: Any, src: int, *, async_op: bool = False) -> Any:
         """Fill ``x`` with what group rank ``src`` sends (same shape and dtype); returns ``x``."""
+        caller = x
+        x, _ = from_foreign(x)
         check_array(x)
         self._check_peer(src, "src")
         e = self._e
@@ -415,7 +443,7 @@ class ProcessGroup:
             self._back(x, host)
             return x
 
-        return self._issue("recv", x, body, async_op, p2p=True)
+        return self._issue("recv", x, body, async_op, p2p=True, result=lambda _: caller)
 
     # -- asyncio forms ---------------------------------------------------------------------------
     @staticmethod

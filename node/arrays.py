@@ -7,6 +7,7 @@ module that owns ``x``; cupy is imported lazily and is optional.
 from __future__ import annotations
 
 import functools
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -66,3 +67,26 @@ def dtype_name(dtype: Any) -> str:
 def to_host(x: Any) -> np.ndarray[Any, Any]:
     """A numpy copy (cupy) or the array itself (numpy)."""
     return x.get() if is_cupy(x) else np.asarray(x)
+
+
+def from_foreign(x: Any) -> tuple[Any, Any]:
+    """``(array, wrap)``: numpy and cupy arrays as they are; any other ``__dlpack__`` object (a torch or JAX
+    tensor) as a zero-copy numpy view (CPU) or cupy view (CUDA), so an in-place op changes the caller's
+    tensor. ``wrap(result)`` turns a new result array back into the caller's library when it has a
+    ``from_dlpack`` (torch does), else returns it as is."""
+    if isinstance(x, np.ndarray) or is_cupy(x) or not hasattr(x, "__dlpack__"):
+        return x, _same
+    device_type = x.__dlpack_device__()[0] if hasattr(x, "__dlpack_device__") else 1
+    if device_type == 1:  # kDLCPU
+        view = np.from_dlpack(x)
+    else:
+        import cupy
+
+        view = cupy.from_dlpack(x)
+    library = sys.modules.get(type(x).__module__.split(".")[0])
+    convert = getattr(library, "from_dlpack", None)
+    return view, (convert if callable(convert) else _same)
+
+
+def _same(x: Any) -> Any:
+    return x

@@ -1,0 +1,50 @@
+"""Collectives on torch CPU tensors (DLPack, zero-copy): in-place ops change the caller's tensor."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import Report, run_rank
+
+
+def scenario(world: Any, rep: Report) -> None:
+    import torch
+
+    g, n, me = world.group, world.world_size, world.rank
+    t = torch.full((3, 4), float(me + 1))
+    ptr = t.data_ptr()
+    same = g.all_reduce(t, "sum")
+    rep.check("all_reduce in place", same is t and t.data_ptr() == ptr, "not the caller's tensor")
+    rep.equal("all_reduce value", t.numpy(), np.full((3, 4), float(sum(range(1, n + 1))), np.float32))
+    b = torch.full((5,), me, dtype=torch.int64)
+    g.broadcast(b, src=n - 1)
+    rep.equal("broadcast", b.numpy(), np.full(5, n - 1, np.int64))
+    gathered = g.all_gather(torch.tensor([me], dtype=torch.float64))
+    rep.check("all_gather gives a tensor", isinstance(gathered, torch.Tensor), type(gathered).__name__)
+    rep.equal("all_gather", np.asarray(gathered), np.arange(n, dtype=np.float64))
+    out = torch.empty(2, dtype=torch.float32)
+    got = g.reduce_scatter(torch.ones(2 * n, dtype=torch.float32), out=out)
+    rep.check("reduce_scatter into out", got is out, type(got).__name__)
+    rep.equal("reduce_scatter", out.numpy(), np.full(2, float(n), np.float32))
+    if me == 0:
+        g.send(torch.arange(4, dtype=torch.int32), 1)
+    elif me == 1:
+        r = torch.zeros(4, dtype=torch.int32)
+        g.recv(r, 0)
+        rep.equal("recv into a tensor", r.numpy(), np.arange(4, dtype=np.int32))
+    rep.raises("non-contiguous", ValueError, lambda: g.all_reduce(torch.ones(3, 4).t()), "C-contiguous")
+    rep.raises(
+        "unsupported dtype",
+        ValueError,
+        lambda: g.all_reduce(torch.ones(2, dtype=torch.complex64)),
+        "not supported",
+    )
+
+
+if __name__ == "__main__":
+    run_rank(scenario)
