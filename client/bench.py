@@ -6,7 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS = Path(importlib.import_module("paramplane.benchmarks").__file__ or "").resolve().parent
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,14 +9,13 @@ and saves the loss curve; the demo prints where.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import time
 from pathlib import Path
 
-import paramplane
-
-EXAMPLES = Path(paramplane.__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(importlib.import_module("paramplane.examples").__file__ or "").resolve().parent
 EXAMPLE = EXAMPLES / "train_ddp.py"
 FSDP_EXAMPLE = EXAMPLES / "train_fsdp.py"
 
@@ -57,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     example = FSDP_EXAMPLE if args.fsdp else EXAMPLE
     if not example.is_file():
-        print(f"paramplane demo: {example} is missing; the demo needs a source checkout", file=sys.stderr)
+        print(f"paramplane demo: {example} is missing from this installation", file=sys.stderr)
         return 1
     from paramplane.launch import LaunchConfig, launch
 
