@@ -10,6 +10,7 @@ coordinator. Ranks report through JSON files: a worker writes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -120,6 +121,7 @@ def run_world(
     timeout: float = 60.0,
     heartbeat_timeout_s: float = 10.0,
     heartbeat_interval_s: float = 0.5,
+    progress_timeout_s: float | None = None,
     token: str | None = None,
     out_dir: str | os.PathLike[str] | None = None,
 ) -> WorldOutcome:
@@ -141,6 +143,8 @@ def run_world(
         heartbeat_interval_s=heartbeat_interval_s,
         heartbeat_timeout_s=heartbeat_timeout_s,
     )
+    if progress_timeout_s is not None:
+        config = dataclasses.replace(config, progress_timeout_s=progress_timeout_s)
     coordinator = CoordinatorThread(config)
     address = coordinator.start()
     procs: list[subprocess.Popen[bytes]] = []

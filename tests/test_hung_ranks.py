@@ -31,3 +31,21 @@ def test_world_abort_reaches_every_rank_with_its_reason() -> None:
     for r in (0, 1, 2):
         v = results[r]["values"]
         assert v["error"] == "WorldAborted" and "loss became NaN at step 7" in v["message"], v
+
+
+def test_a_rank_that_stops_issuing_collectives_is_named() -> None:
+    world = run_world(
+        3,
+        "hung.py",
+        args=["stall"],
+        env={"PARAMPLANE_TIMEOUT": "60"},
+        heartbeat_interval_s=0.2,
+        progress_timeout_s=2.0,
+        timeout=120,
+    )
+    results = world.check_ok()
+    stalled_at = results[1]["values"]["stalled_at"]
+    for r in (0, 2):
+        v = results[r]["values"]
+        assert v["error"] == "PeerLost" and v["rank"] == 1 and "made no progress" in v["message"], v
+        assert v["at"] - stalled_at < 2.0 + 15, v

@@ -2,6 +2,7 @@
 
 sigstop   rank 1 stops itself (SIGSTOP) after a first collective; the others keep issuing collectives and must
           fail with PeerLost naming rank 1 (missed heartbeats); rank 0 then resumes it (SIGCONT) so it can exit.
+stall     rank 1 stays alive but stops issuing collectives; the others fail with PeerLost naming it (progress).
 abort     rank 2 calls world.abort(reason); every other rank's next op fails with WorldAborted carrying it.
 """
 
@@ -52,6 +53,17 @@ def sigstop(world: Any, rep: Report) -> None:
         os.kill(int((out / "stopped.pid").read_text()), signal.SIGCONT)
 
 
+def stall(world: Any, rep: Report) -> None:
+    """Rank 1 stays alive and heartbeating but stops issuing collectives (stuck in its own code) until
+    the world aborts; the others wait on it in an all_reduce."""
+    world.group.all_reduce(np.ones(4))
+    if world.rank == 1:
+        rep.values["stalled_at"] = time.time()
+        rep.check("the coordinator noticed", world.runtime.aborted.wait(60), "no abort within 60 s")
+        return
+    _until_error(world, rep)
+
+
 def abort(world: Any, rep: Report) -> None:
     world.group.all_reduce(np.ones(4))
     if world.rank == 2:
@@ -60,4 +72,4 @@ def abort(world: Any, rep: Report) -> None:
 
 
 if __name__ == "__main__":
-    run_rank({"sigstop": sigstop, "abort": abort}[sys.argv[1]])
+    run_rank({"sigstop": sigstop, "stall": stall, "abort": abort}[sys.argv[1]])
