@@ -250,7 +250,8 @@ def _run_world(cfg: BenchConfig, impl: str, transport: str, world: int) -> list[
     """Start ``world`` rank processes for one impl/transport, wait for them, return rank 0's rows."""
     coordinator = None
     procs: list[subprocess.Popen[bytes]] = []
-    env = dict(os.environ, **MALLOC_ENV)
+    # Our launcher's malloc defaults for our ranks only: a peer runs at its own defaults.
+    env = dict(os.environ, **(MALLOC_ENV if impl == "paramplane" else {}))
     with tempfile.TemporaryDirectory(prefix="pp-bench-") as tmp:
         out, logs = Path(tmp) / "rows.jsonl", [Path(tmp) / f"rank{r}.log" for r in range(world)]
         try:
