@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from paramplane.benchmarks._jsonl import emit
+
 SIZES = (1024, 2048, 2048, 2048, 10)  # 2.1M + 4.2M + 4.2M + 20k weights: about 10.5M parameters
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
 THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -227,11 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             # From the fastest steps: less sensitive to other load on a small machine.
             row["overhead_fraction_min"] = (row["step_s_min"] - one["step_s_min"]) / row["step_s_min"]
     lines = [json.dumps(r) for r in rows]
-    print("\n".join(lines), flush=True)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("a") as f:
-            f.write("\n".join(lines) + "\n")
+    emit(lines, args.out)
     return 0
 
 

@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from paramplane.benchmarks._jsonl import emit
+
 THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
@@ -232,11 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             if torch_row is not None:
                 row["step_vs_torch_fsdp2"] = row["step_s_median"] / torch_row["step_s_median"]
     lines = [json.dumps(r) for r in rows]
-    print("\n".join(lines), flush=True)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("a") as f:
-            f.write("\n".join(lines) + "\n")
+    emit(lines, args.out)
     return 0
 
 

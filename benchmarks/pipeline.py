@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from paramplane.benchmarks._jsonl import emit
+
 P = 2
 
 
@@ -144,11 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
         )
-    print("\n".join(lines), flush=True)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("a") as f:
-            f.write("\n".join(lines) + "\n")
+    emit(lines, args.out)
     return 0
 
 
