@@ -67,7 +67,7 @@ def worker_paramplane(args: argparse.Namespace) -> dict[str, Any]:
         from paramplane.parallel.ddp import DDP
 
         world = pp.init()
-        ddp = DDP(model, world.group, bucket_mb=args.bucket_mb)
+        ddp = DDP(model, world.group, bucket_mb=args.bucket_mb, comm_dtype=args.comm_dtype or None)
     opt = SGD(model.parameters(), lr=1e-3)
     if world is not None:
         ddp.attach(opt)
@@ -130,7 +130,7 @@ def _spawn(impl: str, world_size: int, args: argparse.Namespace, env: dict[str, 
     """Run ``world_size`` worker processes; rank 0's timings."""
     base = [sys.executable, str(Path(__file__).resolve()), "--worker", impl, "--world-size", str(world_size)]
     base += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--local-batch", str(args.local_batch)]
-    base += ["--bucket-mb", str(args.bucket_mb)]
+    base += ["--bucket-mb", str(args.bucket_mb), "--comm-dtype", env.pop("COMM_DTYPE", "")]
     coord = None
     extra = dict(os.environ, **THREADS, **env)
     if impl == "paramplane":  # our launcher's defaults for our ranks; a peer runs at its own defaults
@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--store", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--comm-dtype", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.local_batch < 1 or not args.bucket_mb > 0:
         parser.error("--steps, --local-batch and --bucket-mb must be positive, --warmup >= 0")
@@ -212,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     for transport in ("shm", "grpc"):
         res = _spawn("paramplane", 2, args, {"PARAMPLANE_TRANSPORT": transport})
         rows.append(_row("paramplane", transport, 2, res, args))
+    # Gradient compression (DDP comm_dtype): half the bytes on the wire, where the wire is gRPC.
+    res = _spawn("paramplane", 2, args, {"PARAMPLANE_TRANSPORT": "grpc", "COMM_DTYPE": "bfloat16"})
+    rows.append(dict(_row("paramplane", "grpc", 2, res, args), comm_dtype="bfloat16"))
     try:
         import torch  # noqa: F401
 

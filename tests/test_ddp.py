@@ -163,3 +163,10 @@ def test_buckets_reverse_order_by_dtype_and_size() -> None:
     assert assign_buckets(params, 25 * MIB) == [[4, 1], [3, 2, 0]]
     with pytest.raises(ValueError):
         assign_buckets(params, 0)
+
+
+def test_ddp_gradient_compression_moves_half_precision_and_stays_close() -> None:
+    from _world import run_world
+
+    world = run_world(2, "ddp_compress.py", env={"PARAMPLANE_TIMEOUT": "30"}, timeout=90)
+    assert all(r["num_checks"] >= 10 for r in world.check_ok())

@@ -28,6 +28,11 @@ Parameters that get no gradient in a step are zeros in their bucket. If no rank 
 a gradient for one, its ``grad`` stays None on every rank (as in one process); if some
 rank did, every rank receives the reduced value.
 
+Compression: ``DDP(..., comm_dtype="bfloat16")`` (or ``"float16"``) casts each floating bucket to that dtype
+for its all-reduce and back afterwards, like torch's ``bf16_compress_hook`` / ``fp16_compress_hook``: half
+the bytes on the wire (between hosts), at the dtype's precision (bfloat16 keeps float32's range, float16 its
+precision better but overflows above 65504). On cupy use float16 (cupy has no bfloat16).
+
 Splitting a global batch: :func:`shard_range` gives rank r the ``numpy.array_split``
 slice (the first ``B % N`` ranks one sample more). With equal shards, a ``"mean"`` loss
 and the default ``reduce_op="mean"`` give exactly the gradient of one process on the
@@ -44,14 +49,18 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
 from paramplane.group import ProcessGroup
 from paramplane.nn.module import Array, LoadResult, Module, Parameter, RemovableHandle
+from paramplane.node.arrays import DTYPES
 from paramplane.optim.optimizer import Optimizer
 from paramplane.parallel.ddp_buckets import MIB, Bucket, assign_buckets, shard_range
 
 __all__ = ["DDP", "shard_range"]
 
 _REDUCE_OPS = ("mean", "sum")
+_COMM_DTYPES = (None, "bfloat16", "float16")
 
 
 class DDP:
@@ -65,6 +74,7 @@ class DDP:
         broadcast_buffers: bool = True,
         *,
         reduce_op: str = "mean",
+        comm_dtype: str | None = None,
     ) -> None:
         if not isinstance(module, Module):
             raise ValueError(f"DDP wraps a paramplane.nn.Module, got {type(module).__name__}")
@@ -74,6 +84,9 @@ class DDP:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb!r}")
         if reduce_op not in _REDUCE_OPS:
             raise ValueError(f"reduce_op must be 'mean' or 'sum', got {reduce_op!r}")
+        if comm_dtype not in _COMM_DTYPES:
+            raise ValueError(f"comm_dtype must be one of {_COMM_DTYPES}, got {comm_dtype!r}")
+        self.comm_dtype = np.dtype(DTYPES[comm_dtype]) if comm_dtype is not None else None
         self.module = module
         self.group = group
         self.bucket_mb = float(bucket_mb)
@@ -163,7 +176,15 @@ class DDP:
         for k, i in enumerate(bucket.params):
             bucket.pack(k, self._params[i].grad)
         bucket.launched = True
-        bucket.work = self.group.all_reduce(bucket.flat, self.reduce_op, async_op=True)
+        wire = bucket.flat
+        if (
+            self.comm_dtype is not None
+            and bucket.flat.dtype.kind == "f"
+            and bucket.flat.dtype != self.comm_dtype
+        ):
+            wire = bucket.flat.astype(self.comm_dtype)  # compressed on the wire, cast back in finish
+        bucket.wire = wire
+        bucket.work = self.group.all_reduce(wire, self.reduce_op, async_op=True)
         self._next_launch += 1
 
     def finish_gradient_sync(self) -> None:
@@ -181,6 +202,8 @@ class DDP:
             for bucket in self._buckets:
                 assert bucket.work is not None
                 bucket.work.wait()
+                if bucket.wire is not None and bucket.wire is not bucket.flat:
+                    bucket.flat[...] = bucket.wire
             for bucket in self._buckets:
                 bucket.unpack(self._params)
             observed = [0] * len(self._params)

@@ -87,6 +87,8 @@ class Bucket:
     work: Work[Any] | None = None
     """The all-reduce in flight (None before launch and after finish)."""
     launched: bool = False
+    wire: Array | None = None
+    """What the all-reduce in flight moves: ``flat`` itself, or its copy in the compression dtype."""
 
     @classmethod
     def build(cls, index: int, indices: list[int], all_params: Sequence[Parameter]) -> Bucket:
@@ -135,6 +137,7 @@ class Bucket:
     def reset(self) -> None:
         self.fired.clear()
         self.work = None
+        self.wire = None
         self.launched = False
 
 
