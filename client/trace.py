@@ -16,17 +16,26 @@ import time
 from pathlib import Path
 from typing import Any
 
+MAX_EVENTS = 1_000_000
+"""Events a rank keeps (a few hundred MB of JSON at most); later ones are counted, not kept."""
+
 
 class ChromeTracer:
-    """Collects this rank's collective events and writes them on ``close()`` (and at exit)."""
+    """Collects this rank's collective events and writes them on ``close()`` (and at exit).
 
-    def __init__(self, folder: str | os.PathLike[str]) -> None:
+    Memory is bounded: past ``max_events`` events are dropped and their number is written in the trace's
+    metadata (``dropped_events``), so a long run with tracing on cannot exhaust the rank's memory.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], max_events: int = MAX_EVENTS) -> None:
         self.folder = Path(folder)
         self.rank = -1
         self._events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._offset_us = (time.time() - time.monotonic()) * 1e6
         self._closed = False
+        self._max_events = max_events
+        self.dropped = 0
 
     def open(self, rank: int) -> None:
         self.rank = rank
@@ -55,7 +64,10 @@ class ChromeTracer:
             "args": args,
         }
         with self._lock:
-            self._events.append(event)
+            if len(self._events) < self._max_events:
+                self._events.append(event)
+            else:
+                self.dropped += 1
 
     @property
     def events(self) -> list[dict[str, Any]]:
@@ -66,7 +78,10 @@ class ChromeTracer:
         if self._closed or self.rank < 0:
             return
         self._closed = True
-        meta = [{"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}}]
+        meta = [
+            {"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}},
+            {"name": "dropped_events", "ph": "M", "pid": self.rank, "args": {"count": self.dropped}},
+        ]
         path = self.folder / f"rank-{self.rank}.json"
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps({"traceEvents": meta + self.events, "displayTimeUnit": "ms"}))

@@ -28,6 +28,10 @@ from paramplane.coordinator.model import (
 
 MAX_KEY_BYTES = 1024
 MAX_VALUE_BYTES = 4 * 1024 * 1024
+MAX_KV_KEYS = 100_000
+"""Keys one world's store may hold (one job, one token); a runaway writer cannot exhaust the coordinator."""
+MAX_KV_BYTES = 256 * 1024 * 1024
+"""Bytes of keys and values one world's store may hold."""
 _INT64 = (-(2**63), 2**63 - 1)
 
 
@@ -97,6 +101,7 @@ class CoordinatorState:
         self._pending: dict[str, _Pending] = {}  # instance id -> joiner, in arrival order
         self.world: _World | None = None
         self._kv: dict[str, bytes] = {}
+        self._kv_bytes = 0
         self._barriers: dict[str, _Barrier] = {}
         self._waits: dict[int, _Wait] = {}
         self._effects = Effects()
@@ -213,6 +218,7 @@ class CoordinatorState:
         self.epoch += 1
         self.world = None
         self._kv.clear()
+        self._kv_bytes = 0
         self._barriers.clear()
         for waiter in list(self._waits):
             self._resolve(
@@ -283,7 +289,21 @@ class CoordinatorState:
                 ErrorKind.INVALID_ARGUMENT,
                 f"value for key {key!r} is {len(value)} bytes; the limit is {MAX_VALUE_BYTES} bytes",
             )
+        old = self._kv.get(key)
+        grown = len(value) - (len(old) if old is not None else -len(key.encode()))
+        if old is None and len(self._kv) >= MAX_KV_KEYS:
+            raise StateError(
+                ErrorKind.RESOURCE_EXHAUSTED,
+                f"the key/value store holds {len(self._kv)} keys, its limit: delete keys you no longer need",
+            )
+        if self._kv_bytes + grown > MAX_KV_BYTES:
+            raise StateError(
+                ErrorKind.RESOURCE_EXHAUSTED,
+                f"storing {key!r} would take the key/value store past {MAX_KV_BYTES} bytes: delete keys you no "
+                "longer need",
+            )
         self._kv[key] = value
+        self._kv_bytes += grown
         for waiter, wait in list(self._waits.items()):
             if wait.kind == "kv" and wait.key == key:
                 del self._waits[waiter]
@@ -337,7 +357,10 @@ class CoordinatorState:
     def kv_delete(self, epoch: int, key: str) -> bool:
         self.member(epoch)
         self._check_key(key)
-        return self._kv.pop(key, None) is not None
+        old = self._kv.pop(key, None)
+        if old is not None:
+            self._kv_bytes -= len(key.encode()) + len(old)
+        return old is not None
 
     # -- barriers ---------------------------------------------------------------------------------
     def barrier(

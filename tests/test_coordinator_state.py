@@ -324,3 +324,24 @@ def test_shutdown_fails_every_waiter() -> None:
     effects = s.take_effects()
     assert [r.error and r.error.kind for r in effects.resolved] == [ErrorKind.UNAVAILABLE]
     assert [e.kind for e in effects.events] == [EventKind.SHUTDOWN]
+
+
+def test_the_kv_store_is_bounded_and_deleting_frees_room(monkeypatch: pytest.MonkeyPatch) -> None:
+    import paramplane.coordinator.state as st
+
+    monkeypatch.setattr(st, "MAX_KV_KEYS", 3)
+    monkeypatch.setattr(st, "MAX_KV_BYTES", 40)
+    s = state(2)
+    form(s, ["a", "a"])
+    for k in ("k1", "k2", "k3"):
+        s.kv_set(1, k, b"x")
+    with pytest.raises(StateError) as many:
+        s.kv_set(1, "k4", b"x")
+    assert many.value.kind is ErrorKind.RESOURCE_EXHAUSTED and "3 keys" in str(many.value)
+    s.kv_set(1, "k1", b"y" * 10)  # overwriting an existing key needs no new key
+    with pytest.raises(StateError) as big:
+        s.kv_set(1, "k2", b"z" * 40)
+    assert big.value.kind is ErrorKind.RESOURCE_EXHAUSTED and "past 40 bytes" in str(big.value)
+    assert s.kv_delete(1, "k3")
+    s.kv_set(1, "k4", b"x")  # room again
+    assert s.kv_get(1, "k2") == b"x"  # nothing was modified by the refused calls

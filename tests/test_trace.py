@@ -72,3 +72,15 @@ def test_bench_command_lists_and_refuses_unknown(capsys: pytest.CaptureFixture[s
     assert "collectives" in capsys.readouterr().out
     assert cli.main(["bench", "no-such-benchmark"]) == 2
     assert "no benchmark 'no-such-benchmark'" in capsys.readouterr().err
+
+
+def test_tracer_memory_is_bounded(tmp_path: Path) -> None:
+    tracer = trace.ChromeTracer(tmp_path, max_events=5)
+    tracer.open(0)
+    for i in range(8):
+        tracer.record("all_reduce", "world", i, 4, 0.0, 1.0, "shm")
+    tracer.close()
+    data = json.loads((tmp_path / "rank-0.json").read_text())
+    spans = [e for e in data["traceEvents"] if e.get("ph") == "X"]
+    dropped = [e for e in data["traceEvents"] if e.get("name") == "dropped_events"]
+    assert len(spans) == 5 and dropped[0]["args"]["count"] == 3
