@@ -16,7 +16,7 @@ from _common import Report, run_rank
 
 import paramplane as pp
 from paramplane.nn import GELU, Linear, MSELoss, Sequential
-from paramplane.optim import SGD
+from paramplane.optim import SGD, AdamW
 from paramplane.parallel.ddp import shard_range
 
 D, H = 8, 12
@@ -80,29 +80,38 @@ def tpdp(world: Any, rep: Report) -> None:
         "tp members", mesh.group("tp").ranks == [world.rank // 2 * 2, world.rank // 2 * 2 + 1], str(mesh)
     )
     rep.check("dp members", mesh.group("dp").ranks == [world.rank % 2, world.rank % 2 + 2], str(mesh))
-    model = tp_mlp(mesh.group("tp"))
-    ddp = pp.DDP(model, mesh.group("dp"))
-    opt = SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ddp.attach(opt)
-    dense = dense_mlp()
-    ref_opt = SGD(dense.parameters(), lr=0.1, momentum=0.9)
-    crit, ref_crit = MSELoss(), MSELoss()
-    a, b = shard_range(8, 2, mesh.coordinate("dp"))
-    for step in range(3):
-        rng = np.random.default_rng(10 + step)
-        x, t = rng.standard_normal((8, D)), rng.standard_normal((8, D))
-        ref_crit.forward(dense.forward(x), t)
-        dense.backward(ref_crit.backward())
-        ref_opt.step()
-        ref_opt.zero_grad()
-        crit.forward(ddp.forward(x[a:b]), t[a:b])
-        ddp.backward(crit.backward())
-        opt.step()
-        opt.zero_grad()
-    for i in (0, 2):
-        w, bias = model[i].full_weight()
-        rep.equal(f"trained weight {i}", w, dense[i].weight.data, rtol=1e-10)
-        rep.equal(f"trained bias {i}", bias, dense[i].bias.data, rtol=1e-10)
+    rep.check("coords", mesh.coords == {"dp": world.rank // 2, "tp": world.rank % 2}, str(mesh.coords))
+    optimizers = {
+        "sgd": lambda ps: SGD(ps, lr=0.1, momentum=0.9),
+        "adamw": lambda ps: AdamW(ps, lr=1e-2, weight_decay=0.01),
+    }
+    for name, make_opt in optimizers.items():
+        model = tp_mlp(mesh.group("tp"))
+        ddp = pp.DDP(model, mesh.group("dp"))
+        opt = make_opt(model.parameters())
+        ddp.attach(opt)
+        dense = dense_mlp()
+        ref_opt = make_opt(dense.parameters())
+        crit, ref_crit = MSELoss(), MSELoss()
+        a, b = shard_range(8, 2, mesh.coordinate("dp"))
+        for step in range(3):
+            rng = np.random.default_rng(10 + step)
+            x, t = rng.standard_normal((8, D)), rng.standard_normal((8, D))
+            ref_loss = ref_crit.forward(dense.forward(x), t)
+            dense.backward(ref_crit.backward())
+            ref_opt.step()
+            ref_opt.zero_grad()
+            loss = crit.forward(ddp.forward(x[a:b]), t[a:b])
+            ddp.backward(crit.backward())
+            opt.step()
+            opt.zero_grad()
+            # Each dp replica's loss is its half's; their mean is the whole batch's.
+            mean = mesh.group("dp").all_reduce(np.array([float(loss)]), "mean")
+            rep.equal(f"{name} loss {step}", mean, np.array([float(ref_loss)]), rtol=1e-10)
+        for i in (0, 2):
+            w, bias = model[i].full_weight()
+            rep.equal(f"{name} trained weight {i}", w, dense[i].weight.data, rtol=1e-10)
+            rep.equal(f"{name} trained bias {i}", bias, dense[i].bias.data, rtol=1e-10)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,146 @@
+"""Tensor-parallel MLP step time: column -> GELU -> row on tp = 2 ranks against the dense MLP on one.
+
+    python benchmarks/tensor_parallel.py [--dim 1024] [--hidden 4096] [--batch 64] [--steps 5] [--repeats 2]
+                                         [--out benchmarks/results/tensor_parallel.jsonl]
+
+One training step is forward, backward and an SGD update, float32, one BLAS thread per process.
+The dense row runs the same model (same seeds) in one process; the tp row runs 2 ranks, each
+holding half of both weights, with one all-reduce forward and one backward per step. The two
+are interleaved ``--repeats`` times; each row reports the median step time of its run (tp: the
+slowest rank). On a 2-core machine shared with other work the ratio mostly measures the
+all-reduces of (batch, dim) activations against halved matmuls; it is noisy, say so when quoting it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from paramplane.benchmarks._jsonl import emit
+
+THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+TP = 2
+
+
+def _steps(model: Any, x: np.ndarray, steps: int, barrier: Any = None) -> float:
+    from paramplane.optim import SGD
+
+    opt = SGD(model.parameters(), lr=1e-3)
+    times = []
+    for _ in range(steps + 1):  # the first step warms up
+        if barrier is not None:
+            barrier()
+        t = time.perf_counter()
+        y = model.forward(x)
+        model.backward(np.ones_like(y) / y.size)
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times[1:]))
+
+
+def worker(args: argparse.Namespace) -> None:
+    from paramplane.nn import GELU, Linear, Sequential
+
+    x = np.random.default_rng(0).standard_normal((args.batch, args.dim)).astype(np.float32)
+    if args.worker == "dense":
+        model = Sequential(Linear(args.dim, args.hidden, rng=5), GELU(), Linear(args.hidden, args.dim, rng=6))
+        print(json.dumps({"step_s": _steps(model, x, args.steps)}), flush=True)
+        return
+    import paramplane as pp
+
+    world = pp.init()
+    try:
+        tp = pp.Mesh(world, tp=TP).group("tp")
+        model = Sequential(
+            pp.ColumnParallelLinear(args.dim, args.hidden, tp, rng=5),
+            GELU(),
+            pp.RowParallelLinear(args.hidden, args.dim, tp, rng=6),
+        )
+        print(json.dumps({"step_s": _steps(model, x, args.steps, tp.barrier)}), flush=True)
+        tp.barrier()
+    finally:
+        world.shutdown()
+
+
+def _run(kind: str, args: argparse.Namespace) -> float:
+    cmd = [sys.executable, __file__, "--worker", kind]
+    for flag in ("dim", "hidden", "batch", "steps"):
+        cmd += [f"--{flag}", str(getattr(args, flag))]
+    if kind == "dense":
+        out = subprocess.run(
+            cmd, env=dict(os.environ, **THREADS), capture_output=True, text=True, timeout=1800
+        )
+        if out.returncode:
+            raise RuntimeError(f"dense benchmark failed: {out.stderr[-2000:]}")
+        return float(json.loads(out.stdout.strip().splitlines()[-1])["step_s"])
+    from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
+
+    with CoordinatorThread(CoordinatorConfig(world_size=TP, host="127.0.0.1", port=0)) as coord:
+        procs = [
+            subprocess.Popen(
+                cmd,
+                env=dict(
+                    os.environ,
+                    **THREADS,
+                    PARAMPLANE_COORDINATOR=coord.address,
+                    PARAMPLANE_RANK=str(r),
+                    PARAMPLANE_WORLD_SIZE=str(TP),
+                ),
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(TP)
+        ]
+        outs = [p.communicate(timeout=1800)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"a tensor-parallel benchmark rank failed: {[p.returncode for p in procs]}")
+    return max(float(json.loads(o.strip().splitlines()[-1])["step_s"]) for o in outs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dim", type=int, default=1024)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--worker", choices=("dense", "tp"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    lines = []
+    for repeat in range(args.repeats):
+        dense = _run("dense", args)
+        tp = _run("tp", args)
+        shape = {"dim": args.dim, "hidden": args.hidden, "batch": args.batch, "dtype": "float32"}
+        lines.append(
+            json.dumps(
+                {
+                    "bench": "tensor_parallel",
+                    "repeat": repeat,
+                    **shape,
+                    "tp": TP,
+                    "dense_step_s": dense,
+                    "tp_step_s": tp,
+                    "tp_over_dense": tp / dense,
+                    "note": "2-core machine shared with other jobs: noisy",
+                }
+            )
+        )
+    emit(lines, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
