@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from _world import run_example, run_world
+
+from paramplane.node.arrays import cupy_module
 
 
 def test_tp_mlp_equals_dense() -> None:
@@ -22,3 +25,18 @@ def test_train_tp_example_runs_under_the_launcher() -> None:
     out = run_example("train_tp.py", 2, "--epochs", "2")
     match = re.search(r"test accuracy: (\d\.\d+)", out)
     assert match and float(match.group(1)) > 0.5, out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cupy_module() is None, reason="cupy finds no CUDA device")
+def test_tp_mlp_on_cupy_with_nccl() -> None:
+    """The TP MLP on cupy arrays equals the dense numpy MLP (outputs, every gradient, both comm paths)."""
+    cupy = cupy_module()
+    assert cupy is not None
+    share = cupy.cuda.runtime.getDeviceCount() < 2
+    rank_env = {
+        r: ({"NCCL_HOSTID": f"paramplane-test-{r}", "NCCL_SOCKET_IFNAME": "lo"} if share else {})
+        for r in range(2)
+    }
+    world = run_world(2, "tensor_gpu.py", env={"PARAMPLANE_TIMEOUT": "120"}, rank_env=rank_env, timeout=300)
+    assert all(r["num_checks"] >= 24 for r in world.check_ok())

@@ -91,9 +91,10 @@ class ColumnParallelLinear(Module):
         g = split_last(grad_out, self.group) if self.gather_output else grad_out
         g2 = g.reshape(-1, g.shape[-1])
         grad_in = reduce_sum(g @ self.weight.data, self.group)
-        if self.bias is not None:
+        if self.bias is not None and self.bias.requires_grad:
             self.bias.accumulate_grad(g2.sum(axis=0), take=True)
-        self.weight.accumulate_grad(g2.T @ x.reshape(-1, self.in_features), take=True)
+        if self.weight.requires_grad:
+            self.weight.accumulate_grad(g2.T @ x.reshape(-1, self.in_features), take=True)
         return grad_in
 
     def full_weight(self) -> tuple[Array, Array | None]:
@@ -166,9 +167,10 @@ class RowParallelLinear(Module):
         x = self._take_saved()["x"]
         g2 = grad_out.reshape(-1, self.out_features)
         grad_in = grad_out @ self.weight.data
-        if self.bias is not None:
+        if self.bias is not None and self.bias.requires_grad:
             self.bias.accumulate_grad(g2.sum(axis=0), take=True)
-        self.weight.accumulate_grad(g2.T @ x.reshape(-1, x.shape[-1]), take=True)
+        if self.weight.requires_grad:
+            self.weight.accumulate_grad(g2.T @ x.reshape(-1, x.shape[-1]), take=True)
         return grad_in if self.input_is_parallel else gather_last(grad_in, self.group)
 
     def full_weight(self) -> tuple[Array, Array | None]:

@@ -47,9 +47,8 @@ def tp(world: Any, rep: Report) -> None:
     rep.equal("input grad", gx, gx_dense, rtol=RTOL)
     rep.equal("col weight grad", model[0].weight.grad, dense[0].weight.grad[r * k : (r + 1) * k], rtol=RTOL)
     rep.equal("col bias grad", model[0].bias.grad, dense[0].bias.grad[r * k : (r + 1) * k], rtol=RTOL)
-    rep.equal(
-        "row weight grad", model[2].weight.grad, dense[2].weight.grad[:, r * k : (r + 1) * k], rtol=RTOL
-    )
+    model_row_grad = dense[2].weight.grad[:, r * k : (r + 1) * k]
+    rep.equal("row weight grad", model[2].weight.grad, model_row_grad, rtol=RTOL)
     rep.equal("row bias grad", model[2].bias.grad, dense[2].bias.grad, rtol=RTOL)
     # The other paths: gathered column output, and a row layer that splits a full input itself.
     wide = tp_mlp(g, col={"gather_output": True}, row={"input_is_parallel": False})
@@ -66,6 +65,15 @@ def tp(world: Any, rep: Report) -> None:
         model[i].load_full_weight(w * 2, b * 2)
         w2, _ = model[i].full_weight()
         rep.equal(f"loaded weight {i}", w2, dense[i].weight.data * 2)
+    # Frozen shards get no gradient; the input gradient still flows (and still all-reduces).
+    frozen = tp_mlp(g)
+    frozen[0].weight.requires_grad = False
+    frozen[2].bias.requires_grad = False
+    frozen.forward(x)
+    rep.equal("frozen input grad", frozen.backward(grad_y), gx_dense, rtol=RTOL)
+    rep.check("frozen weight has no grad", frozen[0].weight.grad is None)
+    rep.check("frozen bias has no grad", frozen[2].bias.grad is None)
+    rep.equal("unfrozen grad", frozen[2].weight.grad, model_row_grad, rtol=RTOL)
     rep.raises("uneven split", ValueError, lambda: pp.ColumnParallelLinear(D, 7, g), "out_features=7")
     rep.raises("uneven row", ValueError, lambda: pp.RowParallelLinear(7, D, g), "in_features=7")
     rep.raises("wrong slice", ValueError, lambda: model[2].forward(np.ones((2, H))), f"(..., {k})")
