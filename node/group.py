@@ -85,7 +85,8 @@ def check_array(x: Any, what: str = "x", *, writable: bool = True) -> None:
         raise ValueError(
             f"{what} is not C-contiguous: pass np.ascontiguousarray({what}) (collectives work in place)"
         )
-    if writable and not x.flags.writeable:
+    # cupy arrays are always writable and their flags have no `writeable`.
+    if writable and isinstance(x, np.ndarray) and not x.flags.writeable:
         raise ValueError(f"{what} is read-only: collectives write their result into it; pass a writable copy")
 
 

@@ -13,12 +13,35 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from paramplane.node.arrays import dtype_name
+from paramplane.node.errors import CollectiveTimeout
 
-_UID_FORMAT = "128b"
+_UID_BYTES = 128
+_UNSIGNED, _SIGNED, _AS_BYTES = 0, 1, 2
+
+
+def pack_unique_id(uid: bytes | Sequence[int]) -> bytes:
+    """The unique id as one kind byte (how this cupy returned it: bytes, signed or unsigned chars)
+    followed by its 128 bytes."""
+    if len(uid) != _UID_BYTES:
+        raise ValueError(f"an NCCL unique id has {_UID_BYTES} bytes, got {len(uid)}")
+    if isinstance(uid, (bytes, bytearray)):
+        return bytes([_AS_BYTES]) + bytes(uid)
+    kind = _SIGNED if any(v < 0 for v in uid) else _UNSIGNED
+    return bytes([kind]) + bytes(v & 0xFF for v in uid)
+
+
+def unpack_unique_id(raw: bytes) -> bytes | tuple[int, ...]:
+    """The inverse of :func:`pack_unique_id`, in the form the publishing rank's cupy used."""
+    if len(raw) != _UID_BYTES + 1 or raw[0] not in (_UNSIGNED, _SIGNED, _AS_BYTES):
+        raise ValueError(f"malformed NCCL unique id record ({len(raw)} bytes)")
+    if raw[0] == _AS_BYTES:
+        return raw[1:]
+    return struct.unpack(f"{_UID_BYTES}{'b' if raw[0] == _SIGNED else 'B'}", raw[1:])
 
 
 def _nccl() -> Any:
@@ -86,20 +109,44 @@ class NcclComm:
         key = f"nccl/{name}"
         if index == 0:
             uid = nccl.get_unique_id()
-            await kv.kv_set(key, struct.pack(_UID_FORMAT, *uid))
+            await kv.kv_set(key, pack_unique_id(uid))
         else:
             raw = await kv.kv_get(key, wait=True, timeout_s=timeout_s)
             assert raw is not None
-            uid = struct.unpack(_UID_FORMAT, raw)
+            uid = unpack_unique_id(raw)
         loop = asyncio.get_running_loop()
+        built: asyncio.Future[Any] = loop.create_future()
 
-        def build() -> Any:
+        def settle(result: Any, error: BaseException | None) -> None:
+            if built.done():
+                return
+            if error is not None:
+                built.set_exception(error)
+            else:
+                built.set_result(result)
+
+        def build() -> None:
             import cupy
 
-            with cupy.cuda.Device(device):
-                return nccl.NcclCommunicator(len(ranks), uid, index)
+            comm, error = None, None
+            try:
+                with cupy.cuda.Device(device):
+                    comm = nccl.NcclCommunicator(len(ranks), uid, index)
+            except BaseException as exc:  # handed to the awaiting coroutine
+                error = exc
+            with contextlib.suppress(RuntimeError):  # the loop closed while NCCL waited
+                loop.call_soon_threadsafe(settle, comm, error)
 
-        comm = await loop.run_in_executor(None, build)
+        # NCCL's init blocks until every member joins and cannot be cancelled: a daemon thread keeps a
+        # member that never comes from holding this process open at exit.
+        threading.Thread(target=build, name=f"nccl-init-{name}", daemon=True).start()
+        try:
+            comm = await asyncio.wait_for(asyncio.shield(built), timeout_s)
+        except TimeoutError:
+            raise CollectiveTimeout(
+                f"NCCL communicator for group {name!r} not formed within {timeout_s:.0f} s: "
+                f"a member of ranks {list(ranks)} never joined"
+            ) from None
         return cls(comm, len(ranks))
 
     @staticmethod
