@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -37,14 +38,15 @@ def load_data(seed: int = 0, test_fraction: float = 0.2) -> tuple[np.ndarray, ..
     return x[train], y[train], x[test], y[test]
 
 
-def build_model(seed: int = 0, hidden: int = 128) -> Sequential:
+def build_model(seed: int = 0, hidden: int = 128, xp: ModuleType = np) -> Sequential:
+    """The MLP, its parameters on ``xp`` (numpy, or cupy for the current GPU)."""
     rng = np.random.default_rng(seed)
     return Sequential(
-        Linear(64, hidden, rng=rng),
+        Linear(64, hidden, rng=rng, xp=xp),
         ReLU(),
-        Linear(hidden, hidden, rng=rng),
+        Linear(hidden, hidden, rng=rng, xp=xp),
         ReLU(),
-        Linear(hidden, 10, rng=rng),
+        Linear(hidden, 10, rng=rng, xp=xp),
     )
 
 

@@ -1,6 +1,10 @@
 """Train an MLP on scikit-learn's digits with FSDP (full_shard by default): each rank holds a quarter.
 
     paramplane launch --standalone -n 4 examples/train_fsdp.py --epochs 10
+    paramplane launch --standalone -n 2 examples/train_fsdp.py --device cuda   # cupy + NCCL
+
+With ``--device cuda`` each rank takes a GPU (``world.use_gpu()``; ranks share one where the
+host has fewer GPUs than ranks) and the model, data and collectives live there.
 
 Every rank builds the model; FSDP broadcasts rank 0's initial weights, keeps only this
 rank's shard of every layer between uses, and gathers a layer just for its forward and
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -27,18 +32,24 @@ from paramplane.parallel.ddp import shard_range
 
 
 def train(
-    world: pp.World, epochs: int, batch_size: int, lr: float, strategy: str, seed: int = 0
+    world: pp.World,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    strategy: str,
+    seed: int = 0,
+    xp: ModuleType = np,
 ) -> dict[str, Any]:
     group = world.group
-    x_train, y_train, x_test, y_test = load_data(seed)
-    model = pp.FSDP(build_model(seed + world.rank, hidden=256), group, strategy=strategy)
+    x_train, y_train, x_test, y_test = (xp.asarray(a) for a in load_data(seed))
+    model = pp.FSDP(build_model(seed + world.rank, hidden=256, xp=xp), group, strategy=strategy)
     optimizer = AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
     model.attach(optimizer)
     crit = CrossEntropyLoss(reduction="sum")
     starts = [s for s in range(0, len(x_train), batch_size) if len(x_train) - s >= group.size]
     losses = []
     for epoch in range(epochs):
-        order = np.random.default_rng(seed * 1000 + epoch).permutation(len(x_train))
+        order = xp.asarray(np.random.default_rng(seed * 1000 + epoch).permutation(len(x_train)))
         total = np.zeros(1)
         for start in starts:
             batch = order[start : start + batch_size]
@@ -66,12 +77,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=128, help="global batch, split over the ranks")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--strategy", default="full_shard", help="FSDP sharding strategy")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: cupy arrays, NCCL")
     args = parser.parse_args(argv)
     if args.epochs < 1:
         parser.error("--epochs must be at least 1")
     world = pp.init()
     try:
-        result = train(world, args.epochs, args.batch_size, args.lr, args.strategy)
+        xp: ModuleType = np
+        if args.device == "cuda":
+            import cupy
+
+            print(f"rank {world.rank} on GPU {world.use_gpu()}", flush=True)
+            xp = cupy
+        result = train(world, args.epochs, args.batch_size, args.lr, args.strategy, xp=xp)
         mem = result["memory"]
         line = {
             k: mem[k]["peak"] for k in ("params_sharded", "params_gathered", "grads", "optim_state", "total")

@@ -270,8 +270,11 @@ class GroupEngine:
     def nccl(self, device: int) -> Any:
         """The group's NCCL communicator, built on ``device`` by the first GPU op."""
         if self._nccl is None:
-            from paramplane.node.nccl import NcclComm
+            import cupy
 
+            from paramplane.node.nccl import NcclComm, share_gpu_env
+
+            share_gpu_env(self.ctx.topology, self.ctx.rank, cupy.cuda.runtime.getDeviceCount())
             create = NcclComm.create(self.ctx.coord, self.name, self.ranks, self.rank, device, self.timeout_s)
             self._nccl = self.ctx.loop.run(create)
         return self._nccl

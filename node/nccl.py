@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, MutableMapping, Sequence
 from typing import Any
 
 from paramplane.node.arrays import dtype_name
 from paramplane.node.errors import CollectiveTimeout
+from paramplane.node.topology import Topology
+
+log = logging.getLogger(__name__)
 
 _UID_BYTES = 128
 _UNSIGNED, _SIGNED, _AS_BYTES = 0, 1, 2
@@ -42,6 +47,26 @@ def unpack_unique_id(raw: bytes) -> bytes | tuple[int, ...]:
     if raw[0] == _AS_BYTES:
         return raw[1:]
     return struct.unpack(f"{_UID_BYTES}{'b' if raw[0] == _SIGNED else 'B'}", raw[1:])
+
+
+def share_gpu_env(
+    topology: Topology, rank: int, num_devices: int, environ: MutableMapping[str, str] | None = None
+) -> bool:
+    """Let ranks of one host share GPUs: NCCL refuses two ranks on one device ("Duplicate GPU
+    detected"), so when this host runs more ranks than it has devices each rank gets its own
+    ``NCCL_HOSTID`` (NCCL then joins them over its socket transport, on ``lo`` when the whole
+    world is on one host). Must run before the process's first NCCL call; a value the user set
+    wins. Returns whether it changed anything."""
+    env = os.environ if environ is None else environ
+    me = topology.ranks[rank]
+    num_local = sum(1 for r in topology.ranks if r.host_id == me.host_id)
+    if num_local <= num_devices or "NCCL_HOSTID" in env:
+        return False
+    env["NCCL_HOSTID"] = f"{me.host_id}-rank{rank}"
+    if topology.same_host(range(topology.world_size)):
+        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    log.info("%d ranks on %d GPU(s) of host %s: NCCL_HOSTID set per rank", num_local, num_devices, me.host_id)
+    return True
 
 
 def _nccl() -> Any:

@@ -14,7 +14,7 @@ def main(out: str) -> None:
     import cupy
 
     with pp.init() as world:
-        cupy.cuda.Device(world.local_rank % cupy.cuda.runtime.getDeviceCount()).use()
+        world.use_gpu()
         g = world.group
         n = world.world_size
         x = cupy.arange(1001, dtype=cupy.float32) * (world.rank + 1)

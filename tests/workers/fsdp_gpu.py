@@ -22,7 +22,7 @@ from paramplane.parallel.ddp import shard_range
 def scenario(world: Any, rep: Report) -> None:
     import cupy
 
-    cupy.cuda.Device(world.local_rank % cupy.cuda.runtime.getDeviceCount()).use()
+    world.use_gpu()
     want = reference(np.float32, "sgd", 3, 1, False, None)
     a, b = shard_range(BATCH, world.world_size, world.rank)
     for name, mp in (

@@ -22,7 +22,7 @@ RTOL = 1e-10
 def scenario(world: Any, rep: Report) -> None:
     import cupy
 
-    cupy.cuda.Device(world.local_rank % cupy.cuda.runtime.getDeviceCount()).use()
+    world.use_gpu()
     g = world.group
     r, k = g.rank, H // g.size
     x = np.random.default_rng(1).standard_normal((4, 3, D))

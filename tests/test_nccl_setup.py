@@ -1,0 +1,60 @@
+"""NCCL set-up that needs no GPU: the unique id through the key/value store, GPU sharing per host."""
+
+from __future__ import annotations
+
+import pytest
+
+from paramplane.node.nccl import pack_unique_id, share_gpu_env, unpack_unique_id
+from paramplane.node.topology import RankInfo, Topology
+
+
+@pytest.mark.parametrize(
+    "uid", [tuple(range(-64, 64)), tuple(range(128, 256)), tuple([0] * 128), bytes(range(128, 256))]
+)
+def test_unique_id_round_trips(uid: bytes | tuple[int, ...]) -> None:
+    raw = pack_unique_id(uid)
+    assert len(raw) == 129
+    assert unpack_unique_id(raw) == uid
+
+
+def test_malformed_unique_id_is_refused() -> None:
+    with pytest.raises(ValueError, match="128 bytes"):
+        pack_unique_id((1, 2, 3))
+    with pytest.raises(ValueError, match="malformed"):
+        unpack_unique_id(b"\x00" * 128)
+    with pytest.raises(ValueError, match="malformed"):
+        unpack_unique_id(b"\x07" + b"\x00" * 128)
+
+
+def _topology(hosts: list[str]) -> Topology:
+    node_of = {h: i for i, h in enumerate(dict.fromkeys(hosts))}
+    seen: dict[str, int] = {}
+    ranks = []
+    for r, h in enumerate(hosts):
+        ranks.append(RankInfo(r, f"127.0.0.1:{5000 + r}", h, node_of[h], seen.get(h, 0)))
+        seen[h] = seen.get(h, 0) + 1
+    return Topology(tuple(ranks))
+
+
+def test_ranks_sharing_a_gpu_get_distinct_nccl_host_ids() -> None:
+    topo = _topology(["a", "a"])
+    envs = [{}, {}]
+    assert all(share_gpu_env(topo, r, num_devices=1, environ=envs[r]) for r in range(2))
+    assert envs[0]["NCCL_HOSTID"] != envs[1]["NCCL_HOSTID"]
+    assert all(e["NCCL_SOCKET_IFNAME"] == "lo" for e in envs)
+
+
+def test_gpu_sharing_leaves_enough_devices_and_user_settings_alone() -> None:
+    env: dict[str, str] = {}
+    assert not share_gpu_env(_topology(["a", "a"]), 0, num_devices=2, environ=env)
+    assert env == {}
+    env = {"NCCL_HOSTID": "mine"}
+    assert not share_gpu_env(_topology(["a", "a"]), 1, num_devices=1, environ=env)
+    assert env == {"NCCL_HOSTID": "mine"}
+
+
+def test_gpu_sharing_across_hosts_keeps_the_socket_interface_open() -> None:
+    env: dict[str, str] = {}
+    assert share_gpu_env(_topology(["a", "a", "b", "b"]), 2, num_devices=1, environ=env)
+    assert env["NCCL_HOSTID"].startswith("b")
+    assert "NCCL_SOCKET_IFNAME" not in env
