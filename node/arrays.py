@@ -69,6 +69,11 @@ def to_host(x: Any) -> np.ndarray[Any, Any]:
     return x.get() if is_cupy(x) else np.asarray(x)
 
 
+def on_module(xp: ModuleType, x: Any) -> Any:
+    """``x`` as an array of ``xp`` (numpy or cupy), copying across host and device as needed."""
+    return to_host(x) if xp is np else xp.asarray(x)
+
+
 def from_foreign(x: Any) -> tuple[Any, Any]:
     """``(array, wrap)``: numpy and cupy arrays as they are; any other ``__dlpack__`` object (a torch or JAX
     tensor) as a zero-copy numpy view (CPU) or cupy view (CUDA), so an in-place op changes the caller's

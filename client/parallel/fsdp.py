@@ -35,7 +35,7 @@ import numpy as np
 from paramplane.group import ProcessGroup
 from paramplane.nn.layers import Sequential
 from paramplane.nn.module import Array, Module, Parameter, RemovableHandle
-from paramplane.node.arrays import array_module
+from paramplane.node.arrays import array_module, on_module, to_host
 from paramplane.node.errors import CollectiveMismatch
 from paramplane.optim.optimizer import Optimizer
 from paramplane.parallel.fsdp_config import STRATEGIES, CPUOffload, MemoryTracker, MixedPrecision
@@ -78,11 +78,10 @@ class FSDP:
         if not named:
             raise ValueError(f"FSDP: {type(module).__name__} has no trainable parameters to shard")
         offload = cpu_offload if isinstance(cpu_offload, CPUOffload) else CPUOffload(bool(cpu_offload))
-        if offload.params and any(array_module(p.data) is not np for _, p in named):
-            raise NotImplementedError(
-                "FSDP cpu_offload for device (cupy) parameters is not implemented yet; numpy models already keep "
-                "everything in host memory (offload is a no-op there)"
-            )
+        self._xp = array_module(named[0][1].data)
+        if any(array_module(p.data) is not self._xp for _, p in named):
+            raise ValueError("FSDP: the module mixes numpy and cupy parameters; move it to one device first")
+        self._host_shards = offload.params and self._xp is not np
         self.module = module
         self.group = group
         self.strategy = strategy
@@ -186,6 +185,8 @@ class FSDP:
                 self.group.broadcast(flat, src=0)
             unit = FlatUnit.build(path, unit_module, mine, s_rank, s_count, flat)
             unit.release_from(flat)
+            if self._host_shards:
+                unit.shard.data = to_host(unit.shard.data)
             built.append(unit)
         return built
 
@@ -237,12 +238,12 @@ class FSDP:
         if unit is None or unit.gathered or unit.gather_work is not None:
             return
         dtype = np.dtype(dtype) if dtype is not None else self.param_dtype
-        xp = array_module(unit.shard.data)
-        src = unit.shard.data if unit.shard.data.dtype == dtype else unit.shard.data.astype(dtype)
+        src = self._xp.asarray(unit.shard.data)  # an offloaded shard travels to the device here
+        src = src if src.dtype == dtype else src.astype(dtype)
         if self.shard_group.size == 1:
             self._use(unit, src)
             return
-        buf = xp.empty(unit.padded, dtype)
+        buf = self._xp.empty(unit.padded, dtype)
         unit.extra["buffer"], unit.extra["source"] = buf, src
         unit.gather_work = self.shard_group.all_gather(src, out=buf, async_op=True)
 
@@ -300,8 +301,7 @@ class FSDP:
         if self._no_sync:
             return
         self._round_open = True
-        xp = array_module(unit.shard.data)
-        flat = unit.flatten_grads(self.reduce_dtype, xp)
+        flat = unit.flatten_grads(self.reduce_dtype, self._xp)
         self.memory.add("grads", flat.nbytes)  # measured while the layers' gradients are alive too
         unit.drop_param_grads()
         self._launch_reduce(unit, flat)
@@ -348,10 +348,9 @@ class FSDP:
         if not self._round_open:
             return
         try:
-            xp = array_module(self.units[0].shard.data)
             for unit in self.units:  # units whose backward never ran (unused): zeros, same on every rank
                 if unit not in self._reduce_queue:
-                    zeros = xp.zeros(unit.padded, self.reduce_dtype)
+                    zeros = self._xp.zeros(unit.padded, self.reduce_dtype)
                     self.memory.add("grads", zeros.nbytes)
                     self._launch_reduce(unit, zeros)
             self._pump_replicate(block=True)
@@ -361,6 +360,8 @@ class FSDP:
                     unit.replicate_work.wait()
                 assert unit.grad_shard is not None
                 g = unit.grad_shard.astype(self.master_dtype) * scale
+                if self._host_shards:
+                    g = to_host(g)
                 shard = unit.shard
                 if shard.grad is None:
                     shard.grad = g
@@ -457,11 +458,15 @@ class FSDP:
             xp = array_module(unit.shard.data)
             flat = xp.zeros(unit.padded, self.master_dtype)
             for name, p, off in zip(unit.names, unit.params, unit.offsets):
-                flat[off : off + p.size] = xp.asarray(state[name]).reshape(-1)
-            lo = self.shard_group.rank * unit.shard_size
-            unit.shard.data[...] = flat[lo : lo + unit.shard_size]
+                flat[off : off + p.size] = on_module(xp, state[name]).reshape(-1)
+            self._keep_shard(unit, flat)
         for key, buf in buffers.items():
-            buf[...] = array_module(buf).asarray(state[key])
+            buf[...] = on_module(array_module(buf), state[key])
+
+    def _keep_shard(self, unit: FlatUnit, flat: Array) -> None:
+        """Copy this rank's piece of the full flat parameter ``flat`` into its shard (wherever that lives)."""
+        lo = self.shard_group.rank * unit.shard_size
+        unit.shard.data[...] = on_module(array_module(unit.shard.data), flat[lo : lo + unit.shard_size])
 
     def sharded_state_dict(self) -> dict[str, ShardedArray | Array]:
         """This rank's pieces as ``ShardedArray`` views into the live shards, plus buffers (replicated).
@@ -492,9 +497,9 @@ class FSDP:
                         f"FSDP.load_sharded_state_dict: {key!r} does not cover this rank's range"
                     )
                 if value.local is not target.local:
-                    target.local[...] = value.local
+                    target.local[...] = on_module(array_module(target.local), value.local)
             else:
-                target[...] = array_module(target).asarray(value)
+                target[...] = on_module(array_module(target), value)
 
     @contextlib.contextmanager
     def summon_full_params(self) -> Iterator[None]:
@@ -502,14 +507,13 @@ class FSDP:
         self.finish_gradient_sync()
         for unit in self.units:
             self._release(unit)
-            self._use(unit, self._gather_master(unit))
+            self._use(unit, self._xp.asarray(self._gather_master(unit)))
         try:
             yield
         finally:
             for unit in self.units:
                 assert unit.full is not None
-                lo = self.shard_group.rank * unit.shard_size
-                unit.shard.data[...] = unit.full[lo : lo + unit.shard_size]
+                self._keep_shard(unit, unit.full)
                 self._release(unit)
 
     # -- inspection --------------------------------------------------------------------------------

@@ -50,8 +50,10 @@ class MixedPrecision:
 class CPUOffload:
     """Keep shards, gradients and optimizer state in host memory (numpy); compute on the device.
 
-    numpy models already live in host memory, so this changes nothing for them; for cupy models it is
-    not implemented yet (FSDP raises NotImplementedError).
+    For cupy models each unit's shard is copied to the GPU for its all-gather, gradients are
+    reduce-scattered on the GPU and copied back, and the optimizer steps the numpy shards (like
+    torch's ``CPUOffload(offload_params=True)``). numpy models already live in host memory, so it
+    changes nothing for them.
     """
 
     params: bool = False
