@@ -24,6 +24,7 @@ from paramplane.node.arrays import dtype_name, is_cupy
 from paramplane.node.errors import CollectiveTimeout, PlaneError
 from paramplane.node.grpc_ops import GrpcComm
 from paramplane.node.loop import LoopThread
+from paramplane.node.nccl import nccl_moves
 from paramplane.node.peer import PeerPlane
 from paramplane.node.shm import (
     SEGMENT_PREFIX,
@@ -123,7 +124,7 @@ class GroupEngine:
     def transport_for(self, x: Any, op: str) -> str:
         if self.size == 1:
             return "local"
-        if is_cupy(x) and self._same_host and self.ctx.transport != "grpc":
+        if is_cupy(x) and self._same_host and self.ctx.transport != "grpc" and nccl_moves(x.dtype):
             return "nccl"
         if self._same_host and self.ctx.transport in ("auto", "shm"):
             return "shm"

@@ -75,21 +75,27 @@ def _nccl() -> Any:
     return nccl
 
 
+_NCCL_DTYPES = {
+    "float16": "NCCL_FLOAT16",
+    "float32": "NCCL_FLOAT32",
+    "float64": "NCCL_FLOAT64",
+    "int8": "NCCL_INT8",
+    "int32": "NCCL_INT32",
+    "int64": "NCCL_INT64",
+    "uint8": "NCCL_UINT8",
+}
+
+
+def nccl_moves(dtype: Any) -> bool:
+    """Whether NCCL moves ``dtype`` natively; the rest (bool, bfloat16) are staged through host memory."""
+    return dtype_name(dtype) in _NCCL_DTYPES
+
+
 def _dtype(x: Any) -> int:
-    nccl = _nccl()
-    table = {
-        "float16": nccl.NCCL_FLOAT16,
-        "float32": nccl.NCCL_FLOAT32,
-        "float64": nccl.NCCL_FLOAT64,
-        "int8": nccl.NCCL_INT8,
-        "int32": nccl.NCCL_INT32,
-        "int64": nccl.NCCL_INT64,
-        "uint8": nccl.NCCL_UINT8,
-    }
     name = dtype_name(x.dtype)
-    if name not in table:
-        raise ValueError(f"the NCCL transport does not move {name}; use one of {', '.join(table)}")
-    return table[name]
+    if name not in _NCCL_DTYPES:
+        raise ValueError(f"the NCCL transport does not move {name}; use one of {', '.join(_NCCL_DTYPES)}")
+    return int(getattr(_nccl(), _NCCL_DTYPES[name]))
 
 
 def _redop(op: str) -> int:

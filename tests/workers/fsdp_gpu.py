@@ -1,4 +1,4 @@
-"""FSDP on cupy arrays (NCCL inside the host): full_shard equals the numpy reference; float16 mixed
+"""FSDP (``fsdp_gpu.py [STRATEGY]``, full_shard by default) on cupy arrays (NCCL inside the host): full_shard equals the numpy reference; float16 mixed
 precision trains close to float32; so does DDP on cupy; with CPU offload the shards, gradients and optimizer state stay in
 host memory and training still equals the reference."""
 
@@ -24,19 +24,27 @@ def scenario(world: Any, rep: Report) -> None:
     import cupy
 
     world.use_gpu()
+    strategy = sys.argv[1] if len(sys.argv) > 1 else "full_shard"
     want = reference(np.float32, "sgd", 3, 1, False, None)
     a, b = shard_range(BATCH, world.world_size, world.rank)
-    for name, mp, offload in (
+    runs = [
         ("fp32", None, False),
         ("fp16", pp.MixedPrecision(param_dtype="float16", reduce_dtype="float32"), False),
         ("offload", None, True),
         ("ddp", None, False),
-    ):
+    ]
+    for name, mp, offload in runs if strategy == "full_shard" else runs[:3]:
         model = make_model(np.float32).to("cuda")
         if name == "ddp":
             fsdp: Any = pp.DDP(model, world.group)
         else:
-            fsdp = pp.FSDP(model, world.group, mixed_precision=mp, cpu_offload=pp.CPUOffload(params=offload))
+            fsdp = pp.FSDP(
+                model,
+                world.group,
+                strategy=strategy,
+                mixed_precision=mp,
+                cpu_offload=pp.CPUOffload(params=offload),
+            )
         rep.check(
             f"{name}: parameters {'in host memory' if offload else 'on the device'}",
             all(isinstance(p.data, np.ndarray) == offload for p in fsdp.parameters()),
