@@ -14,9 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from paramplane.node.arrays import array_module, from_foreign, is_cupy, to_host
-from paramplane.node.group import GroupEngine, check_array
-from paramplane.node.spec import OpSpec
+from paramplane.node.arrays import array_module, from_foreign, is_cupy
+from paramplane.node.engine import GroupEngine, check_array
 from paramplane.work import Work
 
 
@@ -83,26 +82,14 @@ class ProcessGroup:
 
     # -- issuing ---------------------------------------------------------------------------------
     def _issue(
-        self,
-        name: str,
-        x: Any,
-        body: Callable[[int], Any],
-        async_op: bool,
-        *,
-        transport: str = "grpc",
-        p2p: bool = False,
-        result: Callable[[Any], Any] | None = None,
+        self, name: str, x: Any, body: Callable[[int], Any], async_op: bool, *, p2p: bool = False
     ) -> Any:
+        """Run ``body(seq)`` in issue order on the group's engine (inline, or as a ``Work``)."""
         e = self._e
-        if result is not None:  # results go back to the caller's tensor library (DLPack inputs)
-            plain, mapper = body, result
-
-            def body(seq: int) -> Any:
-                return mapper(plain(seq))
-
+        transport = "grpc" if p2p else e.transport_for(x, name)
         if is_cupy(x):
             # The op may run on the group's worker thread: give it the caller's device and stream.
-            from paramplane.node.nccl import capture_stream, on_stream
+            from paramplane.node.transports.nccl import capture_stream, on_stream
 
             stream, inner = capture_stream(), body
 
@@ -115,31 +102,6 @@ class ProcessGroup:
             return Work(fut, f"{name} on group '{self.name}'")
         return fut.result()
 
-    def _host(self, x: Any) -> np.ndarray:
-        """A numpy view (numpy input) or host copy (cupy input on a host transport)."""
-        return to_host(x) if is_cupy(x) else x
-
-    @staticmethod
-    def _back(x: Any, host: np.ndarray) -> None:
-        if is_cupy(x):
-            x[...] = array_module(x).asarray(host)
-
-    def _in_place(
-        self, x: Any, transport: str, on_gpu: Callable[[], None], on_host: Callable[[np.ndarray], None]
-    ) -> Any:
-        """Run an in-place op: NCCL on the array itself, else on its flat host view (cupy: a copy)."""
-        if transport == "nccl":
-            on_gpu()
-        elif transport != "local":
-            host = self._host(x)
-            on_host(host.reshape(-1))
-            self._back(x, host)
-        return x
-
-    def _grpc(self, coro: Any, deadline: float) -> Any:
-        e = self._e
-        return e.on_loop(coro, deadline, lambda exc: e.ctx.plane.fail_key(e.name, exc))
-
     # -- collectives -----------------------------------------------------------------------------
     def all_reduce(self, x: Any, op: str = "sum", *, async_op: bool = False) -> Any:
         """Reduce ``x`` across the group in place (op: sum, mean, min, max, product); returns ``x``.
@@ -149,25 +111,14 @@ class ProcessGroup:
         caller = x
         x, _ = from_foreign(x)
         check_array(x)
-        self._e.check_reduce(op, x)
         e = self._e
-        transport = e.transport_for(x, "all_reduce")
+        e.check_reduce(op, x)
 
         def body(seq: int) -> Any:
-            spec = e.spec(seq, "all_reduce", x, op)
-            deadline = e._deadline()
+            e.all_reduce(e.spec(seq, "all_reduce", x, op), x, op)
+            return caller
 
-            def on_host(flat: np.ndarray) -> None:
-                if transport == "shm":
-                    e.shm().all_reduce(spec, flat, op, deadline)
-                elif transport == "hier":
-                    e.hier_all_reduce(spec, flat, op, deadline)
-                else:
-                    self._grpc(e._grpc.all_reduce(spec, flat, op), deadline)
-
-            return self._in_place(x, transport, lambda: e.nccl(x.device.id).all_reduce(x, op), on_host)
-
-        return self._issue("all_reduce", x, body, async_op, transport=transport, result=lambda _: caller)
+        return self._issue("all_reduce", x, body, async_op)
 
     def broadcast(self, x: Any, src: int = 0, *, async_op: bool = False) -> Any:
         """Overwrite ``x`` on every rank with ``src``'s ``x`` (``src`` is a group rank); returns ``x``."""
@@ -176,21 +127,12 @@ class ProcessGroup:
         check_array(x)
         e = self._e
         e.check_root(src, "src")
-        transport = e.transport_for(x, "broadcast")
 
         def body(seq: int) -> Any:
-            spec = e.spec(seq, "broadcast", x, f"src={src}")
-            deadline = e._deadline()
+            e.broadcast(e.spec(seq, "broadcast", x, f"src={src}"), x, src)
+            return caller
 
-            def on_host(flat: np.ndarray) -> None:
-                if transport == "shm":
-                    e.shm().broadcast(spec, flat, src, deadline)
-                else:
-                    self._grpc(e._grpc.broadcast(spec, flat, src), deadline)
-
-            return self._in_place(x, transport, lambda: e.nccl(x.device.id).broadcast(x, src), on_host)
-
-        return self._issue("broadcast", x, body, async_op, transport=transport, result=lambda _: caller)
+        return self._issue("broadcast", x, body, async_op)
 
     def all_gather(self, x: Any, *, out: Any = None, async_op: bool = False) -> Any:
         """Every rank's ``x`` concatenated along axis 0 in group order (0-d inputs give shape (size,)).
@@ -202,33 +144,17 @@ class ProcessGroup:
         out, _ = from_foreign(out)
         check_array(x, writable=False)
         e = self._e
-        transport = e.transport_for(x, "all_gather")
-        xp = array_module(x)
         rows = x.shape[0] if x.ndim else 1
         out_shape = (rows * e.size, *x.shape[1:])
         self._check_out(out, out_shape, x)
+        xp = array_module(x)
 
         def body(seq: int) -> Any:
-            spec = e.spec(seq, "all_gather", x)
-            deadline = e._deadline()
             result = out if out is not None else xp.empty(out_shape, x.dtype)
-            if transport == "local":
-                result.reshape(-1)[...] = x.reshape(-1)
-                return result
-            if transport == "nccl":
-                e.nccl(x.device.id).all_gather(x, result)
-                return result
-            host_out = np.empty(out_shape, x.dtype) if is_cupy(x) else result
-            piece = self._host(x).reshape(-1)
-            if transport == "shm":
-                e.shm().all_gather(spec, piece, host_out.reshape(-1), deadline)
-            else:
-                self._grpc(e._grpc.all_gather(spec, piece, host_out.reshape(-1)), deadline)
-            self._back(result, host_out)
-            return result
+            e.all_gather(e.spec(seq, "all_gather", x), x, result)
+            return wrap(result) if out is None else out_caller
 
-        back = wrap if out is None else (lambda _: out_caller)
-        return self._issue("all_gather", x, body, async_op, transport=transport, result=back)
+        return self._issue("all_gather", x, body, async_op)
 
     @staticmethod
     def _check_out(out: Any, shape: tuple[int, ...], x: Any) -> None:
@@ -256,39 +182,20 @@ class ProcessGroup:
             raise ValueError("reduce_scatter needs an array with at least one axis (it splits axis 0)")
         e = self._e
         e.check_reduce(op, x)
-        transport = e.transport_for(x, "reduce_scatter")
-        xp = array_module(x)
         row = int(np.prod(x.shape[1:], dtype=np.int64))
         rows = e.split_rows(x.shape[0])
         bounds = [(a * row, b * row) for a, b in rows]
         a, b = rows[e.rank]
         out_shape = (b - a, *x.shape[1:])
         self._check_out(out, out_shape, x)
+        xp = array_module(x)
 
         def body(seq: int) -> Any:
-            spec = e.spec(seq, "reduce_scatter", x, op)
-            deadline = e._deadline()
             result = out if out is not None else xp.empty(out_shape, x.dtype)
-            if transport == "local":
-                result[...] = x
-                return result
-            if transport == "nccl":
-                result[...] = e.nccl(x.device.id).reduce_scatter(x, op, bounds)
-                return result
-            flat = self._host(x).reshape(-1)
-            host_out = np.empty(out_shape, x.dtype) if is_cupy(x) else result
-            if transport == "shm":
-                e.shm().reduce_scatter(spec, flat, bounds, op, host_out.reshape(-1), deadline)
-            else:
-                work = e.scratch(flat.dtype, flat.size)
-                work[...] = flat
-                self._grpc(e._grpc.reduce_scatter(spec, work, bounds, op), deadline)
-                host_out.reshape(-1)[...] = work[bounds[e.rank][0] : bounds[e.rank][1]]
-            self._back(result, host_out)
-            return result
+            e.reduce_scatter(e.spec(seq, "reduce_scatter", x, op), x, bounds, op, result)
+            return wrap(result) if out is None else out_caller
 
-        back = wrap if out is None else (lambda _: out_caller)
-        return self._issue("reduce_scatter", x, body, async_op, transport=transport, result=back)
+        return self._issue("reduce_scatter", x, body, async_op)
 
     def gather(self, x: Any, dst: int = 0, *, async_op: bool = False) -> Any:
         """On ``dst``: every rank's ``x`` concatenated along axis 0 in group order; elsewhere None."""
@@ -296,35 +203,22 @@ class ProcessGroup:
         check_array(x, writable=False)
         e = self._e
         e.check_root(dst, "dst")
-        transport = "grpc" if e.transport_for(x, "gather") == "nccl" else e.transport_for(x, "gather")
         xp = array_module(x)
         rows = x.shape[0] if x.ndim else 1
         out_shape = (rows * e.size, *x.shape[1:])
 
         def body(seq: int) -> Any:
-            spec = e.spec(seq, "gather", x, f"dst={dst}")
-            deadline = e._deadline()
-            piece = self._host(x).reshape(-1)
-            out = np.empty(out_shape, x.dtype) if e.rank == dst else None
-            flat_out = out.reshape(-1) if out is not None else None
-            if transport == "local":
-                assert flat_out is not None
-                flat_out[...] = piece
-            elif transport == "shm":
-                e.shm().gather(spec, piece, dst, flat_out, deadline)
-            else:
-                self._grpc(e._grpc.gather(spec, piece, dst, flat_out), deadline)
-            return xp.asarray(out) if (out is not None and is_cupy(x)) else out
+            out = xp.empty(out_shape, x.dtype) if e.rank == dst else None
+            e.gather(e.spec(seq, "gather", x, f"dst={dst}"), x, dst, out)
+            return None if out is None else wrap(out)
 
-        return self._issue(
-            "gather", x, body, async_op, transport=transport, result=lambda r: None if r is None else wrap(r)
-        )
+        return self._issue("gather", x, body, async_op)
 
     def scatter(self, chunks: Sequence[Any] | Any, src: int = 0, *, async_op: bool = False) -> Any:
-        """Give group rank i ``chunks[i]`` from ``src``; returns this rank's chunk.
+        """Group rank ``src`` passes one array per rank; every rank receives its own (returned).
 
-        On ``src``, ``chunks`` is a sequence of ``size`` arrays of one shape and dtype. On every other
-        rank, ``chunks`` is the receive buffer (an array of that shape and dtype), filled in place.
+        On ``src``, ``chunks`` is a sequence of ``size`` arrays of one shape and dtype; on the
+        other ranks it is the receive buffer (an array of that shape and dtype).
         """
         e = self._e
         e.check_root(src, "src")
@@ -341,66 +235,32 @@ class ProcessGroup:
                         f"{chunks[0].shape} and {chunks[0].dtype}: every chunk must match"
                     )
             out = array_module(chunks[0]).empty_like(chunks[0])
+            pieces: Sequence[Any] | None = list(chunks)
         else:
             if not (isinstance(chunks, np.ndarray) or is_cupy(chunks)):
                 raise ValueError(
                     "scatter on a non-source rank needs the receive buffer (an array) as `chunks`"
                 )
             check_array(chunks, "chunks")
-            out = chunks
-        transport = "grpc" if e.transport_for(out, "scatter") == "nccl" else e.transport_for(out, "scatter")
+            out, pieces = chunks, None
 
         def body(seq: int) -> Any:
-            spec = e.spec(seq, "scatter", out, f"src={src}")
-            deadline = e._deadline()
-            host = np.empty(out.shape, out.dtype)
-            flat = host.reshape(-1)
-            pieces = [self._host(c).reshape(-1) for c in chunks] if e.rank == src else None
-            if transport == "local":
-                assert pieces is not None
-                flat[...] = pieces[0]
-            elif transport == "shm":
-                e.shm().scatter(spec, pieces, src, flat, deadline)
-            else:
-                self._grpc(e._grpc.scatter(spec, pieces, src, flat), deadline)
-            if is_cupy(out):
-                out[...] = array_module(out).asarray(host)
-            else:
-                out[...] = host
+            e.scatter(e.spec(seq, "scatter", out, f"src={src}"), pieces, src, out)
             return out
 
-        return self._issue("scatter", out, body, async_op, transport=transport)
+        return self._issue("scatter", out, body, async_op)
 
     def barrier(self, *, async_op: bool = False) -> Any:
         """Return once every rank of the group has called ``barrier``."""
         e = self._e
         token = np.empty(0, np.uint8)
-        transport = e.transport_for(token, "barrier")
 
         def body(seq: int) -> None:
-            spec = e.spec(seq, "barrier", token)
-            deadline = e._deadline()
-            if transport == "shm":
-                e.shm().barrier(spec, deadline)
-            elif transport != "local":
-                self._grpc(e._grpc.barrier(spec), deadline)
+            e.barrier(e.spec(seq, "barrier", token))
 
-        return self._issue("barrier", token, body, async_op, transport=transport)
+        return self._issue("barrier", token, body, async_op)
 
     # -- point to point --------------------------------------------------------------------------
-    def _p2p_spec(self, op: str, x: Any, src: int, dst: int) -> OpSpec:
-        e = self._e
-        key = (src, dst)
-        e._p2p_seq[key] = e._p2p_seq.get(key, 0) + 1
-        return OpSpec(
-            f"{e.name}/p2p",
-            e._p2p_seq[key],
-            "send/recv",
-            e.spec(0, op, x).dtype,
-            tuple(x.shape),
-            f"{src}->{dst}",
-        )
-
     def _check_peer(self, peer: int, what: str) -> None:
         self._e.check_root(peer, what)
         if peer == self.rank:
@@ -414,12 +274,7 @@ class ProcessGroup:
         e = self._e
 
         def body(_seq: int) -> None:
-            spec = self._p2p_spec("send", x, e.rank, dst)
-            deadline = e._deadline()
-            host = self._host(x).reshape(-1)
-            e.on_loop(
-                e._p2p.send_to(spec, host, dst), deadline, lambda exc: e.ctx.plane.fail_key(e._p2p.key, exc)
-            )
+            e.send(e.p2p_spec(x, e.rank, dst), x, dst)
 
         return self._issue("send", x, body, async_op, p2p=True)
 
@@ -432,18 +287,10 @@ class ProcessGroup:
         e = self._e
 
         def body(_seq: int) -> Any:
-            spec = self._p2p_spec("send", x, src, e.rank)
-            deadline = e._deadline()
-            host = self._host(x)
-            e.on_loop(
-                e._p2p.recv_from(spec, host.reshape(-1), src),
-                deadline,
-                lambda exc: e.ctx.plane.fail_key(e._p2p.key, exc),
-            )
-            self._back(x, host)
-            return x
+            e.recv(e.p2p_spec(x, src, e.rank), x, src)
+            return caller
 
-        return self._issue("recv", x, body, async_op, p2p=True, result=lambda _: caller)
+        return self._issue("recv", x, body, async_op, p2p=True)
 
     # -- asyncio forms ---------------------------------------------------------------------------
     @staticmethod

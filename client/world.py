@@ -9,11 +9,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 from paramplane.group import ProcessGroup
 from paramplane.node.peer import TlsConfig
 from paramplane.node.runtime import NodeRuntime, RuntimeConfig
+from paramplane.node.transports.base import POLICIES, TransportPolicy
 
 ENV_VARS = {
     "PARAMPLANE_COORDINATOR": "host:port of the coordinator (required unless passed to init)",
@@ -33,6 +34,12 @@ ENV_VARS = {
     "PARAMPLANE_TLS_KEY": "PEM private key of that certificate",
     "PARAMPLANE_TLS_CA": "PEM root certificate that verifies peers and a TLS coordinator",
 }
+
+
+def _transport(value: str) -> TransportPolicy:
+    if value not in POLICIES:
+        raise ValueError(f"transport must be one of {POLICIES}, got {value!r} (PARAMPLANE_TRANSPORT)")
+    return cast(TransportPolicy, value)
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -117,7 +124,7 @@ class World:
         and return its id. Call it before creating cupy arrays, like ``torch.cuda.set_device``.
         Where a host runs more ranks than it has GPUs, ranks share them (see README, GPUs)."""
         from paramplane.node.arrays import cupy_module
-        from paramplane.node.nccl import share_gpu_env
+        from paramplane.node.transports.nccl import share_gpu_env
 
         cupy = cupy_module()
         if cupy is None:
@@ -206,7 +213,8 @@ def init(
         host_id=host_id or _env("PARAMPLANE_HOST_ID") or socket.gethostname(),
         timeout_s=timeout or float(_env("PARAMPLANE_TIMEOUT", "300") or 300),
         join_timeout_s=join_timeout or float(_env("PARAMPLANE_JOIN_TIMEOUT", "300") or 300),
-        transport=transport or _env("PARAMPLANE_TRANSPORT", "auto") or "auto",
+        transport=_transport(transport or _env("PARAMPLANE_TRANSPORT", "auto") or "auto"),
+        shm_slot_mb=float(_env("PARAMPLANE_SHM_SLOT_MB", "1") or 1),
         bind_host=bind or _env("PARAMPLANE_BIND", "127.0.0.1") or "127.0.0.1",
         advertise_host=advertise or _env("PARAMPLANE_ADVERTISE"),
         tracer=tracer,

@@ -22,11 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paramplane.node.coord_client import CoordinatorClient, Membership
+from paramplane.node.engine import TRANSPORTS, GroupEngine, Tracer
 from paramplane.node.errors import CoordinatorUnavailable, PeerLost, PlaneClosed, PlaneError, WorldAborted
-from paramplane.node.group import TRANSPORTS, GroupEngine, Tracer
 from paramplane.node.loop import LoopThread
 from paramplane.node.peer import PeerPlane, TlsConfig
 from paramplane.node.topology import Topology
+from paramplane.node.transports.base import TransportPolicy
+from paramplane.node.transports.shm import DEFAULT_SLOT_BYTES, slot_bytes
 
 log = logging.getLogger("paramplane.node")
 
@@ -53,8 +55,10 @@ class RuntimeConfig:
     """Address the peer server listens on; set it to reach peers on other hosts."""
     advertise_host: str | None = None
     """Address other ranks use to reach this one (default: bind_host)."""
-    transport: str = "auto"
+    transport: TransportPolicy = "auto"
     """auto (shm within a host, hierarchical across hosts, gRPC otherwise), grpc or shm."""
+    shm_slot_mb: float = DEFAULT_SLOT_BYTES / (1 << 20)
+    """Shared-memory slot per rank and bank in MiB (an op moves this much per round)."""
     tls: TlsConfig | None = None
     """TLS for the data plane."""
     coordinator_root_cert: bytes | None = None
@@ -72,6 +76,7 @@ class RuntimeConfig:
             raise ValueError(f"world_size must be >= 0, got {self.world_size}")
         if self.timeout_s <= 0 or self.join_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
+        slot_bytes(self.shm_slot_mb)  # ValueError for a bad size
         if self.transport not in TRANSPORTS:
             raise ValueError(
                 f"transport must be one of {TRANSPORTS}, got {self.transport!r} (PARAMPLANE_TRANSPORT)"
@@ -104,7 +109,8 @@ class NodeRuntime:
             advertise_host=config.advertise_host,
             tls=config.tls,
         )
-        self.transport = config.transport
+        self.transport: TransportPolicy = config.transport
+        self.shm_slot_bytes = slot_bytes(config.shm_slot_mb)
         self.tracer = config.tracer
         self.aborted = threading.Event()
         self._abort_exc: PlaneError | None = None

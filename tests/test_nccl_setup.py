@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from paramplane.node.nccl import pack_unique_id, share_gpu_env, unpack_unique_id
 from paramplane.node.topology import RankInfo, Topology
+from paramplane.node.transports.nccl import pack_unique_id, share_gpu_env, unpack_unique_id
 
 
 @pytest.mark.parametrize(

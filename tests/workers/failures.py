@@ -144,7 +144,8 @@ def sender_dies(world: pp.World, rep: Report) -> None:
 
 def die_mid_op(rep: Report) -> None:
     """Make this rank os._exit part way through its next all_reduce (after sending some of it)."""
-    from paramplane.node import grpc_ops, shm
+    from paramplane.node.algorithms import ring
+    from paramplane.node.transports import shm
 
     def exit_now() -> None:
         rep.values["died_at"] = time.time()
@@ -163,7 +164,7 @@ def die_mid_op(rep: Report) -> None:
             exit_now()
         original_sync(self, deadline)
 
-    grpc_ops.GrpcComm.ring_all_gather = ring_all_gather  # type: ignore[method-assign]
+    ring.ring_all_gather = ring_all_gather
     shm.ShmComm._sync = sync  # type: ignore[method-assign]
 
 

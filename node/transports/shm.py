@@ -22,6 +22,7 @@ import numpy as np
 
 from paramplane.node.errors import CollectiveMismatch, CollectiveTimeout, PeerLost, PlaneError
 from paramplane.node.spec import OpSpec, reduce_ufunc, split_bounds
+from paramplane.node.transports.base import Transport
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "paramplane-"
@@ -31,10 +32,10 @@ SPEC_BYTES = 448  # per parity
 DEFAULT_SLOT_BYTES = 1 << 20  # measured best of 0.5-8 MiB for 64 MiB all-reduces (cache-sized rounds)
 
 
-def slot_bytes_from_env() -> int:
-    mb = float(os.environ.get("PARAMPLANE_SHM_SLOT_MB", DEFAULT_SLOT_BYTES / (1 << 20)))
+def slot_bytes(mb: float) -> int:
+    """The slot size in bytes for ``mb`` MiB (PARAMPLANE_SHM_SLOT_MB): at least 4 KiB, 64-byte aligned."""
     if mb <= 0:
-        raise ValueError("PARAMPLANE_SHM_SLOT_MB must be positive")
+        raise ValueError(f"the shm slot size must be positive, got {mb} MiB (PARAMPLANE_SHM_SLOT_MB)")
     return max(4096, int(mb * (1 << 20)) // 64 * 64)
 
 
@@ -74,7 +75,10 @@ def unlink_segment(name: str) -> None:
 
 
 class ShmComm:
-    """Collectives of one group over a mapped segment; ops run in the calling thread."""
+    """Collectives of one group over a mapped segment; ops run in the calling thread (a ``Comm``)."""
+
+    name: Transport = "shm"
+    device = False
 
     def __init__(
         self,
@@ -110,7 +114,12 @@ class ShmComm:
         self._spin_s = 0.0002 if self.n <= (os.cpu_count() or 1) else 0.0
         self._data[:, index, :] = 0  # fault our pages in now, not in the first collective
 
+    def abort(self) -> None:
+        return None  # peers watch each other's pids and the world's abort flag
+
     def close(self) -> None:
+        if self.mm.closed:
+            return
         self._counters.release()
         del self._ctrl, self._ctrl_bytes, self._data
         try:
@@ -251,8 +260,6 @@ class ShmComm:
             for j, (ja, jb) in enumerate(bounds):
                 if j != me:
                     flat[s + ja : s + jb] = slots[j, ja:jb]
-        if op == "mean":
-            np.true_divide(flat, self.n, out=flat, casting="unsafe")
 
     def reduce_scatter(
         self,
@@ -278,8 +285,6 @@ class ShmComm:
                 ufunc(slots[0, lo - s : hi - s], slots[1, lo - s : hi - s], out=dst)
                 for j in range(2, self.n):
                     ufunc(dst, slots[j, lo - s : hi - s], out=dst)
-        if op == "mean":
-            np.true_divide(out, self.n, out=out, casting="unsafe")
 
     def _exchange(
         self, spec: OpSpec, piece: np.ndarray, out: np.ndarray | None, deadline: float, *, writer: int | None

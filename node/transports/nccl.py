@@ -21,7 +21,9 @@ from typing import Any
 
 from paramplane.node.arrays import dtype_name
 from paramplane.node.errors import CollectiveTimeout
+from paramplane.node.spec import OpSpec
 from paramplane.node.topology import Topology
+from paramplane.node.transports.base import Bounds, Transport
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,9 @@ def _nccl() -> Any:
     return nccl
 
 
+NCCL_OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
+"""The collectives NCCL runs; the engine stages the others through a host transport."""
+
 _NCCL_DTYPES = {
     "float16": "NCCL_FLOAT16",
     "float32": "NCCL_FLOAT32",
@@ -102,7 +107,6 @@ def _redop(op: str) -> int:
     nccl = _nccl()
     return {
         "sum": nccl.NCCL_SUM,
-        "mean": nccl.NCCL_SUM,
         "product": nccl.NCCL_PROD,
         "min": nccl.NCCL_MIN,
         "max": nccl.NCCL_MAX,
@@ -126,7 +130,14 @@ def on_stream(x: Any, stream_ptr: int) -> Iterator[None]:
 
 
 class NcclComm:
-    """One group's NCCL communicator."""
+    """One group's NCCL communicator: the ``Comm`` for cupy arrays of one host's ranks.
+
+    all_reduce, broadcast, all_gather and reduce_scatter run on NCCL; the engine stages gather,
+    scatter, barrier and the dtypes NCCL lacks through a host transport instead.
+    """
+
+    name: Transport = "nccl"
+    device = True
 
     def __init__(self, comm: Any, size: int) -> None:
         self.comm = comm
@@ -186,33 +197,45 @@ class NcclComm:
 
         return int(cupy.cuda.get_current_stream().ptr)
 
-    def all_reduce(self, x: Any, op: str) -> None:
-        self.comm.allReduce(x.data.ptr, x.data.ptr, x.size, _dtype(x), _redop(op), self._stream())
-        if op == "mean":
-            x /= self.size
+    def all_reduce(self, spec: OpSpec, flat: Any, op: str, deadline: float) -> None:
+        self.comm.allReduce(flat.data.ptr, flat.data.ptr, flat.size, _dtype(flat), _redop(op), self._stream())
 
-    def broadcast(self, x: Any, root: int) -> None:
-        self.comm.broadcast(x.data.ptr, x.data.ptr, x.size, _dtype(x), root, self._stream())
+    def broadcast(self, spec: OpSpec, flat: Any, root: int, deadline: float) -> None:
+        self.comm.broadcast(flat.data.ptr, flat.data.ptr, flat.size, _dtype(flat), root, self._stream())
 
-    def all_gather(self, x: Any, out: Any) -> None:
-        self.comm.allGather(x.data.ptr, out.data.ptr, x.size, _dtype(x), self._stream())
+    def all_gather(self, spec: OpSpec, piece: Any, out: Any, deadline: float) -> None:
+        self.comm.allGather(piece.data.ptr, out.data.ptr, piece.size, _dtype(piece), self._stream())
 
-    def reduce_scatter(self, x: Any, op: str, bounds: list[tuple[int, int]]) -> Any:
-        """This rank's piece ``bounds[rank]`` (flat element bounds) of the reduction; pads uneven pieces."""
+    def reduce_scatter(
+        self, spec: OpSpec, flat: Any, bounds: Bounds, op: str, out: Any, deadline: float
+    ) -> None:
+        """``out`` receives this rank's piece ``bounds[rank]`` of the reduction; pads uneven pieces."""
         import cupy
 
         piece = max(b - a for a, b in bounds)
-        flat = x.reshape(-1)
-        padded = cupy.zeros(piece * self.size, x.dtype)
+        padded = cupy.zeros(piece * self.size, flat.dtype)
         for i, (a, b) in enumerate(bounds):
             padded[i * piece : i * piece + (b - a)] = flat[a:b]
-        out = cupy.empty(piece, x.dtype)
-        self.comm.reduceScatter(padded.data.ptr, out.data.ptr, piece, _dtype(x), _redop(op), self._stream())
-        if op == "mean":
-            out /= self.size
+        mine = cupy.empty(piece, flat.dtype)
+        self.comm.reduceScatter(
+            padded.data.ptr, mine.data.ptr, piece, _dtype(flat), _redop(op), self._stream()
+        )
         a, b = bounds[self.comm.rank_id()]
-        rows = x.shape[0] * (b - a) // max(1, x.size)
-        return out[: b - a].reshape((rows, *x.shape[1:]))
+        out[...] = mine[: b - a]
+
+    def _unsupported(self, op: str) -> None:
+        raise AssertionError(f"the engine routes {op} of device arrays to a host transport")
+
+    def gather(self, spec: OpSpec, piece: Any, root: int, out: Any, deadline: float) -> None:
+        self._unsupported("gather")
+
+    def scatter(
+        self, spec: OpSpec, pieces: Sequence[Any] | None, root: int, out: Any, deadline: float
+    ) -> None:
+        self._unsupported("scatter")
+
+    def barrier(self, spec: OpSpec, deadline: float) -> None:
+        self._unsupported("barrier")
 
     def abort(self) -> None:
         try:

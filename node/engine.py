@@ -1,0 +1,237 @@
+"""One process group's engine: ordering, failure state, deadlines, and running each op on its transport.
+
+Every collective is checked before any communication (in the client), given the next
+sequence number by the group's actor and run on the transport the factory picks from its
+table (``node/transports/factory.py``). The engine stages device arrays through host
+memory for host transports and applies ``mean`` once, after any transport. After a failure
+the group stays failed: later ops raise the same error at once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+
+from paramplane.node.actor import OpActor
+from paramplane.node.arrays import array_module, dtype_name, is_cupy, to_host
+from paramplane.node.errors import PlaneError
+from paramplane.node.spec import OpSpec, check_reduce_op, split_bounds
+from paramplane.node.transports.base import POLICIES, Bounds, Comm, Transport
+from paramplane.node.transports.factory import TransportContext, TransportFactory
+
+T = TypeVar("T")
+TRANSPORTS = POLICIES
+
+
+class Tracer(Protocol):
+    def record(
+        self, name: str, group: str, seq: int, nbytes: int, start: float, end: float, transport: str
+    ) -> None: ...
+    def close(self) -> None: ...
+
+
+class PlaneContext(TransportContext, Protocol):
+    """What a group needs from its node runtime."""
+
+    tracer: Tracer | None
+
+    def new_group(self, ranks: Sequence[int], timeout_s: float | None = None) -> GroupEngine: ...
+
+
+def check_array(x: Any, what: str = "x", *, writable: bool = True) -> None:
+    """ValueError for anything the plane cannot move in place."""
+    if not (isinstance(x, np.ndarray) or is_cupy(x)):
+        raise ValueError(f"{what} must be a numpy or cupy array, got {type(x).__name__}")
+    dtype_name(x.dtype)
+    if not x.flags.c_contiguous:
+        raise ValueError(
+            f"{what} is not C-contiguous: pass np.ascontiguousarray({what}) (collectives work in place)"
+        )
+    # cupy arrays are always writable and their flags have no `writeable`.
+    if writable and isinstance(x, np.ndarray) and not x.flags.writeable:
+        raise ValueError(f"{what} is read-only: collectives write their result into it; pass a writable copy")
+
+
+class _Staged:
+    """``x`` as the comm takes it: itself (host comm and numpy, or a device comm) or a host copy."""
+
+    def __init__(self, x: Any, comm: Comm, *, copy_in: bool = True) -> None:
+        self.x = x
+        self.staged = is_cupy(x) and not comm.device
+        if self.staged:
+            self.arr = to_host(x) if copy_in else np.empty(x.shape, x.dtype)
+        else:
+            self.arr = x
+        self.flat = self.arr.reshape(-1)
+
+    def write_back(self) -> None:
+        if self.staged:
+            self.x[...] = array_module(self.x).asarray(self.arr)
+
+
+class GroupEngine:
+    """The collectives of one group of global ``ranks`` as seen by rank ``ctx.rank``."""
+
+    def __init__(self, ctx: PlaneContext, name: str, ranks: Sequence[int], timeout_s: float) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"group timeout must be positive, got {timeout_s}")
+        self.ctx = ctx
+        self.name = name
+        self.ranks = list(ranks)
+        self.rank = self.ranks.index(ctx.rank)
+        self.size = len(self.ranks)
+        self.timeout_s = timeout_s
+        self.actor = OpActor(name)
+        self.p2p_actor = OpActor(f"{name}/p2p")
+        self.failure: PlaneError | None = None
+        self.transports = TransportFactory(ctx, name, self.ranks, timeout_s)
+        self._p2p_seq: dict[tuple[int, int], int] = {}
+
+    # -- ordering, failure, deadlines --------------------------------------------------------------
+    def progress(self) -> tuple[int, int]:
+        return self.actor.issued, self.actor.completed
+
+    def transport_for(self, x: Any, op: str) -> Transport:
+        return self.transports.choose(x, op)
+
+    def deadline(self) -> float:
+        return time.monotonic() + self.timeout_s
+
+    def check(self) -> None:
+        """Raise the group's failure, if any (the check every op makes first)."""
+        if self.failure is not None:
+            raise self.failure
+        if self.ctx.aborted.is_set():
+            self.failure = self.ctx.abort_error()
+            raise self.failure
+
+    def run(
+        self,
+        name: str,
+        body: Callable[[int], T],
+        *,
+        nbytes: int,
+        transport: str,
+        async_op: bool,
+        p2p: bool = False,
+    ) -> concurrent.futures.Future[T]:
+        """Issue ``body(seq)`` in order; failures are recorded so the group stays failed."""
+
+        def op(seq: int) -> T:
+            self.check()
+            start = time.monotonic()
+            try:
+                return body(seq)
+            except PlaneError as exc:
+                self.failure = self.failure or exc
+                self.transports.abort()
+                raise
+            finally:
+                if self.ctx.tracer is not None:
+                    self.ctx.tracer.record(name, self.name, seq, nbytes, start, time.monotonic(), transport)
+
+        return (self.p2p_actor if p2p else self.actor).submit(op, async_op=async_op)
+
+    def close(self) -> None:
+        self.actor.close()
+        self.p2p_actor.close()
+        self.transports.close()
+
+    # -- running ops (inside ``run``'s body: in order, one at a time) -------------------------------
+    def _comm(self, x: Any, op: str) -> Comm:
+        return self.transports.get(self.transports.choose(x, op), x)
+
+    def _mean(self, x: Any) -> None:
+        if self.size > 1:
+            if is_cupy(x):
+                x /= self.size
+            else:
+                np.true_divide(x, self.size, out=x, casting="unsafe")
+
+    def all_reduce(self, spec: OpSpec, x: Any, op: str) -> None:
+        comm = self._comm(x, "all_reduce")
+        s = _Staged(x, comm)
+        comm.all_reduce(spec, s.flat, "sum" if op == "mean" else op, self.deadline())
+        s.write_back()
+        if op == "mean":
+            self._mean(x)
+
+    def broadcast(self, spec: OpSpec, x: Any, root: int) -> None:
+        comm = self._comm(x, "broadcast")
+        s = _Staged(x, comm, copy_in=self.rank == root)
+        comm.broadcast(spec, s.flat, root, self.deadline())
+        s.write_back()
+
+    def all_gather(self, spec: OpSpec, x: Any, out: Any) -> None:
+        comm = self._comm(x, "all_gather")
+        piece, result = _Staged(x, comm), _Staged(out, comm, copy_in=False)
+        comm.all_gather(spec, piece.flat, result.flat, self.deadline())
+        result.write_back()
+
+    def reduce_scatter(self, spec: OpSpec, x: Any, bounds: Bounds, op: str, out: Any) -> None:
+        comm = self._comm(x, "reduce_scatter")
+        flat, result = _Staged(x, comm), _Staged(out, comm, copy_in=False)
+        comm.reduce_scatter(
+            spec, flat.flat, bounds, "sum" if op == "mean" else op, result.flat, self.deadline()
+        )
+        result.write_back()
+        if op == "mean":
+            self._mean(out)
+
+    def gather(self, spec: OpSpec, x: Any, root: int, out: Any | None) -> None:
+        comm = self._comm(x, "gather")
+        piece = _Staged(x, comm)
+        result = _Staged(out, comm, copy_in=False) if out is not None else None
+        comm.gather(spec, piece.flat, root, result.flat if result is not None else None, self.deadline())
+        if result is not None:
+            result.write_back()
+
+    def scatter(self, spec: OpSpec, pieces: Sequence[Any] | None, root: int, out: Any) -> None:
+        comm = self._comm(out, "scatter")
+        flats = [_Staged(p, comm).flat for p in pieces] if pieces is not None else None
+        result = _Staged(out, comm, copy_in=False)
+        comm.scatter(spec, flats, root, result.flat, self.deadline())
+        result.write_back()
+
+    def barrier(self, spec: OpSpec) -> None:
+        self._comm(None, "barrier").barrier(spec, self.deadline())
+
+    def send(self, spec: OpSpec, x: Any, dst: int) -> None:
+        self.transports.p2p.send(spec, to_host(x).reshape(-1), dst, self.deadline())
+
+    def recv(self, spec: OpSpec, x: Any, src: int) -> None:
+        s = _Staged(x, self.transports.p2p, copy_in=False)
+        self.transports.p2p.recv(spec, s.flat, src, self.deadline())
+        s.write_back()
+
+    # -- argument helpers ------------------------------------------------------------------------
+    def spec(self, seq: int, op: str, x: Any, arg: str = "") -> OpSpec:
+        return OpSpec(self.name, seq, op, dtype_name(x.dtype), tuple(int(d) for d in x.shape), arg)
+
+    def p2p_spec(self, x: Any, src: int, dst: int) -> OpSpec:
+        """The spec of the next message from group rank ``src`` to ``dst`` (numbered per direction)."""
+        key = (src, dst)
+        self._p2p_seq[key] = self._p2p_seq.get(key, 0) + 1
+        return OpSpec(
+            f"{self.name}/p2p",
+            self._p2p_seq[key],
+            "send/recv",
+            dtype_name(x.dtype),
+            tuple(x.shape),
+            f"{src}->{dst}",
+        )
+
+    def check_root(self, root: int, what: str) -> None:
+        if not 0 <= root < self.size:
+            raise ValueError(f"{what}={root} is not a rank of group '{self.name}' (size {self.size})")
+
+    @staticmethod
+    def check_reduce(op: str, x: Any) -> None:
+        check_reduce_op(op, np.dtype(x.dtype))
+
+    def split_rows(self, rows: int) -> list[tuple[int, int]]:
+        return split_bounds(rows, self.size)
