@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from paramplane.world import _token
+from paramplane.protos.net import resolve_token
 
 
 def channel(address: str) -> Any:
@@ -28,11 +28,7 @@ def channel(address: str) -> Any:
 
 def cli_token(token_file: str | None) -> str | None:
     """The job token from ``--token-file``, else PARAMPLANE_TOKEN_FILE / PARAMPLANE_TOKEN."""
-    token = None
-    if token_file:
-        with open(token_file) as f:
-            token = f.read().strip() or None
-    return _token(token)
+    return resolve_token(token_file=token_file)
 
 
 def check(address: str, token: str | None, timeout_s: float) -> str:

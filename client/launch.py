@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from paramplane.node.errors import PlaneError
+from paramplane.protos.net import parse_address, read_token, resolve_token
 
 if TYPE_CHECKING:
     from paramplane.coordinator.server import CoordinatorThread
@@ -126,15 +127,6 @@ class LaunchConfig:
     def total_ranks(self) -> int:
         """The job's world size: ``world_size``, or ``num_ranks`` for a single-host job."""
         return self.num_ranks if self.world_size is None else self.world_size
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """Split ``HOST:PORT`` (``[v6]:PORT`` too) and check the port; ``ValueError`` if malformed."""
-    host, _, port = address.rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"coordinator address must be HOST:PORT with a port in 1..65535, got {address!r}")
-    return host, int(port)
 
 
 def describe_exit(returncode: int) -> str:
@@ -248,10 +240,7 @@ class Launcher:
     def run(self) -> int:
         """Launch, wait, stop; return the launcher's exit status."""
         config = self.config
-        token = config.token
-        if token is None and os.environ.get("PARAMPLANE_TOKEN_FILE"):
-            token = _read_token(Path(os.environ["PARAMPLANE_TOKEN_FILE"]), "PARAMPLANE_TOKEN_FILE")
-        token = token or os.environ.get("PARAMPLANE_TOKEN") or None
+        token = resolve_token(config.token)
         if token is None and config.standalone:
             token = secrets.token_hex(16)
         previous = self._install_signal_handlers()
@@ -526,16 +515,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _read_token(path: Path, source: str = "--token-file") -> str:
-    try:
-        token = path.read_text().strip()
-    except OSError as error:
-        raise ValueError(f"cannot read {source} {path}: {error.strerror}") from None
-    if not token:
-        raise ValueError(f"{source} {path} is empty")
-    return token
-
-
 def main(argv: list[str] | None = None) -> int:
     """``paramplane launch ...``: parse ``argv`` and run the launch; returns the exit status."""
     parser = _parser()
@@ -543,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         options = parser.parse_args(sys.argv[1:] if argv is None else argv)
         token_file = options.token_file
         del options.token_file
-        token = _read_token(token_file) if token_file is not None else None
+        token = read_token(token_file) if token_file is not None else None
         config = LaunchConfig(**{**vars(options), "args": tuple(options.args), "token": token})
         return launch(config)
     except SystemExit as exit_:

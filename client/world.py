@@ -15,6 +15,7 @@ from paramplane.group import ProcessGroup
 from paramplane.node.peer import TlsConfig
 from paramplane.node.runtime import NodeRuntime, RuntimeConfig
 from paramplane.node.transports.base import POLICIES, TransportPolicy
+from paramplane.protos.net import resolve_token
 
 ENV_VARS = {
     "PARAMPLANE_COORDINATOR": "host:port of the coordinator (required unless passed to init)",
@@ -59,16 +60,6 @@ def _tls() -> tuple[TlsConfig | None, bytes | None]:
     data = {name: Path(path).read_bytes() for name, path in paths.items() if path}
     tls = TlsConfig(cert=data["CERT"], key=data["KEY"], root_cert=data["CA"]) if "CERT" in data else None
     return tls, data.get("CA")
-
-
-def _token(token: str | None) -> str | None:
-    if token:
-        return token
-    path = _env("PARAMPLANE_TOKEN_FILE")
-    if path:
-        with open(path) as f:
-            return f.read().strip() or None
-    return _env("PARAMPLANE_TOKEN")
 
 
 @dataclass(frozen=True)
@@ -209,7 +200,7 @@ def init(
         coordinator=address,
         world_size=world_size if world_size is not None else int(_env("PARAMPLANE_WORLD_SIZE", "0") or 0),
         rank_hint=rank if rank is not None else int(_env("PARAMPLANE_RANK", "-1") or -1),
-        token=_token(token),
+        token=resolve_token(token),
         host_id=host_id or _env("PARAMPLANE_HOST_ID") or socket.gethostname(),
         timeout_s=timeout or float(_env("PARAMPLANE_TIMEOUT", "300") or 300),
         join_timeout_s=join_timeout or float(_env("PARAMPLANE_JOIN_TIMEOUT", "300") or 300),

@@ -12,8 +12,7 @@ import tempfile
 from pathlib import Path
 
 from paramplane.coordinator.server import CoordinatorConfig, CoordinatorServer
-
-TOKEN_ENV = "PARAMPLANE_TOKEN"
+from paramplane.protos.net import TOKEN_ENV, resolve_token
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,9 +62,7 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def _config(args: argparse.Namespace) -> CoordinatorConfig:
-    token = args.token_file.read_text().strip() if args.token_file else os.environ.get(TOKEN_ENV) or None
-    if args.token_file and not token:
-        raise ValueError(f"token file {args.token_file} is empty")
+    token = resolve_token(token_file=args.token_file)
     return CoordinatorConfig(
         host=args.host,
         port=args.port,

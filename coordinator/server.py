@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -17,24 +16,11 @@ from paramplane.coordinator.service import CoordinatorService
 from paramplane.coordinator.state import MAX_VALUE_BYTES, CoordinatorState
 from paramplane.protos import coordinator_pb2_grpc as pb_grpc
 from paramplane.protos.auth import TokenAuthInterceptor
+from paramplane.protos.net import host_port, is_loopback
 
 log = logging.getLogger("paramplane.coordinator")
 
 SERVICE_NAME = "paramplane.v1.Coordinator"
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` names only this machine (an IP literal, or "localhost")."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def _host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 @dataclass(kw_only=True)
@@ -132,7 +118,7 @@ class CoordinatorServer:
         pb_grpc.add_CoordinatorServicer_to_server(service, server)
         health_servicer = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        target = _host_port(config.host, config.port)
+        target = host_port(config.host, config.port)
         try:
             if config.tls_cert is not None and config.tls_key is not None:
                 port = server.add_secure_port(
@@ -164,7 +150,7 @@ class CoordinatorServer:
     @property
     def address(self) -> str:
         """host:port to give to ranks (PARAMPLANE_COORDINATOR)."""
-        return _host_port(self.config.host, self._port)
+        return host_port(self.config.host, self._port)
 
     async def stop(self, grace: float = 1.0) -> None:
         """Tell watchers SHUTDOWN, fail waiting calls, then stop serving within ``grace`` seconds."""

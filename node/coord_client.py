@@ -32,6 +32,7 @@ from paramplane.node.topology import RankInfo
 from paramplane.protos import coordinator_pb2 as pb
 from paramplane.protos import coordinator_pb2_grpc as pb_grpc
 from paramplane.protos.auth import ABORT_RANK_METADATA_KEY, MISMATCH_METADATA_KEY, token_metadata
+from paramplane.protos.net import parse_address
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # Trailing metadata set by the coordinator (coordinator/server.py uses the same keys).
@@ -125,9 +126,7 @@ class CoordinatorClient:
         tls_root_cert: bytes | None = None,
         call_timeout_s: float = 30.0,
     ) -> None:
-        host, sep, port = address.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"coordinator address must be HOST:PORT, got {address!r}")
+        parse_address(address, "coordinator address")
         self.address = address
         self._timeout_s = _check_timeout(call_timeout_s)
         self._metadata = token_metadata(token)

@@ -29,6 +29,7 @@ from paramplane.node.peer import PeerPlane, TlsConfig
 from paramplane.node.topology import Topology
 from paramplane.node.transports.base import TransportPolicy
 from paramplane.node.transports.shm import DEFAULT_SLOT_BYTES, slot_bytes
+from paramplane.protos.net import is_loopback, parse_address
 
 log = logging.getLogger("paramplane.node")
 
@@ -67,11 +68,7 @@ class RuntimeConfig:
     """Receives one record per collective (PARAMPLANE_TRACE)."""
 
     def __post_init__(self) -> None:
-        host, sep, port = self.coordinator.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(
-                f"coordinator must be HOST:PORT, got {self.coordinator!r} (PARAMPLANE_COORDINATOR)"
-            )
+        parse_address(self.coordinator, "coordinator (PARAMPLANE_COORDINATOR)")
         if self.world_size < 0:
             raise ValueError(f"world_size must be >= 0, got {self.world_size}")
         if self.timeout_s <= 0 or self.join_timeout_s <= 0:
@@ -81,7 +78,7 @@ class RuntimeConfig:
             raise ValueError(
                 f"transport must be one of {TRANSPORTS}, got {self.transport!r} (PARAMPLANE_TRANSPORT)"
             )
-        if self.bind_host not in ("127.0.0.1", "localhost", "::1") and not self.token:
+        if not is_loopback(self.bind_host) and not self.token:
             raise ValueError(
                 f"refusing to serve the data plane on {self.bind_host} without a job token (PARAMPLANE_TOKEN)"
             )

@@ -1,0 +1,59 @@
+"""Addresses, the loopback policy and the job token, written once for the coordinator, the node
+runtime and the CLIs (kept beside the protos for the same reason as ``auth.py``)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from pathlib import Path
+
+TOKEN_ENV = "PARAMPLANE_TOKEN"
+TOKEN_FILE_ENV = "PARAMPLANE_TOKEN_FILE"
+
+
+def parse_address(address: str, what: str = "address") -> tuple[str, int]:
+    """Split ``HOST:PORT`` (``[v6]:PORT`` too) and check the port; ``ValueError`` naming ``what`` if malformed."""
+    host, _, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{what} must be HOST:PORT with a port in 1..65535, got {address!r}")
+    return host, int(port)
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, bracketing an IPv6 literal."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names only this machine (an IP literal, or "localhost"): serving there needs no token."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def read_token(path: str | os.PathLike[str], source: str = "--token-file") -> str:
+    """The token in the file ``path``; ``ValueError`` (naming ``source``) if unreadable or empty."""
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as error:
+        raise ValueError(f"cannot read {source} {path}: {error.strerror}") from None
+    if not token:
+        raise ValueError(f"{source} {path} is empty")
+    return token
+
+
+def resolve_token(token: str | None = None, token_file: str | os.PathLike[str] | None = None) -> str | None:
+    """The job token: ``token``, else the file ``token_file``, else the file ``$PARAMPLANE_TOKEN_FILE``,
+    else ``$PARAMPLANE_TOKEN``, else None."""
+    if token:
+        return token
+    if token_file:
+        return read_token(token_file)
+    env_file = os.environ.get(TOKEN_FILE_ENV)
+    if env_file:
+        return read_token(env_file, TOKEN_FILE_ENV)
+    return os.environ.get(TOKEN_ENV) or None

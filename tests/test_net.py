@@ -1,0 +1,54 @@
+"""Addresses, loopback policy and the job token: one implementation for every entry point."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from paramplane.protos.net import host_port, is_loopback, parse_address, resolve_token
+
+
+@pytest.mark.parametrize(
+    ("address", "expected"),
+    [("127.0.0.1:29500", ("127.0.0.1", 29500)), ("[::1]:7", ("::1", 7)), ("node-a:1", ("node-a", 1))],
+)
+def test_parse_address(address: str, expected: tuple[str, int]) -> None:
+    assert parse_address(address) == expected
+    assert parse_address(host_port(*expected)) == expected
+
+
+@pytest.mark.parametrize("address", ["", "host", ":80", "host:", "host:0", "host:65536", "host:x1", "[::1]"])
+def test_parse_address_refuses_malformed(address: str) -> None:
+    with pytest.raises(ValueError, match="coordinator must be HOST:PORT"):
+        parse_address(address, "coordinator")
+
+
+def test_loopback_policy() -> None:
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "10.0.0.1", "node-a", "::"))
+
+
+def test_token_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PARAMPLANE_TOKEN_FILE", raising=False)
+    monkeypatch.delenv("PARAMPLANE_TOKEN", raising=False)
+    assert resolve_token() is None
+    monkeypatch.setenv("PARAMPLANE_TOKEN", "from-env")
+    assert resolve_token() == "from-env"
+    env_file = tmp_path / "env-token"
+    env_file.write_text("from-env-file\n")
+    monkeypatch.setenv("PARAMPLANE_TOKEN_FILE", str(env_file))
+    assert resolve_token() == "from-env-file"
+    arg_file = tmp_path / "arg-token"
+    arg_file.write_text("from-arg-file")
+    assert resolve_token(token_file=arg_file) == "from-arg-file"
+    assert resolve_token("explicit", token_file=arg_file) == "explicit"
+
+
+def test_empty_or_missing_token_file_is_an_error(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.write_text("  \n")
+    with pytest.raises(ValueError, match="is empty"):
+        resolve_token(token_file=empty)
+    with pytest.raises(ValueError, match="cannot read"):
+        resolve_token(token_file=tmp_path / "missing")
