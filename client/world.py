@@ -30,6 +30,7 @@ ENV_VARS = {
     "PARAMPLANE_BIND": "address the data-plane server binds (default 127.0.0.1)",
     "PARAMPLANE_ADVERTISE": "address peers use to reach this rank (default: the bind address)",
     "PARAMPLANE_SHM_SLOT_MB": "shared-memory slot per rank and bank in MiB (default 1)",
+    "PARAMPLANE_TCP_LANE": "1 (default): data frames on raw TCP lanes; 0: on gRPC streams (always under TLS)",
     "PARAMPLANE_TRACE": "folder for per-rank Chrome-trace JSON of every collective",
     "PARAMPLANE_TLS_CERT": "PEM certificate this rank's data-plane server presents (with _KEY and _CA)",
     "PARAMPLANE_TLS_KEY": "PEM private key of that certificate",
@@ -41,6 +42,15 @@ def _transport(value: str) -> TransportPolicy:
     if value not in POLICIES:
         raise ValueError(f"transport must be one of {POLICIES}, got {value!r} (PARAMPLANE_TRANSPORT)")
     return cast(TransportPolicy, value)
+
+
+def _flag(name: str, *, default: bool) -> bool:
+    value = _env(name)
+    if value is None:
+        return default
+    if value.lower() not in ("0", "1", "true", "false", "yes", "no"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value.lower() in ("1", "true", "yes")
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -206,6 +216,7 @@ def init(
         join_timeout_s=join_timeout or float(_env("PARAMPLANE_JOIN_TIMEOUT", "300") or 300),
         transport=_transport(transport or _env("PARAMPLANE_TRANSPORT", "auto") or "auto"),
         shm_slot_mb=float(_env("PARAMPLANE_SHM_SLOT_MB", "1") or 1),
+        tcp_lane=_flag("PARAMPLANE_TCP_LANE", default=True),
         bind_host=bind or _env("PARAMPLANE_BIND", "127.0.0.1") or "127.0.0.1",
         advertise_host=advertise or _env("PARAMPLANE_ADVERTISE"),
         tracer=tracer,

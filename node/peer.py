@@ -27,8 +27,10 @@ from paramplane.node.errors import (
     WorldAborted,
 )
 from paramplane.node.inbox import Inbox
+from paramplane.node.lane import LaneReader, LaneServer, LaneStream
 from paramplane.protos import peer_pb2
 from paramplane.protos.auth import TokenAuthInterceptor, token_metadata
+from paramplane.protos.net import parse_address
 
 log = logging.getLogger("paramplane.peer")
 
@@ -140,9 +142,9 @@ class OutStream:
         self.broken = False
         self.opened: asyncio.Future[None] | None = None
 
-    async def write(self, data: bytes) -> None:
+    async def write(self, data: Any) -> None:
         try:
-            await self.call.write(data)
+            await self.call.write(data if isinstance(data, bytes) else bytes(data))
         except Exception as exc:
             self.broken = True
             raise await self._failure(exc) from None
@@ -197,8 +199,12 @@ class PeerPlane:
         bind_host: str = "127.0.0.1",
         advertise_host: str | None = None,
         tls: TlsConfig | None = None,
+        lane: bool = True,
     ) -> None:
         self._token = token
+        self._lane_wanted = lane and tls is None
+        self._lane: LaneServer | None = None
+        self._lane_ports: dict[int, asyncio.Future[int]] = {}
         self._bind_host = bind_host
         self._advertise_host = advertise_host or bind_host
         self._tls = tls
@@ -207,7 +213,7 @@ class PeerPlane:
         self.job_id = ""
         self._addresses: dict[int, str] = {}
         self._channels: dict[int, Any] = {}
-        self._streams: dict[tuple[int, str], OutStream] = {}
+        self._streams: dict[tuple[int, str], OutStream | LaneStream] = {}
         self._inboxes: dict[tuple[int, str], Inbox] = {}
         self._stream_members: dict[str, frozenset[int]] = {}
         self._failures: dict[str, PlaneError] = {}
@@ -238,6 +244,10 @@ class PeerPlane:
             port = server.add_insecure_port(target)
         await server.start()
         self._server = server
+        if self._lane_wanted:
+            self._lane = LaneServer(self._token, self._lane_open, self._lane_serve)
+            self._lane.reader_shape = (CHUNK_BYTES, INBOX_DEPTH)
+            await self._lane.start(self._bind_host)
         return f"{self._advertise_host}:{port}"
 
     def configure(self, rank: int, job_id: str, addresses: dict[int, str]) -> None:
@@ -261,14 +271,18 @@ class PeerPlane:
 
         eos = peer_pb2.FrameHeader(src=self.rank, end_of_stream=True).SerializeToString()
 
-        async def finish(s: OutStream) -> None:
+        async def finish(s: OutStream | LaneStream) -> None:
             try:
                 if not s.broken:
                     await s.send_frame([eos])
-                await s.call.done_writing()
-                await s.call
+                if isinstance(s, LaneStream):
+                    await s.finish()
+                else:
+                    await s.call.done_writing()
+                    await s.call
             except BaseException:
-                pass
+                if isinstance(s, LaneStream):
+                    s.abandon()
 
         # First a goodbye to every live peer on a fresh stream, awaited until the peer has read it:
         # a data stream cut mid-frame (a failed op) then ends without alarming the receiver.
@@ -287,6 +301,9 @@ class PeerPlane:
             await ch.close(grace=None)
         self._channels.clear()
         self.fail_all(PlaneClosed("the plane was shut down"))
+        if self._lane is not None:
+            await self._lane.close()
+            self._lane = None
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
@@ -330,7 +347,8 @@ class PeerPlane:
         return inbox
 
     async def _hello(self, request: peer_pb2.HelloRequest, context: Any) -> peer_pb2.HelloResponse:
-        return peer_pb2.HelloResponse(rank=self.rank, job_id=self.job_id)
+        port = self._lane.port if self._lane is not None else 0
+        return peer_pb2.HelloResponse(rank=self.rank, job_id=self.job_id, lane_port=port)
 
     async def _push(self, requests: AsyncIterator[bytes], context: Any) -> bytes:
         it = requests.__aiter__()
@@ -371,17 +389,9 @@ class PeerPlane:
                     await inbox.put(message)
                     continue
                 header = _parse_header(message)
-                if header.end_of_stream:
+                if self._on_header(src, key, header, errors_only):
                     clean = True
-                    self._departed.add(src)
-                elif header.error:
-                    failure = decode_failure(header.error)
-                    if isinstance(failure, PeerLost) and failure.rank >= 0:
-                        self.lost.add(failure.rank)
-                    self.fail_key(key, failure)
-                elif errors_only:
-                    raise _Malformed("a data frame on an error stream")
-                else:
+                elif not header.error:
                     remaining = header.num_chunks
                     await inbox.put(header)
             # grpc.aio ends the iterator quietly when the sender dies, so only an explicit
@@ -394,13 +404,104 @@ class PeerPlane:
         except PlaneError as exc:
             await context.abort(grpc.StatusCode.ABORTED, encode_failure(exc))
         finally:
-            if not clean and not self._closing and inbox.error is None and src not in self._departed:
-                self.peer_lost(
-                    src,
-                    "its data stream ended without a goodbye (process died, network failed, or it sent a message "
-                    f"over {GRPC_RECEIVE_LIMIT >> 20} MiB)",
-                )
+            self._stream_ended(src, inbox, clean, "data stream")
         return b""
+
+    def _on_header(self, src: int, key: str, header: peer_pb2.FrameHeader, errors_only: bool) -> bool:
+        """Handle a control header (end of stream, error); True for end of stream. Data headers pass."""
+        if header.end_of_stream:
+            self._departed.add(src)
+            return True
+        if header.error:
+            failure = decode_failure(header.error)
+            if isinstance(failure, PeerLost) and failure.rank >= 0:
+                self.lost.add(failure.rank)
+            self.fail_key(key, failure)
+        elif errors_only:
+            raise _Malformed("a data frame on an error stream")
+        return False
+
+    def _stream_ended(self, src: int, inbox: Inbox, clean: bool, what: str) -> None:
+        if not clean and not self._closing and inbox.error is None and src not in self._departed:
+            self.peer_lost(
+                src,
+                f"its {what} ended without a goodbye (process died, network failed, or it sent a message "
+                f"over {GRPC_RECEIVE_LIMIT >> 20} MiB)",
+            )
+
+    # -- the raw TCP lane (node/lane.py) ---------------------------------------------------------
+    async def _lane_open(self, opening: peer_pb2.StreamOpen) -> str | None:
+        """The stream key of an authenticated lane opening, or None to refuse it."""
+        try:
+            await asyncio.wait_for(self._configured.wait(), CONFIGURE_WAIT_S)
+        except asyncio.TimeoutError:
+            return None
+        if opening.job_id != self.job_id or not 0 <= opening.src < len(self._addresses) or not opening.group:
+            return None
+        return opening.group
+
+    async def _lane_serve(self, src: int, key: str, errors_only: bool, reader: LaneReader) -> None:
+        if errors_only:
+            key = key[: -len(ERROR_SUFFIX)]
+        inbox = self.inbox(src, key)
+        clean = False
+        discard = False  # the key failed here: keep reading (the sender must not see a broken lane), drop
+
+        async def deliver(item: Any) -> None:
+            nonlocal discard
+            if not discard:
+                try:
+                    await inbox.put(item)
+                except PlaneError:
+                    discard = True
+
+        try:
+            while True:
+                raw = await reader.read_header(MAX_MESSAGE_BYTES)
+                if raw is None:
+                    break
+                header = _parse_header(raw)
+                if self._on_header(src, key, header, errors_only):
+                    clean = True
+                    break
+                if header.error:
+                    continue
+                await deliver(header)
+                remaining = header.nbytes if header.num_chunks else 0
+                while remaining > 0:
+                    size = min(CHUNK_BYTES, remaining)
+                    await deliver(await reader.read_chunk(size))
+                    remaining -= size
+        except (_Malformed, ValueError) as exc:
+            self.fail_key(key, TransportError(f"malformed frame from rank {src} on its data lane: {exc}"))
+        except OSError:
+            pass  # the sender died or the network failed: not clean, see below
+        finally:
+            self._stream_ended(src, inbox, clean, "data lane")
+
+    async def _peer_lane_port(self, dst: int) -> int:
+        """``dst``'s lane port (0: none), asked once over gRPC."""
+        fut = self._lane_ports.get(dst)
+        if fut is None:
+            fut = self._lane_ports[dst] = asyncio.ensure_future(self._ask_lane_port(dst))
+        return await asyncio.shield(fut)
+
+    async def _ask_lane_port(self, dst: int) -> int:
+        hello = self._channel(dst).unary_unary(
+            f"/{SERVICE}/Hello",
+            request_serializer=peer_pb2.HelloRequest.SerializeToString,
+            response_deserializer=peer_pb2.HelloResponse.FromString,
+        )
+        try:
+            reply = await hello(
+                peer_pb2.HelloRequest(rank=self.rank),
+                metadata=token_metadata(self._token),
+                timeout=CONFIGURE_WAIT_S,
+                wait_for_ready=True,
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise PeerLost(f"rank {dst} is unreachable: {exc.code().name} {exc.details()}", dst) from None
+        return int(reply.lane_port)
 
     # -- sending ---------------------------------------------------------------------------------
     def _channel(self, dst: int) -> Any:
@@ -415,14 +516,26 @@ class PeerPlane:
             self._channels[dst] = ch
         return ch
 
-    async def stream(self, dst: int, key: str) -> OutStream:
+    async def stream(self, dst: int, key: str) -> OutStream | LaneStream:
         """The outbound stream to ``dst`` for ``key``, opened on first use."""
         if self._closing:
             raise PlaneClosed("the plane was shut down")
         return await self._open(dst, key)
 
-    async def _open(self, dst: int, key: str) -> OutStream:
+    async def _open(self, dst: int, key: str) -> OutStream | LaneStream:
         s = self._streams.get((dst, key))
+        if s is None and self._lane is not None:
+            port = await self._peer_lane_port(dst)
+            s = self._streams.get((dst, key))  # another sender may have opened it meanwhile
+            if s is None and port:
+                host, _ = parse_address(self._addresses[dst], f"rank {dst}'s address")
+                lane = LaneStream(dst, host, port)
+                self._streams[(dst, key)] = lane
+                opening = peer_pb2.StreamOpen(src=self.rank, job_id=self.job_id, group=key)
+                lane.opened = asyncio.ensure_future(
+                    lane.connect(self._token, opening.SerializeToString(), CONFIGURE_WAIT_S)
+                )
+                s = lane
         if s is None:
             method = self._channel(dst).stream_unary(PUSH_METHOD)
             call = method(metadata=token_metadata(self._token), wait_for_ready=True)

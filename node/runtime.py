@@ -62,6 +62,9 @@ class RuntimeConfig:
     """Shared-memory slot per rank and bank in MiB (an op moves this much per round)."""
     tls: TlsConfig | None = None
     """TLS for the data plane."""
+    tcp_lane: bool = True
+    """Carry data frames between ranks on raw TCP lanes (node/lane.py) instead of gRPC streams;
+    off under TLS (lanes are plaintext) or with PARAMPLANE_TCP_LANE=0."""
     coordinator_root_cert: bytes | None = None
     """Root certificate to verify a TLS coordinator."""
     tracer: Tracer | None = None
@@ -105,6 +108,7 @@ class NodeRuntime:
             bind_host=config.bind_host,
             advertise_host=config.advertise_host,
             tls=config.tls,
+            lane=config.tcp_lane,
         )
         self.transport: TransportPolicy = config.transport
         self.shm_slot_bytes = slot_bytes(config.shm_slot_mb)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cparamplane/protos/peer.proto\x12\rparamplane.v1\"\x1c\n\x0cHelloRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\"-\n\rHelloResponse\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0e\n\x06job_id\x18\x02 \x01(\t\"8\n\nStreamOpen\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05group\x18\x03 \x01(\t\"\xea\x01\n\x0b\x46rameHeader\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x03\x12\n\n\x02op\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\x0b\n\x03src\x18\x06 \x01(\x05\x12\x0b\n\x03\x64st\x18\x07 \x01(\x05\x12\x0c\n\x04step\x18\x08 \x01(\x05\x12\x0e\n\x06nbytes\x18\t \x01(\x03\x12\x12\n\nnum_chunks\x18\n \x01(\x05\x12\x0b\n\x03\x61rg\x18\x0b \x01(\t\x12\r\n\x05\x65rror\x18\x0c \x01(\t\x12\x16\n\x0einline_payload\x18\r \x01(\x0c\x12\x15\n\rend_of_stream\x18\x0e \x01(\x08\x32J\n\x04Peer\x12\x42\n\x05Hello\x12\x1b.paramplane.v1.HelloRequest\x1a\x1c.paramplane.v1.HelloResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cparamplane/protos/peer.proto\x12\rparamplane.v1\"\x1c\n\x0cHelloRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\"@\n\rHelloResponse\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x11\n\tlane_port\x18\x03 \x01(\x05\"8\n\nStreamOpen\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05group\x18\x03 \x01(\t\"\xea\x01\n\x0b\x46rameHeader\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x03\x12\n\n\x02op\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\x0b\n\x03src\x18\x06 \x01(\x05\x12\x0b\n\x03\x64st\x18\x07 \x01(\x05\x12\x0c\n\x04step\x18\x08 \x01(\x05\x12\x0e\n\x06nbytes\x18\t \x01(\x03\x12\x12\n\nnum_chunks\x18\n \x01(\x05\x12\x0b\n\x03\x61rg\x18\x0b \x01(\t\x12\r\n\x05\x65rror\x18\x0c \x01(\t\x12\x16\n\x0einline_payload\x18\r \x01(\x0c\x12\x15\n\rend_of_stream\x18\x0e \x01(\x08\x32J\n\x04Peer\x12\x42\n\x05Hello\x12\x1b.paramplane.v1.HelloRequest\x1a\x1c.paramplane.v1.HelloResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HELLOREQUEST']._serialized_start=47
   _globals['_HELLOREQUEST']._serialized_end=75
   _globals['_HELLORESPONSE']._serialized_start=77
-  _globals['_HELLORESPONSE']._serialized_end=122
-  _globals['_STREAMOPEN']._serialized_start=124
-  _globals['_STREAMOPEN']._serialized_end=180
-  _globals['_FRAMEHEADER']._serialized_start=183
-  _globals['_FRAMEHEADER']._serialized_end=417
-  _globals['_PEER']._serialized_start=419
-  _globals['_PEER']._serialized_end=493
+  _globals['_HELLORESPONSE']._serialized_end=141
+  _globals['_STREAMOPEN']._serialized_start=143
+  _globals['_STREAMOPEN']._serialized_end=199
+  _globals['_FRAMEHEADER']._serialized_start=202
+  _globals['_FRAMEHEADER']._serialized_end=436
+  _globals['_PEER']._serialized_start=438
+  _globals['_PEER']._serialized_end=512
 # @@protoc_insertion_point(module_scope)

@@ -1,4 +1,4 @@
-"""Every collective over gRPC streams and shared memory, in real multi-process worlds.
+"""Every collective over TCP lanes, gRPC streams and shared memory, in real multi-process worlds.
 
 One world per (world size, transport) runs many checks inside tests/workers/collectives.py
 against numpy references built from deterministic per-rank data; here we assert that every
@@ -18,6 +18,9 @@ CASES = [
     # (world size, transport, extra env); every world runs every op at every size, plus the
     # point-to-point ring (and, in worlds of 4, the subgroup and two-groups-in-flight checks).
     pytest.param(2, "grpc", {}, id="2-grpc"),
+    # The same frames on gRPC streams instead of raw TCP lanes (what TLS uses).
+    pytest.param(2, "grpc", {"PARAMPLANE_TCP_LANE": "0"}, id="2-grpc-streams"),
+    pytest.param(3, "grpc", {"PARAMPLANE_TCP_LANE": "0"}, id="3-grpc-streams"),
     pytest.param(2, "shm", {}, id="2-shm"),
     pytest.param(3, "grpc", {}, id="3-grpc"),
     # A small shm slot makes the 1 MiB + 1 payloads take several rounds.
@@ -44,6 +47,11 @@ def test_every_collective_matches_numpy(n: int, transport: str, env: dict[str, s
         others = {d.get(key) for d in digests}
         assert others == {value}, f"ranks disagree bitwise on {key}: {others}"
     assert world.shm_leaks() == set()
+    if transport == "grpc":
+        lanes = env.get("PARAMPLANE_TCP_LANE") != "0"
+        assert {tuple(r["values"]["streams"]) for r in results} == {
+            ("LaneStream",) if lanes else ("OutStream",)
+        }
 
 
 def test_hierarchical_all_reduce_two_hosts(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from paramplane.node.spec import OpSpec, reduce_ufunc, split_bounds
 
 # At or below this many bytes an all-reduce uses the direct (latency-optimal) exchange.
 SMALL_BYTES = 256 << 10
-Sink = Callable[[int, bytes], None]
+Sink = Callable[[int, bytes | memoryview], None]
 
 
 class FrameChannel(Protocol):
@@ -58,7 +58,7 @@ def copy_into(flat: np.ndarray, start: int) -> Sink:
     """A sink writing received bytes into ``flat`` from element ``start`` on."""
     itemsize = flat.itemsize
 
-    def sink(offset: int, chunk: bytes) -> None:
+    def sink(offset: int, chunk: bytes | memoryview) -> None:
         s = start + offset // itemsize
         incoming = np.frombuffer(chunk, dtype=flat.dtype)
         flat[s : s + incoming.size] = incoming
@@ -71,7 +71,7 @@ def reduce_into(flat: np.ndarray, start: int, op: str) -> Sink:
     itemsize = flat.itemsize
     ufunc = reduce_ufunc(op)
 
-    def sink(offset: int, chunk: bytes) -> None:
+    def sink(offset: int, chunk: bytes | memoryview) -> None:
         s = start + offset // itemsize
         incoming = np.frombuffer(chunk, dtype=flat.dtype)
         view = flat[s : s + incoming.size]
@@ -80,7 +80,7 @@ def reduce_into(flat: np.ndarray, start: int, op: str) -> Sink:
     return sink
 
 
-def _discard(_offset: int, _chunk: bytes) -> None:
+def _discard(_offset: int, _chunk: bytes | memoryview) -> None:
     return None
 
 

@@ -211,6 +211,8 @@ def scenario(world: pp.World, rep: Report) -> None:
     if "--extras" in sys.argv:
         extras(world, rep)
     world.group.barrier()
+    # Which kind of outbound data stream carried the frames (TCP lanes or gRPC streams).
+    rep.values["streams"] = sorted({type(s).__name__ for s in world.runtime.plane._streams.values()})
 
 
 def main() -> None:

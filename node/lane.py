@@ -1,0 +1,286 @@
+"""The raw TCP data lane: the peer plane's frames on plain sockets, beside its gRPC streams.
+
+grpc.aio copies every byte about three times in user space on one Python thread, which caps a
+64 MiB exchange at about 0.45x of gloo on loopback (``../shared/notes/grpc-throughput.md``).
+A lane carries the same frames (a length-prefixed ``FrameHeader``, then ``nbytes`` of raw
+payload) over one socket per (sender, stream key): the sender writes straight from the array
+(``sock_sendall`` of a memoryview) and the receiver reads chunks into a small pool of reused
+buffers that the inbox hands to the op's sink, so a byte is copied once by the kernel and once
+by the reduction, as gloo does. gRPC still carries the rendezvous of each lane (``Hello`` names
+the lane port) and all frames where TLS is on (lanes are plaintext, so TLS turns them off).
+
+A connection opens with the server's 16-byte nonce; the client answers with a length-prefixed
+``StreamOpen`` and ``HMAC-SHA256(job token, nonce + opening)``, so the token never crosses
+the wire and a replayed opening fails. The server closes any connection whose opening, MAC,
+header or size is wrong; a connection that ends without an end-of-stream frame counts as a lost
+peer, exactly like a gRPC stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import os
+import socket
+import struct
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from paramplane.node.errors import PeerLost, PlaneError, TransportError
+from paramplane.protos import peer_pb2
+
+NONCE_BYTES = 16
+MAC_BYTES = 32
+MAX_OPENING_BYTES = 4096
+HANDSHAKE_TIMEOUT_S = 10.0
+_LEN = struct.Struct("!I")
+
+# What the lane needs from the peer plane for each accepted connection.
+Opener = Callable[[peer_pb2.StreamOpen], Awaitable[str | None]]
+Serve = Callable[[int, str, bool, "LaneReader"], Awaitable[None]]
+
+
+def opening_mac(token: str | None, nonce: bytes, opening: bytes) -> bytes:
+    return hmac.new((token or "").encode(), nonce + opening, hashlib.sha256).digest()
+
+
+async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> bool:
+    """Fill ``view`` from ``sock``; False on EOF before the first byte, TransportError on EOF after it."""
+    got = 0
+    while got < len(view):
+        n = await loop.sock_recv_into(sock, view[got:])
+        if n == 0:
+            if got == 0:
+                return False
+            raise ConnectionResetError(f"connection closed after {got} of {len(view)} bytes")
+        got += n
+    return True
+
+
+class LaneReader:
+    """Reads one accepted connection's frames: headers, and payload chunks into reused buffers."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, chunk_bytes: int, depth: int
+    ) -> None:
+        self.loop = loop
+        self.sock = sock
+        self.chunk_bytes = chunk_bytes
+        # The inbox holds at most ``depth`` chunks and its reader consumes a chunk before it
+        # awaits again, so depth + 2 buffers are never overwritten while still in use.
+        self._num_buffers = depth + 2
+        self._buffers: list[bytearray] = []
+        self._next = 0
+
+    async def read_header(self, max_bytes: int) -> bytes | None:
+        """The next header's bytes; None at a clean end of the connection."""
+        head = bytearray(_LEN.size)
+        if not await _recv_exact(self.loop, self.sock, memoryview(head)):
+            return None
+        (size,) = _LEN.unpack(head)
+        if size > max_bytes:
+            raise ValueError(f"frame header of {size} bytes, the limit is {max_bytes}")
+        data = bytearray(size)
+        if size and not await _recv_exact(self.loop, self.sock, memoryview(data)):
+            raise ConnectionResetError("connection closed inside a frame header")
+        return bytes(data)
+
+    async def read_chunk(self, size: int) -> memoryview:
+        """The next ``size`` payload bytes, in a pooled buffer valid until the pool wraps around."""
+        assert 0 < size <= self.chunk_bytes
+        if len(self._buffers) < self._num_buffers:
+            self._buffers.append(bytearray(self.chunk_bytes))
+        buf = memoryview(self._buffers[self._next % len(self._buffers)])[:size]
+        self._next += 1
+        if not await _recv_exact(self.loop, self.sock, buf):
+            raise ConnectionResetError("connection closed inside a frame payload")
+        return buf
+
+
+class LaneServer:
+    """Accepts lane connections on ``bind_host`` (port 0: any free port)."""
+
+    def __init__(self, token: str | None, opener: Opener, serve: Serve) -> None:
+        self._token = token
+        self._opener = opener
+        self._serve = serve
+        self._sock: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+        self.port = 0
+
+    async def start(self, bind_host: str) -> int:
+        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((bind_host, 0))
+        sock.listen(64)
+        sock.setblocking(False)
+        self._sock = sock
+        self.port = int(sock.getsockname()[1])
+        self._accepting = asyncio.ensure_future(self._accept_loop())
+        return self.port
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._sock is not None
+        while True:
+            conn, _ = await loop.sock_accept(self._sock)
+            conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            task = asyncio.ensure_future(self._handle(conn))
+            self._conns.add(task)
+            task.add_done_callback(self._conns.discard)
+
+    async def _handle(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            opened = await asyncio.wait_for(self._handshake(loop, conn), HANDSHAKE_TIMEOUT_S)
+            if opened is None:
+                return
+            src, key, errors_only = opened
+            await self._serve(src, key, errors_only, LaneReader(loop, conn, *self.reader_shape))
+        except (OSError, asyncio.TimeoutError, ValueError):
+            pass  # a stranger or a broken handshake: just close
+        finally:
+            conn.close()
+
+    reader_shape: tuple[int, int] = (1 << 20, 16)
+    """(chunk bytes, inbox depth) for readers; the peer plane sets its own."""
+
+    async def _handshake(
+        self, loop: asyncio.AbstractEventLoop, conn: socket.socket
+    ) -> tuple[int, str, bool] | None:
+        nonce = os.urandom(NONCE_BYTES)
+        await loop.sock_sendall(conn, nonce)
+        head = bytearray(_LEN.size)
+        if not await _recv_exact(loop, conn, memoryview(head)):
+            return None
+        (size,) = _LEN.unpack(head)
+        if not 0 < size <= MAX_OPENING_BYTES:
+            return None
+        body = bytearray(size + MAC_BYTES)
+        if not await _recv_exact(loop, conn, memoryview(body)):
+            return None
+        opening, mac = bytes(body[:size]), bytes(body[size:])
+        if not hmac.compare_digest(mac, opening_mac(self._token, nonce, opening)):
+            return None
+        message = peer_pb2.StreamOpen.FromString(opening)
+        key = await self._opener(message)
+        if key is None:
+            return None
+        await loop.sock_sendall(conn, b"\x01")
+        errors_only = key.endswith("#err")
+        return message.src, key, errors_only
+
+    async def close(self) -> None:
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(BaseException):
+                await self._accepting
+        for task in list(self._conns):
+            task.cancel()
+        if self._conns:
+            await asyncio.gather(*self._conns, return_exceptions=True)
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def _consume(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+class LaneStream:
+    """One outbound lane to a peer for one stream key (the lane's counterpart of ``OutStream``)."""
+
+    def __init__(self, dst: int, host: str, port: int) -> None:
+        self.dst = dst
+        self.host = host
+        self.port = port
+        self.sock: socket.socket | None = None
+        self.lock = asyncio.Lock()
+        self.broken = False
+        self.opened: asyncio.Future[None] | None = None
+
+    async def connect(self, token: str | None, opening: bytes, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await loop.sock_connect(sock, (self.host, self.port))
+                nonce = bytearray(NONCE_BYTES)
+                if not await _recv_exact(loop, sock, memoryview(nonce)):
+                    raise ConnectionResetError("the lane closed before its greeting")
+                mac = opening_mac(token, bytes(nonce), opening)
+                await loop.sock_sendall(sock, _LEN.pack(len(opening)) + opening + mac)
+                ok = bytearray(1)
+                if not await _recv_exact(loop, sock, memoryview(ok)) or ok[0] != 1:
+                    raise ConnectionResetError("the lane refused the opening (job, rank or token)")
+        except BaseException as exc:
+            sock.close()
+            self.broken = True
+            if isinstance(exc, (OSError, TimeoutError)):
+                raise PeerLost(
+                    f"rank {self.dst} is unreachable: its data lane did not open ({exc!r})", self.dst
+                ) from None
+            raise
+        self.sock = sock
+
+    async def send_frame(self, messages: Iterable[Any]) -> None:
+        """Write one frame whole (a header, then payload buffers), shielded from the caller's cancellation."""
+        assert self.opened is not None
+        if not self.opened.done():
+            await asyncio.shield(self.opened)
+        if self.opened.exception() is not None:
+            raise self.opened.exception()  # type: ignore[misc]
+        task = asyncio.ensure_future(self._write_frame(messages))
+        task.add_done_callback(_consume)
+        await asyncio.shield(task)
+
+    async def _write_frame(self, messages: Iterable[Any]) -> None:
+        loop = asyncio.get_running_loop()
+        async with self.lock:
+            if self.broken or self.sock is None:
+                raise TransportError(f"the lane to rank {self.dst} broke earlier; this group has failed")
+            done = False
+            try:
+                it = iter(messages)
+                header = next(it)
+                await loop.sock_sendall(self.sock, _LEN.pack(len(header)) + header)
+                for payload in it:
+                    await loop.sock_sendall(self.sock, payload)
+                done = True
+            except OSError as exc:
+                raise PeerLost(
+                    f"rank {self.dst} is unreachable: its data lane broke ({exc!r})", self.dst
+                ) from None
+            finally:
+                if not done:
+                    self.broken = True
+
+    async def finish(self) -> None:
+        """After the end-of-stream frame: close for writing and wait until the peer has read everything."""
+        sock = self.sock
+        if sock is None:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            sock.shutdown(socket.SHUT_WR)
+            await _recv_exact(loop, sock, memoryview(bytearray(1)))  # returns at the peer's close
+        except (OSError, PlaneError):
+            pass
+        finally:
+            sock.close()
+            self.sock = None
+
+    def abandon(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None

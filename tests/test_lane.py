@@ -1,0 +1,169 @@
+"""The raw TCP data lane: who may open one, what it carries, and what a bad sender gets."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import struct
+
+import numpy as np
+import pytest
+
+from paramplane.node.errors import PeerLost, TransportError
+from paramplane.node.lane import LaneReader, LaneServer, LaneStream, opening_mac
+from paramplane.node.peer import PeerPlane
+from paramplane.node.spec import OpSpec
+from paramplane.node.transports.grpc import GrpcChannel
+from paramplane.protos import peer_pb2
+
+TOKEN = "lane-test-token"
+JOB = "job-lane"
+
+
+async def bounded(aw: object, seconds: float = 10.0) -> object:
+    return await asyncio.wait_for(aw, seconds)  # type: ignore[arg-type]
+
+
+def _opening(src: int = 1, job: str = JOB, group: str = "g") -> bytes:
+    return peer_pb2.StreamOpen(src=src, job_id=job, group=group).SerializeToString()
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.served: list[tuple[int, str, bool]] = []
+        self.headers: list[bytes] = []
+        self.done = asyncio.Event()
+
+    async def opener(self, opening: peer_pb2.StreamOpen) -> str | None:
+        return opening.group if opening.job_id == JOB else None
+
+    async def serve(self, src: int, key: str, errors_only: bool, reader: LaneReader) -> None:
+        self.served.append((src, key, errors_only))
+        while (raw := await reader.read_header(1 << 16)) is not None:
+            self.headers.append(raw)
+        self.done.set()
+
+
+async def _server() -> tuple[LaneServer, _Recorder]:
+    rec = _Recorder()
+    server = LaneServer(TOKEN, rec.opener, rec.serve)
+    await server.start("127.0.0.1")
+    return server, rec
+
+
+async def test_an_authenticated_opening_is_served_and_carries_frames() -> None:
+    server, rec = await _server()
+    try:
+        lane = LaneStream(0, "127.0.0.1", server.port)
+        lane.opened = asyncio.ensure_future(lane.connect(TOKEN, _opening(group="g#err"), 5.0))
+        header = peer_pb2.FrameHeader(group="g", seq=3).SerializeToString()
+        await bounded(lane.send_frame([header]))
+        await bounded(lane.finish())
+        await bounded(rec.done.wait())
+        assert rec.served == [(1, "g#err", True)]
+        assert [peer_pb2.FrameHeader.FromString(h).seq for h in rec.headers] == [3]
+    finally:
+        await server.close()
+
+
+@pytest.mark.parametrize(
+    ("token", "opening"),
+    [("wrong-token", _opening()), (None, _opening()), (TOKEN, _opening(job="other-job"))],
+    ids=["wrong token", "no token", "other job"],
+)
+async def test_a_bad_opening_is_refused(token: str | None, opening: bytes) -> None:
+    server, rec = await _server()
+    try:
+        lane = LaneStream(0, "127.0.0.1", server.port)
+        with pytest.raises(PeerLost, match=r"refused|did not open"):
+            await bounded(lane.connect(token, opening, 5.0))
+        assert rec.served == []
+    finally:
+        await server.close()
+
+
+async def test_garbage_and_oversized_openings_are_dropped_and_the_server_lives_on() -> None:
+    server, rec = await _server()
+    loop = asyncio.get_running_loop()
+    rng = random.Random(7)
+    try:
+        for case in range(20):
+            sock = socket.socket()
+            sock.setblocking(False)
+            await bounded(loop.sock_connect(sock, ("127.0.0.1", server.port)))
+            nonce = await bounded(loop.sock_recv(sock, 16))
+            if case % 2:
+                payload = rng.randbytes(rng.randrange(1, 200))
+            else:  # a claimed opening far beyond the limit
+                payload = struct.pack("!I", 1 << 30) + opening_mac(TOKEN, nonce, b"")
+            await loop.sock_sendall(sock, payload)
+            sock.shutdown(socket.SHUT_WR)
+            # The server closes the connection: no acceptance byte, just the end (or a reset).
+            try:
+                assert await bounded(loop.sock_recv(sock, 1)) == b""
+            except ConnectionResetError:
+                pass
+            sock.close()
+        assert rec.served == []
+        lane = LaneStream(0, "127.0.0.1", server.port)
+        await bounded(lane.connect(TOKEN, _opening(), 5.0))
+        assert rec.served == [(1, "g", False)]
+        lane.abandon()
+    finally:
+        await server.close()
+
+
+async def _two_planes() -> tuple[PeerPlane, PeerPlane]:
+    a, b = PeerPlane(token=TOKEN), PeerPlane(token=TOKEN)
+    addresses = {0: await a.start(), 1: await b.start()}
+    a.configure(0, JOB, addresses)
+    b.configure(1, JOB, addresses)
+    return a, b
+
+
+async def test_frames_between_two_planes_travel_on_a_lane() -> None:
+    a, b = await _two_planes()
+    try:
+        sender, receiver = GrpcChannel(a, "g", [0, 1], 0), GrpcChannel(b, "g", [0, 1], 1)
+        spec = OpSpec("g", 1, "send/recv", "float32", (600_000,))
+        data = np.arange(600_000, dtype=np.float32)  # 2.4 MB: three chunks
+        got = np.zeros_like(data)
+        from paramplane.node.algorithms.ring import copy_into
+
+        await bounded(
+            asyncio.gather(
+                sender.send(1, spec, 0, data), receiver.recv(0, spec, 0, got.nbytes, copy_into(got, 0))
+            )
+        )
+        assert np.array_equal(got, data)
+        assert isinstance(await a.stream(1, "g"), LaneStream)
+    finally:
+        await a.close(0.5)
+        await b.close(0.5)
+
+
+async def test_a_malformed_frame_on_a_lane_fails_the_key_with_a_transport_error() -> None:
+    a, b = await _two_planes()
+    loop = asyncio.get_running_loop()
+    try:
+        b.register_stream_key("g", frozenset({0, 1}))
+        port = b._lane.port if b._lane is not None else 0
+        sock = socket.socket()
+        sock.setblocking(False)
+        await bounded(loop.sock_connect(sock, ("127.0.0.1", port)))
+        nonce = await bounded(loop.sock_recv(sock, 16))
+        opening = _opening(src=0, group="g")
+        await loop.sock_sendall(
+            sock, struct.pack("!I", len(opening)) + opening + opening_mac(TOKEN, nonce, opening)
+        )
+        assert await bounded(loop.sock_recv(sock, 1)) == b"\x01"
+        junk = b"\xff" * 40  # not a FrameHeader
+        await loop.sock_sendall(sock, struct.pack("!I", len(junk)) + junk)
+        inbox = b.inbox(0, "g")
+        with pytest.raises(TransportError, match="malformed frame from rank 0"):
+            await bounded(inbox.get())
+        sock.close()
+    finally:
+        await a.close(0.5)
+        await b.close(0.5)
