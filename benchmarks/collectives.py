@@ -1,5 +1,10 @@
 """Collective bandwidth and latency: paramplane (grpc, shm) beside torch.distributed gloo, nccl-tests style.
 
+Every implementation runs at its own defaults: paramplane ranks get the launcher's malloc settings
+(MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_), gloo and the bare socket ring get none. ``grpc`` is
+paramplane's inter-host path (frames on raw TCP lanes), ``grpc-streams`` the same frames on gRPC streams
+(what TLS uses); ``rawtcp`` is a two-process socket ring all-reduce, the physical limit of loopback plus add.
+
 For every (impl, transport, world size) a fresh world of rank processes is started on this host; each
 rank times every call of every (op, size) and takes the median of its per-iteration times; rank 0
 gathers the ranks' medians through the group and reports the largest. ``bytes`` is the whole buffer
@@ -14,6 +19,7 @@ Run: ``python benchmarks/collectives.py [--quick] [--markdown] [--out FILE]``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -28,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-TRANSPORTS = ("grpc", "shm")
+TRANSPORTS = ("grpc", "shm", "grpc-streams")
+DEFAULT_TRANSPORTS = ("grpc", "shm")
 DEFAULT_SIZES = tuple(4096 * 4**i for i in range(8))  # 4 KiB .. 64 MiB
 QUICK_SIZES = (4096, 65536)
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
@@ -45,10 +52,13 @@ class BenchConfig:
     """Buffer sizes in bytes (nccl-tests convention, see the module docstring)."""
     worlds: tuple[int, ...] = (2, 4)
     """World sizes; each gets fresh rank processes per impl and transport."""
-    transports: tuple[str, ...] = TRANSPORTS
-    """paramplane transports to time."""
+    transports: tuple[str, ...] = DEFAULT_TRANSPORTS
+    """paramplane transports to time: grpc (frames on raw TCP lanes, the default between hosts), shm, and
+    grpc-streams (the same frames on gRPC streams, as under TLS)."""
     gloo: bool = True
     """Also time torch.distributed gloo (skipped with a note when torch is not importable)."""
+    rawtcp: bool = True
+    """Also time a bare two-process socket ring all-reduce (world 2 only): the loopback-plus-add limit."""
     iters: int | None = None
     """Timed iterations for every size; None scales them with the size (fewer at large sizes)."""
     byte_budget: int = 1 << 30
@@ -236,8 +246,79 @@ def _worker(spec: dict[str, Any]) -> None:
     out = Path(spec["out"])
     if spec["impl"] == "gloo":
         _gloo_rank(cfg, spec["rank"], spec["world"], spec["store"], out)
+    elif spec["impl"] == "rawtcp":
+        _rawtcp_rank(cfg, spec["rank"], spec["store"], out)
     else:
         _paramplane_rank(cfg, spec["transport"], out)
+
+
+def _rawtcp_rank(cfg: BenchConfig, rank: int, store: str, out: Path) -> None:
+    """Two processes, one socket: a ring all-reduce (send half, receive and add the other half, swap
+    the sums) with a sender thread and 1 MiB receives into a reused buffer. No framing, no checks."""
+    import socket
+    import threading
+
+    import numpy as np
+
+    port_file = Path(f"{store}.port")
+    if rank == 0:
+        listener = socket.create_server(("127.0.0.1", 0))
+        port_file.write_text(str(listener.getsockname()[1]))
+        sock, _ = listener.accept()
+        listener.close()
+    else:
+        deadline = time.monotonic() + 30
+        while not port_file.exists() or not port_file.read_text():
+            if time.monotonic() > deadline:
+                raise RuntimeError("rank 0 never published its port")
+            time.sleep(0.01)
+        sock = socket.create_connection(("127.0.0.1", int(port_file.read_text())))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    chunk = np.empty(1 << 18, np.float32)  # 1 MiB
+
+    def exchange(send: np.ndarray, into: np.ndarray, add: bool) -> None:
+        sender = threading.Thread(target=sock.sendall, args=(send.view(np.uint8).data,))
+        sender.start()
+        done = 0
+        while done < into.size:
+            m = min(chunk.size, into.size - done)
+            view = chunk[:m].view(np.uint8).data
+            got = 0
+            while got < view.nbytes:
+                got += sock.recv_into(view[got:])
+            if add:
+                np.add(into[done : done + m], chunk[:m], out=into[done : done + m])
+            else:
+                into[done : done + m] = chunk[:m]
+            done += m
+        sender.join()
+
+    def make_call(op: str, count: int) -> Callable[[], object]:
+        x = np.zeros(count, np.float32)
+        half = count // 2
+        mine, theirs = (x[:half], x[half:]) if rank == 0 else (x[half:], x[:half])
+
+        def all_reduce() -> None:
+            exchange(theirs, mine, add=True)
+            exchange(mine, theirs, add=False)
+
+        return all_reduce
+
+    def barrier() -> None:
+        sock.sendall(b"b")
+        assert sock.recv(1) == b"b"
+
+    def worst(median: float) -> float:
+        sock.sendall(np.array([median], np.float64).tobytes())
+        other = np.frombuffer(sock.recv(8, socket.MSG_WAITALL), np.float64)[0]
+        return max(median, float(other))
+
+    rows = _rank_loop(
+        dataclasses.replace(cfg, ops=("all_reduce",)), "rawtcp", "rawtcp", 2, make_call, barrier, worst
+    )
+    if rank == 0:
+        out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sock.close()
 
 
 # -- driver side ---------------------------------------------------------------------------------
@@ -262,7 +343,8 @@ def _run_world(cfg: BenchConfig, impl: str, transport: str, world: int) -> list[
                 env.update(
                     PARAMPLANE_COORDINATOR=coordinator.start(),
                     PARAMPLANE_WORLD_SIZE=str(world),
-                    PARAMPLANE_TRANSPORT=transport,
+                    PARAMPLANE_TRANSPORT="grpc" if transport == "grpc-streams" else transport,
+                    PARAMPLANE_TCP_LANE="0" if transport == "grpc-streams" else "1",
                     PARAMPLANE_TIMEOUT=str(cfg.timeout_s),
                 )
             else:
@@ -316,9 +398,11 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     busbw_vs_gloo > 1 and p50_vs_gloo < 1 mean paramplane is faster.
     """
     gloo = {(r["op"], r["world_size"], r["bytes"]): r for r in rows if r["impl"] == "gloo"}
+    raw = {(r["op"], r["world_size"], r["bytes"]): r for r in rows if r["impl"] == "rawtcp"}
     out = []
     for r in rows:
-        ref = gloo.get((r["op"], r["world_size"], r["bytes"]))
+        at = (r["op"], r["world_size"], r["bytes"])
+        ref = gloo.get(at)
         if r["impl"] != "paramplane" or ref is None:
             continue
         line = {
@@ -327,6 +411,8 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         }
         line["busbw_vs_gloo"] = _sig(r["busbw_GBps"] / ref["busbw_GBps"], 3)
         line["p50_vs_gloo"] = _sig(r["p50_us"] / ref["p50_us"], 3)
+        if at in raw:  # against the bare socket ring: the loopback-plus-add limit
+            line["busbw_vs_rawtcp"] = _sig(r["busbw_GBps"] / raw[at]["busbw_GBps"], 3)
         out.append(line)
     return out
 
@@ -377,10 +463,16 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namesp
     p.add_argument("--ops", type=_csv(str), default=OPS, help="comma list (default: all four)")
     p.add_argument("--sizes", type=_csv(_size), default=None, help="e.g. 4K,1M,64M (default 4K..64M)")
     p.add_argument("--worlds", type=_csv(int), default=(2, 4), help="comma list of world sizes (default 2,4)")
-    p.add_argument("--transports", type=_csv(str), default=TRANSPORTS, help="default grpc,shm")
+    p.add_argument(
+        "--transports",
+        type=_csv(str),
+        default=DEFAULT_TRANSPORTS,
+        help="default grpc,shm (also: grpc-streams)",
+    )
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default: by size)")
     p.add_argument("--repeats", type=int, default=1, help="interleaved rounds, median kept (default 1)")
     p.add_argument("--no-gloo", action="store_true", help="skip torch.distributed gloo")
+    p.add_argument("--no-rawtcp", action="store_true", help="skip the bare socket all_reduce (world 2)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per world (default 600)")
     p.add_argument("--out", type=Path, default=None, help="append the JSON lines to this file")
     p.add_argument("--quick", action="store_true", help="world 2, 4K and 64K, 5 iters")
@@ -395,6 +487,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namesp
             worlds=(2,) if quick else args.worlds,
             transports=args.transports,
             gloo=not args.no_gloo,
+            rawtcp=not args.no_rawtcp,
             iters=args.iters if args.iters is not None else (5 if quick else None),
             timeout_s=min(args.timeout, 60.0) if quick else args.timeout,
             repeats=args.repeats,
@@ -410,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
         _worker(json.loads(args.worker))
         return 0
     impls = [("paramplane", t) for t in cfg.transports]
+    if cfg.rawtcp and "all_reduce" in cfg.ops and 2 in cfg.worlds:
+        impls.append(("rawtcp", "rawtcp"))
     if cfg.gloo:
         if torch_available():
             impls.append(("gloo", "gloo"))
@@ -421,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
             rounds.append([])
             for world in cfg.worlds:
                 for impl, transport in impls:
+                    if impl == "rawtcp" and world != 2:
+                        continue
                     start = time.monotonic()
                     rounds[-1] += _run_world(cfg, impl, transport, world)
                     took = time.monotonic() - start

@@ -49,13 +49,15 @@ def _check_row(row: dict[str, Any]) -> None:
 
 def test_quick_run_emits_one_valid_row_per_case(tmp_path: Path) -> None:
     out = tmp_path / "rows.jsonl"
-    _, lines = _run("--quick", "--no-gloo", "--out", str(out))
+    _, lines = _run("--quick", "--no-gloo", "--no-rawtcp", "--out", str(out))
     rows = [r for r in lines if r["bench"] == "collectives"]
     for row in rows:
         _check_row(row)
         assert row["impl"] == "paramplane" and row["world_size"] == 2
     cases = {(r["transport"], r["op"], r["bytes"]) for r in rows}
-    expected = {(t, op, size) for t in bench.TRANSPORTS for op in bench.OPS for size in bench.QUICK_SIZES}
+    expected = {
+        (t, op, size) for t in bench.DEFAULT_TRANSPORTS for op in bench.OPS for size in bench.QUICK_SIZES
+    }
     assert cases == expected and len(rows) == len(expected)
     assert [json.loads(line) for line in out.read_text().splitlines()] == lines
 
@@ -64,14 +66,15 @@ def test_quick_run_emits_one_valid_row_per_case(tmp_path: Path) -> None:
 def test_quick_run_with_gloo_adds_peer_rows_and_ratios() -> None:
     _, lines = _run("--quick", "--transports", "shm", "--ops", "all_reduce", "--sizes", "4K")
     rows = {r["impl"]: r for r in lines if r["bench"] == "collectives"}
-    assert set(rows) == {"paramplane", "gloo"}
+    assert set(rows) == {"paramplane", "gloo", "rawtcp"}
     for row in rows.values():
         _check_row(row)
     (summary,) = [r for r in lines if r["bench"] == "collectives_summary"]
-    pp, gloo = rows["paramplane"], rows["gloo"]
+    pp, gloo, raw = rows["paramplane"], rows["gloo"], rows["rawtcp"]
     # Rows are rounded to 4 significant digits, the ratios computed before rounding.
     assert summary["busbw_vs_gloo"] == pytest.approx(pp["busbw_GBps"] / gloo["busbw_GBps"], rel=1e-2)
     assert summary["p50_vs_gloo"] == pytest.approx(pp["p50_us"] / gloo["p50_us"], rel=1e-2)
+    assert summary["busbw_vs_rawtcp"] == pytest.approx(pp["busbw_GBps"] / raw["busbw_GBps"], rel=1e-2)
 
 
 def test_bus_factors_follow_nccl_tests() -> None:
