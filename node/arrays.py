@@ -69,6 +69,17 @@ def to_host(x: Any) -> np.ndarray[Any, Any]:
     return x.get() if is_cupy(x) else np.asarray(x)
 
 
+def to_pinned(x: Any, out: np.ndarray[Any, Any] | None = None) -> np.ndarray[Any, Any]:
+    """A host copy of the cupy array ``x`` in page-locked memory (fast, asynchronous-capable
+    transfers), written into ``out`` when it is a pinned array of the same shape and dtype."""
+    import cupyx
+
+    if out is None or out.shape != x.shape or out.dtype != x.dtype:
+        out = cupyx.empty_pinned(x.shape, x.dtype)
+    x.get(out=out)
+    return out
+
+
 def on_module(xp: ModuleType, x: Any) -> Any:
     """``x`` as an array of ``xp`` (numpy or cupy), copying across host and device as needed."""
     return to_host(x) if xp is np else xp.asarray(x)

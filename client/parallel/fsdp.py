@@ -35,7 +35,7 @@ import numpy as np
 from paramplane.group import ProcessGroup
 from paramplane.nn.layers import Sequential
 from paramplane.nn.module import Array, Module, Parameter, RemovableHandle
-from paramplane.node.arrays import array_module, on_module, to_host
+from paramplane.node.arrays import array_module, on_module, to_host, to_pinned
 from paramplane.node.errors import CollectiveMismatch
 from paramplane.optim.optimizer import Optimizer
 from paramplane.parallel.fsdp_config import STRATEGIES, CPUOffload, MemoryTracker, MixedPrecision
@@ -186,7 +186,7 @@ class FSDP:
             unit = FlatUnit.build(path, unit_module, mine, s_rank, s_count, flat)
             unit.release_from(flat)
             if self._host_shards:
-                unit.shard.data = to_host(unit.shard.data)
+                unit.shard.data = to_pinned(unit.shard.data)
             built.append(unit)
         return built
 
@@ -360,10 +360,12 @@ class FSDP:
                     unit.replicate_work.wait()
                 assert unit.grad_shard is not None
                 g = unit.grad_shard.astype(self.master_dtype) * scale
-                if self._host_shards:
-                    g = to_host(g)
                 shard = unit.shard
-                if shard.grad is None:
+                if self._host_shards and shard.grad is None:  # into this unit's reused page-locked buffer
+                    shard.grad = unit.extra["pinned_grad"] = to_pinned(g, unit.extra.get("pinned_grad"))
+                elif self._host_shards:
+                    shard.grad += to_host(g)
+                elif shard.grad is None:
                     shard.grad = g
                 else:
                     shard.grad += g

@@ -48,7 +48,7 @@ class MixedPrecision:
 
 @dataclass(frozen=True)
 class CPUOffload:
-    """Keep shards, gradients and optimizer state in host memory (numpy); compute on the device.
+    """Keep shards, gradients and optimizer state in host memory (numpy, page-locked); compute on the device.
 
     For cupy models each unit's shard is copied to the GPU for its all-gather, gradients are
     reduce-scattered on the GPU and copied back, and the optimizer steps the numpy shards (like

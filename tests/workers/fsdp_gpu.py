@@ -65,6 +65,15 @@ def scenario(world: Any, rep: Report) -> None:
             opt.step()
             opt.zero_grad()
         if offload:
+            host_type = 1  # cudaMemoryTypeHost: page-locked; plain numpy memory reads as unregistered (0)
+            rep.check(
+                "offload: shards and gradients page-locked",
+                all(
+                    cupy.cuda.runtime.pointerGetAttributes(a.ctypes.data).type == host_type
+                    for p in fsdp.parameters()
+                    for a in (p.data, *(() if p.grad is None else (p.grad,)))
+                ),
+            )
             states = [v for st in opt.state.values() for v in st.values() if hasattr(v, "shape")]
             rep.check(
                 "offload: optimizer state in host memory",
