@@ -543,7 +543,8 @@ class FSDP:
         return self.train(False)
 
     def memory_stats(self) -> dict[str, Any]:
-        """Measured bytes per kind (``current`` and ``peak`` since ``reset_peak``) and the analytic estimate."""
+        """Measured bytes per kind (``current`` and ``peak`` since ``reset_peak``) and the analytic estimate;
+        for cupy models also ``device_pool``: the bytes cupy's default memory pool uses and holds."""
         stats: dict[str, Any] = self.memory.snapshot()
         total = sum(u.numel for u in self.units)
         item = self.master_dtype.itemsize
@@ -554,6 +555,9 @@ class FSDP:
             "optim_memory_bytes": 2 * total * item // self.shard_group.size,
             "world_size": self.group.size,
         }
+        if self._xp is not np:  # cupy: what its memory pool holds (all of this process's cupy arrays)
+            pool = self._xp.get_default_memory_pool()
+            stats["device_pool"] = {"used": int(pool.used_bytes()), "total": int(pool.total_bytes())}
         return stats
 
     def reset_peak(self) -> None:

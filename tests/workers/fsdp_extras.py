@@ -178,6 +178,7 @@ def memory(world: Any, rep: Report) -> None:
     _, traced_peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     stats = fsdp.memory_stats()
+    rep.check("no device pool entry for a numpy model", "device_pool" not in stats, str(sorted(stats)))
     peak = stats["total"]["peak"]
     single = 4 * full_bytes  # params, grads, two AdamW moments in one process
     bound = 1.1 * (single / world.world_size + 2 * unit_bytes[0])

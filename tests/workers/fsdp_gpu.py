@@ -87,6 +87,13 @@ def scenario(world: Any, rep: Report) -> None:
                 "offload: forward output on the device",
                 type(fsdp(cupy.asarray(x[a:b]))).__module__.startswith("cupy"),
             )
+        if name != "ddp":
+            pool = fsdp.memory_stats().get("device_pool", {})
+            rep.check(
+                f"{name}: device pool bytes reported",
+                0 < pool.get("used", 0) <= pool.get("total", 0),
+                str(pool),
+            )
         got = {k: cupy.asnumpy(v) for k, v in fsdp.state_dict().items()}
         rtol = 5e-2 if name == "fp16" else 1e-4
         for key, value in want["state"].items():
