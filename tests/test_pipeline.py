@@ -86,6 +86,11 @@ def test_a_dead_stage_is_named_not_hung() -> None:
     assert r0 is not None and r0["failures"] == [] and r0["num_checks"] == 1, world.describe()
 
 
+def test_an_activation_that_changes_shape_mid_step_is_a_mismatch_on_both_stages() -> None:
+    world = run_world(2, "pipeline.py", args=["bad_shape"], env={"PARAMPLANE_TIMEOUT": "30"}, timeout=90)
+    assert all(r["num_checks"] == 1 for r in world.check_ok())
+
+
 def test_pipeline_times_data_parallel_trains_like_one_process() -> None:
     world = run_world(4, "pipeline.py", args=["dp_pp"], env={"PARAMPLANE_TIMEOUT": "60"}, timeout=180)
     assert all(r["num_checks"] >= 2 for r in world.check_ok())

@@ -92,6 +92,30 @@ def kill(world: Any, rep: Report) -> None:
     )
 
 
+def bad_shape(world: Any, rep: Report) -> None:
+    """Stage 0's output changes shape at microbatch 2 of 4 (step time, after microbatch 0 set the shape):
+    both ranks end with CollectiveMismatch naming the shapes, within the deadline, not a hang."""
+    g = world.group
+    module = stage_module(g.rank, 2)
+    if g.rank == 0:
+        original, calls = module.forward, [0]
+
+        def drifting(x: Any) -> Any:
+            calls[0] += 1
+            y = original(x)
+            return np.concatenate([y, y[:1]]) if calls[0] == 3 else y
+
+        object.__setattr__(module, "forward", drifting)
+    pipe = pp.Pipeline(module, g, "1f1b", 4, CrossEntropyLoss())
+    x, y = np.ones((4 * PER_MB, IN)), np.zeros(4 * PER_MB, np.int64)
+    rep.raises(
+        "shape change at microbatch 2",
+        pp.CollectiveMismatch,
+        lambda: pipe.step(x if g.rank == 0 else None, y if g.rank == 1 else None),
+        "shape",
+    )
+
+
 def dp_pp(world: Any, rep: Report) -> None:
     """A 2 (dp) x 2 (pp) mesh trains 3 SGD steps exactly like one process on the whole batch."""
     from paramplane.optim import SGD
@@ -156,6 +180,9 @@ def errors(world: Any, rep: Report) -> None:
 def main() -> None:
     if sys.argv[1] == "errors":
         run_rank(errors)
+        return
+    if sys.argv[1] == "bad_shape":
+        run_rank(bad_shape)
         return
     if sys.argv[1] == "kill":
         run_rank(kill)
