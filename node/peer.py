@@ -221,11 +221,16 @@ class PeerPlane:
         self._closing = False
         self._departed: set[int] = set()
         self._configured = asyncio.Event()
+        self._key_waiters: dict[str, asyncio.Event] = {}
+        self.admit_wait_s = CONFIGURE_WAIT_S
+        """How long a stream for a group this rank has not created yet waits for it before it is refused."""
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.lost: set[int] = set()
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> str:
         """Start the server on an ephemeral port; returns the address to advertise."""
+        self._loop = asyncio.get_running_loop()
         server = grpc.aio.server(interceptors=[TokenAuthInterceptor(self._token)], options=SERVER_OPTIONS)
         handlers = {
             "Push": grpc.stream_unary_rpc_method_handler(self._push),
@@ -258,10 +263,42 @@ class PeerPlane:
         self._configured.set()
 
     def register_stream_key(self, key: str, members: frozenset[int]) -> None:
-        """Declare which ranks talk on ``key``, so a lost peer fails exactly the keys it belongs to."""
+        """Declare which ranks talk on ``key``: only they may open streams for it here, and a lost peer
+        fails exactly the keys it belongs to. Callable from any thread; it takes effect on the loop."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is not loop:
+                loop.call_soon_threadsafe(self._register, key, members)
+                return
+        self._register(key, members)
+
+    def _register(self, key: str, members: frozenset[int]) -> None:
         self._stream_members[key] = members
         if self._global_failure is not None:
             self._failures.setdefault(key, self._global_failure)
+        waiter = self._key_waiters.pop(key, None)
+        if waiter is not None:
+            waiter.set()
+
+    async def _admit(self, src: int, key: str) -> str | None:
+        """None if ``src`` may send on ``key`` here (waiting briefly for this rank to create the group), else why not."""
+        if key == GOODBYE_KEY:
+            return None
+        base = key.removesuffix(ERROR_SUFFIX)
+        if base not in self._stream_members:
+            waiter = self._key_waiters.setdefault(base, asyncio.Event())
+            try:
+                await asyncio.wait_for(waiter.wait(), self.admit_wait_s)
+            except asyncio.TimeoutError:
+                self._key_waiters.pop(base, None)
+                return f"no group {base!r} was created on rank {self.rank} within {self.admit_wait_s:g} s"
+        if src not in self._stream_members[base]:
+            return f"rank {src} is not a member of group {base!r}"
+        return None
 
     async def close(self, grace: float = 1.0) -> None:
         """Finish every outbound stream (delivering what was written), then stop the server."""
@@ -368,6 +405,9 @@ class PeerPlane:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"TransportError: stream from rank {opening.src} of job {opening.job_id!r} does not belong here",
             )
+        refused = await self._admit(opening.src, opening.group)
+        if refused is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"TransportError: {refused}")
         src, key = opening.src, opening.group
         errors_only = key.endswith(ERROR_SUFFIX)
         if errors_only:
@@ -437,6 +477,8 @@ class PeerPlane:
         except asyncio.TimeoutError:
             return None
         if opening.job_id != self.job_id or not 0 <= opening.src < len(self._addresses) or not opening.group:
+            return None
+        if await self._admit(opening.src, opening.group) is not None:
             return None
         return opening.group
 

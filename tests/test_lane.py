@@ -6,7 +6,9 @@ import asyncio
 import random
 import socket
 import struct
+from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
@@ -16,6 +18,7 @@ from paramplane.node.peer import PeerPlane
 from paramplane.node.spec import OpSpec
 from paramplane.node.transports.grpc import GrpcChannel
 from paramplane.protos import peer_pb2
+from paramplane.protos.auth import token_metadata
 
 TOKEN = "lane-test-token"
 JOB = "job-lane"
@@ -164,6 +167,40 @@ async def test_a_malformed_frame_on_a_lane_fails_the_key_with_a_transport_error(
         with pytest.raises(TransportError, match="malformed frame from rank 0"):
             await bounded(inbox.get())
         sock.close()
+    finally:
+        await a.close(0.5)
+        await b.close(0.5)
+
+
+async def _push_opening(plane_address: str, src: int, key: str) -> grpc.aio.AioRpcError:
+    async with grpc.aio.insecure_channel(plane_address) as channel:
+        push = channel.stream_unary("/paramplane.v1.Peer/Push")
+
+        async def requests() -> Any:
+            yield peer_pb2.StreamOpen(src=src, job_id=JOB, group=key).SerializeToString()
+
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await push(requests(), metadata=token_metadata(TOKEN), timeout=10)
+        return info.value
+
+
+async def test_streams_only_for_groups_this_rank_created_and_only_from_their_members() -> None:
+    a, b = await _two_planes()
+    try:
+        b.admit_wait_s = 0.2
+        address = b._addresses[1]
+        b.register_stream_key("g", frozenset({1}))
+        stranger = await bounded(_push_opening(address, 0, "g"))
+        assert stranger.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "rank 0 is not a member of group 'g'" in (stranger.details() or "")
+        unknown = await bounded(_push_opening(address, 0, "never-created"))
+        assert unknown.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "no group 'never-created'" in (unknown.details() or "")
+        assert ("never-created" not in {k for _, k in b._inboxes}) and ((0, "g") not in b._inboxes)
+        # The same refusals on a lane: the opening is not accepted.
+        lane = LaneStream(1, "127.0.0.1", b._lane.port if b._lane is not None else 0)
+        with pytest.raises(PeerLost, match="refused"):
+            await bounded(lane.connect(TOKEN, _opening(src=0, group="never-created"), 5.0))
     finally:
         await a.close(0.5)
         await b.close(0.5)
