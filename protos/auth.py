@@ -7,6 +7,7 @@ import from here and from nowhere else of ours (see DESIGN.md, Layout).
 from __future__ import annotations
 
 import hmac
+import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -33,10 +34,8 @@ def _rejecting(handler: grpc.RpcMethodHandler, details: str) -> grpc.RpcMethodHa
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
         yield  # pragma: no cover - makes this an async generator
 
-    kw = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
+    # The request is never decoded: a refused call cannot reach the protobuf parser either.
+    kw = {"request_deserializer": None, "response_serializer": handler.response_serializer}
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(deny, **kw)
     if handler.unary_stream:
@@ -46,8 +45,49 @@ def _rejecting(handler: grpc.RpcMethodHandler, details: str) -> grpc.RpcMethodHa
     return grpc.stream_stream_rpc_method_handler(deny_stream, **kw)
 
 
+def _decoding(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    """``handler`` with its request decoded inside the call, so undecodable bytes end as INVALID_ARGUMENT
+    (grpc.aio would answer UNKNOWN and log a traceback for a deserializer that raises)."""
+    decode = handler.request_deserializer
+    if decode is None or not (handler.unary_unary or handler.unary_stream):
+        return handler
+
+    async def parse(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return decode(raw)
+        except Exception:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"malformed {method} request ({len(raw)} bytes)"
+            )
+
+    if handler.unary_unary:
+        inner = handler.unary_unary
+
+        async def unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            result = inner(await parse(raw, context), context)
+            return await result if inspect.isawaitable(result) else result
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary, request_deserializer=None, response_serializer=handler.response_serializer
+        )
+    inner_stream = handler.unary_stream
+
+    async def stream(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        result = inner_stream(await parse(raw, context), context)
+        if inspect.isawaitable(result):
+            await result  # a servicer that writes with context.write
+            return
+        async for item in result:
+            yield item
+
+    return grpc.unary_stream_rpc_method_handler(
+        stream, request_deserializer=None, response_serializer=handler.response_serializer
+    )
+
+
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Refuses every call whose metadata lacks the job token (UNAUTHENTICATED).
+    """Refuses every call whose metadata lacks the job token (UNAUTHENTICATED), and decodes admitted
+    requests inside the call so that malformed bytes get INVALID_ARGUMENT.
 
     With ``token=None`` every call is admitted. The comparison is constant-time
     and the token never appears in an error message.
@@ -62,8 +102,10 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if self._token is None or handler is None or details.method in UNAUTHENTICATED_METHODS:
+        if handler is None:
             return handler
+        if self._token is None or details.method in UNAUTHENTICATED_METHODS:
+            return _decoding(handler, details.method)
         sent = dict(details.invocation_metadata or ()).get(TOKEN_METADATA_KEY)
         if sent is None:
             return _rejecting(
@@ -71,4 +113,4 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             )
         if not hmac.compare_digest(str(sent).encode(), self._token):
             return _rejecting(handler, "wrong job token: every rank must use the coordinator's token")
-        return handler
+        return _decoding(handler, details.method)

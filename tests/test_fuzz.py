@@ -1,0 +1,272 @@
+"""Fuzzing the coordinator's and a rank's ports: random bytes, mutated protobufs, bad tokens, garbage on
+the TCP lanes. Every call ends with a proper status within its deadline (never UNKNOWN, the mark of an
+unhandled exception), the servers stay up, and a world formed afterwards works."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import socket
+import subprocess
+import sys
+from collections import Counter
+from typing import Any
+
+import grpc
+import numpy as np
+
+from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
+from paramplane.node.algorithms.ring import copy_into
+from paramplane.node.peer import PeerPlane
+from paramplane.node.spec import OpSpec
+from paramplane.node.transports.grpc import GrpcChannel
+from paramplane.protos import coordinator_pb2, peer_pb2
+from paramplane.protos.auth import token_metadata
+
+TOKEN = "fuzz-token"
+SEED = 20261122
+COORD = "/paramplane.v1.Coordinator/"
+# Methods that cannot block on their own; Barrier and KV waits are fuzzed with bytes only (short deadline).
+UNARY = [
+    "Join",
+    "KVSet",
+    "KVGet",
+    "KVAdd",
+    "KVCompareSet",
+    "KVDelete",
+    "Heartbeat",
+    "Abort",
+    "Leave",
+    "Status",
+]
+MESSAGES: dict[str, Any] = {
+    "Join": coordinator_pb2.JoinRequest,
+    "KVSet": coordinator_pb2.KVSetRequest,
+    "KVAdd": coordinator_pb2.KVAddRequest,
+    "KVCompareSet": coordinator_pb2.KVCompareSetRequest,
+    "KVDelete": coordinator_pb2.KVDeleteRequest,
+    "Heartbeat": coordinator_pb2.HeartbeatRequest,
+    "Abort": coordinator_pb2.AbortRequest,
+    "Leave": coordinator_pb2.LeaveRequest,
+    "Status": coordinator_pb2.StatusRequest,
+}
+
+
+def _mutated(rng: random.Random, cls: Any) -> bytes:
+    """A message of ``cls`` with random values in random fields (extremes included), serialized."""
+    msg = cls()
+    for field in cls.DESCRIPTOR.fields:
+        if rng.random() < 0.3:
+            continue
+        if field.is_repeated or field.message_type is not None:
+            continue
+        kind = field.cpp_type
+        if kind == field.CPPTYPE_STRING:
+            value: Any = rng.choice(["", "x" * rng.randrange(1, 5000), "\u2603/../k", "a" * 64])
+            if field.type == field.TYPE_BYTES:
+                value = rng.randbytes(rng.randrange(0, 3000))
+        elif kind == field.CPPTYPE_BOOL:
+            value = rng.random() < 0.5
+        elif kind in (field.CPPTYPE_INT32, field.CPPTYPE_ENUM):
+            value = rng.choice([0, -1, 1, 2, 3, -(2**31), 2**31 - 1])
+        elif kind in (field.CPPTYPE_INT64,):
+            value = rng.choice([0, -1, 7, -(2**63), 2**63 - 1])
+        elif kind in (field.CPPTYPE_UINT32, field.CPPTYPE_UINT64):
+            value = rng.choice([0, 1, 2**32 - 1])
+        elif kind in (field.CPPTYPE_FLOAT, field.CPPTYPE_DOUBLE):
+            value = rng.choice([0.0, -1.0, 1e-9, 1e30, float("inf"), float("nan")])
+        else:
+            continue
+        setattr(msg, field.name, value)
+    data = msg.SerializeToString()
+    if rng.random() < 0.2 and data:  # truncate or flip a byte: a broken encoding
+        cut = bytearray(data[: rng.randrange(len(data))])
+        if cut:
+            cut[rng.randrange(len(cut))] ^= 0xFF
+        data = bytes(cut)
+    return data
+
+
+def _call(
+    channel: grpc.Channel, method: str, payload: bytes, metadata: Any, timeout: float
+) -> grpc.StatusCode:
+    try:
+        channel.unary_unary(COORD + method)(payload, metadata=metadata, timeout=timeout)
+        return grpc.StatusCode.OK
+    except grpc.RpcError as err:
+        code = err.code()  # type: ignore[attr-defined]
+        assert code != grpc.StatusCode.UNKNOWN, f"{method}: unhandled error {err.details()}"  # type: ignore[attr-defined]
+        if code == grpc.StatusCode.INTERNAL:  # only gRPC's own refusal to decode
+            assert "deserializ" in (err.details() or "").lower(), f"{method}: {err.details()}"  # type: ignore[attr-defined]
+        return code  # type: ignore[no-any-return]
+
+
+def test_coordinator_survives_random_and_mutated_requests() -> None:
+    rng = random.Random(SEED)
+    codes: Counter[str] = Counter()
+    config = CoordinatorConfig(host="127.0.0.1", port=0, world_size=2, token=TOKEN, join_timeout_s=5)
+    with CoordinatorThread(config) as coord, grpc.insecure_channel(coord.address) as channel:
+        auth = token_metadata(TOKEN)
+        for i in range(240):
+            method = rng.choice(UNARY)
+            payload = (
+                _mutated(rng, MESSAGES[method])
+                if i % 2 and method in MESSAGES
+                else rng.randbytes(rng.randrange(0, 300))
+            )
+            codes[_call(channel, method, payload, auth, timeout=10).name] += 1
+        for method in ("Barrier", "KVGet"):
+            for _ in range(10):
+                codes[_call(channel, method, rng.randbytes(rng.randrange(0, 40)), auth, timeout=2).name] += 1
+        stream = channel.unary_stream(COORD + "Watch")
+        for _ in range(10):
+            try:
+                for _event in stream(rng.randbytes(rng.randrange(0, 40)), metadata=auth, timeout=1):
+                    pass
+            except grpc.RpcError as err:
+                assert err.code() != grpc.StatusCode.UNKNOWN, err.details()  # type: ignore[attr-defined]
+        # Still serving: a well-formed Status answers.
+        status = channel.unary_unary(
+            COORD + "Status",
+            request_serializer=coordinator_pb2.StatusRequest.SerializeToString,
+            response_deserializer=coordinator_pb2.StatusResponse.FromString,
+        )
+        assert status(coordinator_pb2.StatusRequest(), metadata=auth, timeout=10) is not None
+    assert sum(codes.values()) == 260 and len(codes) >= 2, codes  # the cases reached different outcomes
+
+
+def test_bad_tokens_are_refused_everywhere_and_a_world_forms_afterwards() -> None:
+    rng = random.Random(SEED + 1)
+    config = CoordinatorConfig(host="127.0.0.1", port=0, world_size=2, token=TOKEN, join_timeout_s=60)
+    with CoordinatorThread(config) as coord:
+        with grpc.insecure_channel(coord.address) as channel:
+            for i in range(120):
+                method = rng.choice(UNARY)
+                payload = _mutated(rng, MESSAGES[method]) if method in MESSAGES else rng.randbytes(50)
+                metadata = () if i % 2 else token_metadata(TOKEN + rng.choice(["x", "-1", "0"]))
+                assert (
+                    _call(channel, method, payload, metadata, timeout=10) == grpc.StatusCode.UNAUTHENTICATED
+                )
+        code = (
+            "import numpy as np, paramplane as pp\n"
+            "with pp.init() as w:\n"
+            "    x = np.full(3, w.rank + 1.0); w.group.all_reduce(x)\n"
+            "    assert x.tolist() == [3.0] * 3, x\n"
+        )
+        env = dict(
+            os.environ,
+            PARAMPLANE_COORDINATOR=coord.address,
+            PARAMPLANE_WORLD_SIZE="2",
+            PARAMPLANE_TOKEN=TOKEN,
+            PARAMPLANE_TIMEOUT="30",
+        )
+        procs = [
+            subprocess.Popen([sys.executable, "-c", code], env=dict(env, PARAMPLANE_RANK=str(r)))
+            for r in (0, 1)
+        ]
+        try:
+            assert [p.wait(timeout=90) for p in procs] == [0, 0]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+
+
+async def _planes() -> tuple[PeerPlane, PeerPlane]:
+    a, b = PeerPlane(token=TOKEN), PeerPlane(token=TOKEN)
+    addresses = {0: await a.start(), 1: await b.start()}
+    a.configure(0, "job-fuzz", addresses)
+    b.configure(1, "job-fuzz", addresses)
+    a.admit_wait_s = b.admit_wait_s = 0.1
+    return a, b
+
+
+def _frame_variants(rng: random.Random) -> list[bytes]:
+    """Random bytes, mutated frame headers (absurd shapes, sizes, chunk counts) and oversized messages."""
+    header = peer_pb2.FrameHeader(group="g", seq=1, op="all_reduce", dtype="float32", shape=[4], nbytes=16)
+    out = [rng.randbytes(rng.randrange(1, 200)), header.SerializeToString()]
+    for _ in range(4):
+        h = peer_pb2.FrameHeader()
+        h.CopyFrom(header)
+        h.nbytes = rng.choice([-1, 0, 2**40, 17])
+        h.num_chunks = rng.choice([-5, 0, 3, 10**6])
+        h.shape[:] = [rng.choice([-1, 0, 2**31 - 1])]
+        h.dtype = rng.choice(["float32", "pickle", ""])
+        out.append(h.SerializeToString())
+    out.append(b"\x00" * (2 << 20))  # over the 1 MiB + header message limit
+    return out
+
+
+async def test_peer_ports_survive_malformed_streams_and_still_carry_frames() -> None:
+    rng = random.Random(SEED + 2)
+    a, b = await _planes()
+    loop = asyncio.get_running_loop()
+    try:
+        sender, receiver = GrpcChannel(a, "g", [0, 1], 0), GrpcChannel(b, "g", [0, 1], 1)
+        address = b._addresses[1]
+        async with grpc.aio.insecure_channel(
+            address, options=[("grpc.max_send_message_length", 8 << 20)]
+        ) as ch:
+            push = ch.stream_unary("/paramplane.v1.Peer/Push")
+            hello = ch.unary_unary("/paramplane.v1.Peer/Hello")
+            for i in range(60):
+                opening = rng.choice(
+                    [
+                        rng.randbytes(rng.randrange(0, 60)),
+                        peer_pb2.StreamOpen(
+                            src=rng.choice([-1, 5, 0]), job_id="job-fuzz", group="g"
+                        ).SerializeToString(),
+                        peer_pb2.StreamOpen(src=0, job_id="other", group="g").SerializeToString(),
+                        peer_pb2.StreamOpen(
+                            src=0, job_id="job-fuzz", group=rng.choice(["nope", "g#err", "#bye"])
+                        ).SerializeToString(),
+                    ]
+                )
+                frames = [opening, *rng.sample(_frame_variants(rng), 3)]
+
+                async def requests(frames: list[bytes] = frames) -> Any:
+                    for f in frames:
+                        yield f
+
+                metadata = token_metadata(TOKEN) if i % 5 else token_metadata("wrong")
+                try:
+                    await asyncio.wait_for(push(requests(), metadata=metadata, timeout=5), 10)
+                except grpc.aio.AioRpcError as err:
+                    assert err.code() != grpc.StatusCode.UNKNOWN, err.details()
+                try:
+                    await hello(
+                        rng.randbytes(rng.randrange(0, 30)), metadata=token_metadata(TOKEN), timeout=5
+                    )
+                except grpc.aio.AioRpcError as err:
+                    assert err.code() != grpc.StatusCode.UNKNOWN, err.details()
+        # Raw garbage on the lane port.
+        port = b._lane.port if b._lane is not None else 0
+        for _ in range(30):
+            sock = socket.socket()
+            sock.setblocking(False)
+            await asyncio.wait_for(loop.sock_connect(sock, ("127.0.0.1", port)), 5)
+            try:
+                await loop.sock_sendall(sock, rng.randbytes(rng.randrange(0, 5000)))
+            except OSError:
+                pass
+            sock.close()
+        # Inboxes exist only for the registered key (fuzzed frames on it failed it); nothing else was made.
+        assert {k for _, k in b._inboxes} <= {"g", "#bye"}
+        # A fresh group between the same planes still works.
+        fresh_a, fresh_b = GrpcChannel(a, "h", [0, 1], 0), GrpcChannel(b, "h", [0, 1], 1)
+        spec = OpSpec("h", 1, "send/recv", "float32", (300_000,))
+        data = np.arange(300_000, dtype=np.float32)
+        got = np.zeros_like(data)
+        await asyncio.wait_for(
+            asyncio.gather(
+                fresh_a.send(1, spec, 0, data), fresh_b.recv(0, spec, 0, got.nbytes, copy_into(got, 0))
+            ),
+            10,
+        )
+        assert np.array_equal(got, data)
+        del sender, receiver
+    finally:
+        await a.close(0.5)
+        await b.close(0.5)
