@@ -451,6 +451,12 @@ class PeerPlane:
         """Handle a control header (end of stream, error); True for end of stream. Data headers pass."""
         if header.end_of_stream:
             self._departed.add(src)
+            # Everything ``src`` sent on this key came before this frame: what is queued stays readable,
+            # a receive beyond it could never be satisfied.
+            self.inbox(src, key).fail(
+                PeerLost(f"rank {src} shut down: it sent nothing more for group '{key}' before leaving", src),
+                drain=True,
+            )
             return True
         if header.error:
             failure = decode_failure(header.error)

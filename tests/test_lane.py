@@ -12,6 +12,7 @@ import grpc
 import numpy as np
 import pytest
 
+from paramplane.node.algorithms.ring import copy_into
 from paramplane.node.errors import PeerLost, TransportError
 from paramplane.node.lane import LaneReader, LaneServer, LaneStream, opening_mac
 from paramplane.node.peer import PeerPlane
@@ -132,7 +133,6 @@ async def test_frames_between_two_planes_travel_on_a_lane() -> None:
         spec = OpSpec("g", 1, "send/recv", "float32", (600_000,))
         data = np.arange(600_000, dtype=np.float32)  # 2.4 MB: three chunks
         got = np.zeros_like(data)
-        from paramplane.node.algorithms.ring import copy_into
 
         await bounded(
             asyncio.gather(
@@ -203,4 +203,22 @@ async def test_streams_only_for_groups_this_rank_created_and_only_from_their_mem
             await bounded(lane.connect(TOKEN, _opening(src=0, group="never-created"), 5.0))
     finally:
         await a.close(0.5)
+        await b.close(0.5)
+
+
+async def test_a_receive_beyond_what_a_departed_peer_sent_fails_at_once() -> None:
+    a, b = await _two_planes()
+    try:
+        sender, receiver = GrpcChannel(a, "g", [0, 1], 0), GrpcChannel(b, "g", [0, 1], 1)
+        spec = OpSpec("g", 1, "send/recv", "float32", (4,))
+        await bounded(sender.send(1, spec, 0, np.ones(4, np.float32)))
+        await a.close(2.0)  # a finished its work and shut down cleanly
+        got = np.zeros(4, np.float32)
+        await bounded(receiver.recv(0, spec, 0, got.nbytes, copy_into(got, 0)))  # what it sent is readable
+        assert got.tolist() == [1.0] * 4
+        with pytest.raises(PeerLost, match="rank 0 shut down"):
+            await bounded(
+                receiver.recv(0, OpSpec("g", 2, "send/recv", "float32", (4,)), 0, 16, copy_into(got, 0)), 5
+            )
+    finally:
         await b.close(0.5)
