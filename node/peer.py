@@ -89,6 +89,24 @@ def decode_failure(text: str, default: type[PlaneError] = TransportError) -> Pla
     return cls(message or text)
 
 
+def failure_message(exc: BaseException) -> peer_pb2.Failure:
+    """The typed failure an error frame carries."""
+    kind = type(exc).__name__ if type(exc).__name__ in _KINDS else "TransportError"
+    rank = getattr(exc, "rank", None)
+    return peer_pb2.Failure(
+        kind=kind, rank=rank if isinstance(rank, int) and rank >= 0 else -1, text=str(exc)
+    )
+
+
+def from_failure_message(msg: peer_pb2.Failure) -> PlaneError:
+    cls = _KINDS.get(msg.kind, TransportError)
+    if cls is PeerLost:
+        return PeerLost(msg.text, msg.rank)
+    if cls is WorldAborted:
+        return WorldAborted(msg.text, msg.rank)
+    return cls(msg.text)
+
+
 class _Malformed(Exception):
     def __init__(self, message: str, *, oversized: bool = False) -> None:
         super().__init__(message)
@@ -431,7 +449,7 @@ class PeerPlane:
                 header = _parse_header(message)
                 if self._on_header(src, key, header, errors_only):
                     clean = True
-                elif not header.error:
+                elif not header.HasField("failure"):
                     remaining = header.num_chunks
                     await inbox.put(header)
             # grpc.aio ends the iterator quietly when the sender dies, so only an explicit
@@ -451,15 +469,18 @@ class PeerPlane:
         """Handle a control header (end of stream, error); True for end of stream. Data headers pass."""
         if header.end_of_stream:
             self._departed.add(src)
-            # Everything ``src`` sent on this key came before this frame: what is queued stays readable,
-            # a receive beyond it could never be satisfied.
-            self.inbox(src, key).fail(
-                PeerLost(f"rank {src} shut down: it sent nothing more for group '{key}' before leaving", src),
-                drain=True,
-            )
+            if not errors_only:
+                # Everything ``src`` sent on this key came before this frame: what is queued stays
+                # readable, a receive beyond it could never be satisfied.
+                self.inbox(src, key).fail(
+                    PeerLost(
+                        f"rank {src} shut down: it sent nothing more for group '{key}' before leaving", src
+                    ),
+                    drain=True,
+                )
             return True
-        if header.error:
-            failure = decode_failure(header.error)
+        if header.HasField("failure"):
+            failure = from_failure_message(header.failure)
             if isinstance(failure, PeerLost) and failure.rank >= 0:
                 self.lost.add(failure.rank)
             self.fail_key(key, failure)
@@ -512,7 +533,7 @@ class PeerPlane:
                 if self._on_header(src, key, header, errors_only):
                     clean = True
                     break
-                if header.error:
+                if header.HasField("failure"):
                     continue
                 await deliver(header)
                 remaining = header.nbytes if header.num_chunks else 0

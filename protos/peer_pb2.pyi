@@ -114,9 +114,9 @@ class FrameHeader(_message.Message):
     NBYTES_FIELD_NUMBER: _builtins.int
     NUM_CHUNKS_FIELD_NUMBER: _builtins.int
     ARG_FIELD_NUMBER: _builtins.int
-    ERROR_FIELD_NUMBER: _builtins.int
     INLINE_PAYLOAD_FIELD_NUMBER: _builtins.int
     END_OF_STREAM_FIELD_NUMBER: _builtins.int
+    FAILURE_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     """Process group name and the collective's sequence number within it."""
     seq: _builtins.int
@@ -131,8 +131,6 @@ class FrameHeader(_message.Message):
     num_chunks: _builtins.int
     arg: _builtins.str
     """Extra argument that must agree across ranks (reduction op, root rank)."""
-    error: _builtins.str
-    """Non-empty when the sender failed this op; the frame carries no payload."""
     inline_payload: _builtins.bytes
     """Small payloads (up to 64 KiB) travel inside the header (num_chunks = 0): one message, not two."""
     end_of_stream: _builtins.bool
@@ -140,6 +138,10 @@ class FrameHeader(_message.Message):
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The shape of the caller's array, for mismatch reports."""
+
+    @_builtins.property
+    def failure(self) -> Global___Failure:
+        """Set when the sender failed this group; the frame carries no payload."""
 
     def __init__(
         self,
@@ -155,14 +157,43 @@ class FrameHeader(_message.Message):
         nbytes: _builtins.int = ...,
         num_chunks: _builtins.int = ...,
         arg: _builtins.str = ...,
-        error: _builtins.str = ...,
         inline_payload: _builtins.bytes = ...,
         end_of_stream: _builtins.bool = ...,
+        failure: Global___Failure | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["failure", b"failure"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arg", b"arg", "dst", b"dst", "dtype", b"dtype", "end_of_stream", b"end_of_stream", "error", b"error", "group", b"group", "inline_payload", b"inline_payload", "nbytes", b"nbytes", "num_chunks", b"num_chunks", "op", b"op", "seq", b"seq", "shape", b"shape", "src", b"src", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arg", b"arg", "dst", b"dst", "dtype", b"dtype", "end_of_stream", b"end_of_stream", "failure", b"failure", "group", b"group", "inline_payload", b"inline_payload", "nbytes", b"nbytes", "num_chunks", b"num_chunks", "op", b"op", "seq", b"seq", "shape", b"shape", "src", b"src", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___FrameHeader: _TypeAlias = FrameHeader  # noqa: Y015
+
+@_typing.final
+class Failure(_message.Message):
+    """Why a group failed, as one rank tells the others."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    kind: _builtins.str
+    """CollectiveMismatch, WorldAborted, TransportError or PeerLost (anything else reads as TransportError)."""
+    rank: _builtins.int
+    """The rank the failure names (the lost or aborting rank); -1 if none."""
+    text: _builtins.str
+    def __init__(
+        self,
+        *,
+        kind: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "rank", b"rank", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Failure: _TypeAlias = Failure  # noqa: Y015

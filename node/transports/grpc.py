@@ -21,7 +21,7 @@ from paramplane.node.algorithms import ring
 from paramplane.node.algorithms.ring import Sink
 from paramplane.node.errors import CollectiveMismatch, CollectiveTimeout, PeerLost, PlaneError, TransportError
 from paramplane.node.loop import LoopThread
-from paramplane.node.peer import CHUNK_BYTES, ERROR_SUFFIX, PeerPlane, encode_failure
+from paramplane.node.peer import CHUNK_BYTES, ERROR_SUFFIX, PeerPlane, failure_message
 from paramplane.node.spec import OpSpec
 from paramplane.node.transports.base import Bounds, Transport
 from paramplane.protos import peer_pb2
@@ -130,7 +130,7 @@ class GrpcChannel:
     def fail(self, exc: PlaneError) -> PlaneError:
         """Fail this stream key here and, best effort, on every other rank of the group."""
         self.plane.fail_key(self.key, exc)
-        header = peer_pb2.FrameHeader(src=self.me, error=encode_failure(exc))
+        header = peer_pb2.FrameHeader(src=self.me, failure=failure_message(exc))
         for idx in range(self.n):
             if idx != self.index and self.ranks[idx] not in self.plane.lost:
                 task = asyncio.ensure_future(self._send_error(idx, header.SerializeToString()))
