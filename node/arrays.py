@@ -41,18 +41,43 @@ def cupy_module() -> ModuleType | None:
         return None
 
 
+# Other device array libraries by the module prefix of their array type (tests register a recording
+# stand-in for cupy here, so device/host data movement is checked on machines without a GPU).
+_DEVICE_MODULES: dict[str, ModuleType] = {}
+
+
+def register_device_module(type_module_prefix: str, module: ModuleType) -> None:
+    """Treat arrays whose type lives in a module starting with ``type_module_prefix`` as device arrays of
+    ``module`` (which offers numpy's API plus ``asarray`` to the device and ``x.get()`` back)."""
+    _DEVICE_MODULES[type_module_prefix] = module
+
+
 def is_cupy(x: Any) -> bool:
     """True when ``x`` is a cupy array (without importing cupy when it was never imported)."""
     return type(x).__module__.startswith("cupy")
 
 
+def _registered(x: Any) -> ModuleType | None:
+    if _DEVICE_MODULES:
+        name = type(x).__module__
+        for prefix, module in _DEVICE_MODULES.items():
+            if name.startswith(prefix):
+                return module
+    return None
+
+
+def is_device(x: Any) -> bool:
+    """True for device arrays: cupy's, or a registered device module's."""
+    return is_cupy(x) or _registered(x) is not None
+
+
 def array_module(x: Any) -> ModuleType:
-    """numpy or cupy, whichever owns ``x``."""
+    """numpy, cupy or a registered device module, whichever owns ``x``."""
     if is_cupy(x):
         import cupy
 
         return cupy
-    return np
+    return _registered(x) or np
 
 
 def dtype_name(dtype: Any) -> str:
@@ -65,17 +90,20 @@ def dtype_name(dtype: Any) -> str:
 
 
 def to_host(x: Any) -> np.ndarray[Any, Any]:
-    """A numpy copy (cupy) or the array itself (numpy)."""
-    return x.get() if is_cupy(x) else np.asarray(x)
+    """A numpy copy (device array) or the array itself (numpy)."""
+    return x.get() if is_device(x) else np.asarray(x)
 
 
 def to_pinned(x: Any, out: np.ndarray[Any, Any] | None = None) -> np.ndarray[Any, Any]:
-    """A host copy of the cupy array ``x`` in page-locked memory (fast, asynchronous-capable
-    transfers), written into ``out`` when it is a pinned array of the same shape and dtype."""
-    import cupyx
-
+    """A host copy of the device array ``x`` in page-locked memory for cupy (fast, asynchronous-capable
+    transfers), written into ``out`` when it is a host array of the same shape and dtype."""
     if out is None or out.shape != x.shape or out.dtype != x.dtype:
-        out = cupyx.empty_pinned(x.shape, x.dtype)
+        if is_cupy(x):
+            import cupyx
+
+            out = cupyx.empty_pinned(x.shape, x.dtype)
+        else:
+            out = np.empty(x.shape, x.dtype)
     x.get(out=out)
     return out
 

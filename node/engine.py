@@ -17,7 +17,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from paramplane.node.actor import OpActor
-from paramplane.node.arrays import array_module, dtype_name, is_cupy, to_host
+from paramplane.node.arrays import array_module, dtype_name, is_cupy, is_device, to_host
 from paramplane.node.errors import PlaneError
 from paramplane.node.spec import OpSpec, check_reduce_op, split_bounds
 from paramplane.node.transports.base import POLICIES, Bounds, Comm, Transport
@@ -44,7 +44,7 @@ class PlaneContext(TransportContext, Protocol):
 
 def check_array(x: Any, what: str = "x", *, writable: bool = True) -> None:
     """ValueError for anything the plane cannot move in place."""
-    if not (isinstance(x, np.ndarray) or is_cupy(x)):
+    if not (isinstance(x, np.ndarray) or is_device(x)):
         raise ValueError(f"{what} must be a numpy or cupy array, got {type(x).__name__}")
     dtype_name(x.dtype)
     if not x.flags.c_contiguous:
@@ -61,7 +61,7 @@ class _Staged:
 
     def __init__(self, x: Any, comm: Comm, *, copy_in: bool = True) -> None:
         self.x = x
-        self.staged = is_cupy(x) and not comm.device
+        self.staged = is_device(x) and not comm.device
         if self.staged:
             self.arr = to_host(x) if copy_in else np.empty(x.shape, x.dtype)
         else:

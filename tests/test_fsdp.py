@@ -88,3 +88,11 @@ def test_prefetch_overlaps_the_next_gather_with_compute(tmp_path: Path) -> None:
                 assert seen["forward"] >= 1 and seen["backward"] >= 1, seen
             else:  # without prefetch every gather finishes before its unit computes
                 assert seen == {"forward": 0, "backward": 0}, seen
+
+
+def test_cpu_offload_moves_data_as_documented_without_a_gpu() -> None:
+    """Offload on a recording device module: shards, gradients and optimizer state on the host, gathered
+    parameters and outputs on the 'device', one host-to-device copy per shard per gather, same training."""
+    world = run_world(2, "fsdp_offload.py", env={"PARAMPLANE_TIMEOUT": "60"}, timeout=120)
+    results = world.check_ok()
+    assert all(r["num_checks"] >= 30 for r in results), [r["num_checks"] for r in results]
