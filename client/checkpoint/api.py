@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from paramplane.group import ProcessGroup
-from paramplane.node.arrays import array_module, dtype_name, to_host
+from paramplane.node.arrays import array_module, dtype_name, from_foreign, is_device, to_host
 from paramplane.node.errors import CollectiveTimeout
 from paramplane.optim.optimizer import Optimizer
 from paramplane.parallel.sharding import ShardedArray
@@ -54,6 +54,14 @@ def _is_array(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
+def _leaf(value: Any) -> Any:
+    """numpy, cupy and ShardedArray leaves as they are; any other ``__dlpack__`` tensor (torch, JAX) as a
+    zero-copy numpy or cupy view, so that loading fills the caller's tensor in place."""
+    if isinstance(value, (np.ndarray, ShardedArray)) or is_device(value) or not hasattr(value, "__dlpack__"):
+        return value
+    return from_foreign(value)[0]
+
+
 def _entries(state: Mapping[str, Any]) -> dict[str, Any]:
     """Every leaf of ``state`` under ``top/key``: ShardedArray, whole array, or plain value."""
     out: dict[str, Any] = {}
@@ -62,13 +70,13 @@ def _entries(state: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"checkpoint keys may not contain '/': {top!r}")
         if hasattr(obj, "sharded_state_dict") and hasattr(obj, "load_sharded_state_dict"):
             leaves = obj.sharded_state_dict()
-        elif hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
+        elif hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict") and not hasattr(obj, "__dlpack__"):
             leaves = obj.state_dict()
         else:
-            out[top] = obj
+            out[top] = _leaf(obj)
             continue
         for key, value in leaves.items():
-            out[f"{top}/{key}"] = value
+            out[f"{top}/{key}"] = _leaf(value)
     return out
 
 

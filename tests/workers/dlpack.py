@@ -1,4 +1,4 @@
-"""Collectives on torch CPU tensors (DLPack, zero-copy): in-place ops change the caller's tensor."""
+"""Collectives and checkpoints on torch CPU tensors (DLPack, zero-copy): in-place ops change the caller's tensor."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Report, run_rank
+
+import paramplane as pp
 
 
 def scenario(world: Any, rep: Report) -> None:
@@ -44,6 +46,25 @@ def scenario(world: Any, rep: Report) -> None:
         lambda: g.all_reduce(torch.ones(2, dtype=torch.complex64)),
         "not supported",
     )
+
+    # Checkpoints: torch tensors are saved and loaded in place (the caller's tensors change).
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.gettempdir()) / f"pp-dlpack-{world.job_id}"
+    weights = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3) + me, "step": 7}
+    saved = pp.checkpoint.save({"model": weights["w"], "step": weights["step"]}, root / "ckpt", g)
+    target = torch.zeros(2, 3)
+    plain = pp.checkpoint.load({"model": target, "step": 0}, saved, g)
+    rep.check(
+        "checkpoint loads into the torch tensor in place",
+        torch.equal(target, weights["w"] - me + 0),
+        str(target),
+    )
+    rep.check("checkpoint plain values come back", plain.get("step") == 7, str(plain))
+    g.barrier()
+    if me == 0:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":
