@@ -1,0 +1,44 @@
+"""Every PARAMPLANE_* variable the package reads is documented once: in ``paramplane.world.ENV_VARS`` (what
+``pp.init`` reads, shown by the CLI) or as set by the launcher, and in the README's table."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from paramplane.world import ENV_VARS
+
+ROOT = Path(__file__).resolve().parent.parent
+NAME = re.compile(r"PARAMPLANE_[A-Z][A-Z_]*[A-Z](?![A-Z_{])")
+SET_BY_LAUNCHER = {"PARAMPLANE_LOCAL_RANK", "PARAMPLANE_RESTART_COUNT"}
+TEST_HOOKS = {"PARAMPLANE_TEST_CRASH_IN_SAVE"}
+
+
+def _read_by_package() -> set[str]:
+    names: set[str] = set()
+    for folder in ("client", "node", "coordinator", "protos"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if not path.name.endswith("_pb2.py"):
+                names |= set(NAME.findall(path.read_text()))
+    return names - TEST_HOOKS
+
+
+def _readme_table() -> set[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    return set(NAME.findall(section))
+
+
+def test_every_variable_is_documented_in_the_readme_table() -> None:
+    missing = _read_by_package() - _readme_table()
+    assert not missing, f"read by the package but not in the README's table: {sorted(missing)}"
+
+
+def test_the_readme_table_lists_nothing_the_package_ignores() -> None:
+    stale = _readme_table() - _read_by_package()
+    assert not stale, f"in the README's table but read nowhere: {sorted(stale)}"
+
+
+def test_init_documents_what_it_reads() -> None:
+    undocumented = _read_by_package() - set(ENV_VARS) - SET_BY_LAUNCHER
+    assert not undocumented, f"not in paramplane.world.ENV_VARS: {sorted(undocumented)}"
