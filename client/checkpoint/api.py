@@ -70,7 +70,9 @@ def _entries(state: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"checkpoint keys may not contain '/': {top!r}")
         if hasattr(obj, "sharded_state_dict") and hasattr(obj, "load_sharded_state_dict"):
             leaves = obj.sharded_state_dict()
-        elif hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict") and not hasattr(obj, "__dlpack__"):
+        elif (
+            hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict") and not hasattr(obj, "__dlpack__")
+        ):
             leaves = obj.state_dict()
         else:
             out[top] = _leaf(obj)

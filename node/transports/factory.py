@@ -25,6 +25,7 @@ from paramplane.node.transports.grpc import GrpcTransport
 from paramplane.node.transports.nccl import NCCL_OPS, nccl_moves
 from paramplane.node.transports.shm import (
     SEGMENT_PREFIX,
+    Segment,
     ShmComm,
     create_segment,
     open_segment,
@@ -116,24 +117,24 @@ class TransportFactory:
         deadline = self._deadline()
         name = ""
 
-        async def attach() -> Any:
+        async def attach() -> Segment:
             nonlocal name
             if index == 0:
                 safe = "".join(c if c.isalnum() else "_" for c in key)
                 name = f"{SEGMENT_PREFIX}{self.ctx.job_id[:12]}-{safe}-{uuid.uuid4().hex[:8]}"
-                mm = create_segment(name, size)
+                segment = create_segment(name, size)
                 await self.ctx.coord.kv_set(kv_key, name.encode())
             else:
                 value = await self.ctx.coord.kv_get(kv_key, wait=True, timeout_s=deadline - time.monotonic())
                 assert value is not None
                 name = value.decode()
-                mm = open_segment(name, size)
-            return mm
+                segment = open_segment(name, size)
+            return segment
 
-        mm = None
+        segment = None
         try:
-            mm = self.ctx.loop.run(attach())
-            comm = ShmComm(mm, ranks, index, slot, self.ctx.aborted, self.ctx.abort_error)
+            segment = self.ctx.loop.run(attach())
+            comm = ShmComm(segment, ranks, index, slot, self.ctx.aborted, self.ctx.abort_error)
             self.ctx.loop.run(
                 self.ctx.coord.barrier(
                     f"shm/{key}", ranks=ranks, timeout_s=max(1.0, deadline - time.monotonic())
@@ -141,8 +142,8 @@ class TransportFactory:
             )
             return comm
         except BaseException:
-            if mm is not None:
-                mm.close()
+            if segment is not None:
+                segment.close()
             raise
         finally:
             if index == 0 and name:

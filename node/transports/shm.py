@@ -11,6 +11,7 @@ rank has mapped it, so a crash never leaves anything in /dev/shm.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import threading
@@ -43,28 +44,45 @@ def segment_size(num_ranks: int, slot_bytes: int) -> int:
     return num_ranks * CTRL_STRIDE + 2 * num_ranks * slot_bytes
 
 
-def create_segment(name: str, size: int) -> mmap.mmap:
+class Segment:
+    """A mapped segment and its open file, which stays open: each rank holds a lock on one byte of it."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd = fd
+        self.mm = mmap.mmap(fd, size)
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
+        if self.fd >= 0:
+            os.close(self.fd)  # releases this process's liveness lock
+            self.fd = -1
+
+
+def create_segment(name: str, size: int) -> Segment:
     """Create and map /dev/shm/``name`` (which must not exist)."""
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, size)
-        return mmap.mmap(fd, size)
+        return Segment(fd, size)
     except BaseException:
+        os.close(fd)
         os.unlink(path)
         raise
-    finally:
-        os.close(fd)
 
 
-def open_segment(name: str, size: int) -> mmap.mmap:
+def open_segment(name: str, size: int) -> Segment:
     fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
     try:
         if os.fstat(fd).st_size != size:
             raise PlaneError(f"shm segment {name} has the wrong size (another job's?)")
-        return mmap.mmap(fd, size)
-    finally:
+        return Segment(fd, size)
+    except BaseException:
         os.close(fd)
+        raise
 
 
 def unlink_segment(name: str) -> None:
@@ -82,14 +100,15 @@ class ShmComm:
 
     def __init__(
         self,
-        mm: mmap.mmap,
+        segment: Segment,
         ranks: Sequence[int],
         index: int,
         slot_bytes: int,
         aborted: threading.Event,
         abort_reason: Any,
     ) -> None:
-        self.mm = mm
+        self.segment = segment
+        mm = self.mm = segment.mm
         self.ranks = list(ranks)
         self.n = len(self.ranks)
         self.index = index
@@ -106,6 +125,10 @@ class ShmComm:
         self._parity = 0
         self.failure: PlaneError | None = None
         self._ctrl[index, 1] = os.getpid()
+        # Liveness: every rank holds an exclusive lock on byte ``index`` of the segment's file. The kernel
+        # drops it when the process exits (a zombie holds none), and it means the same thing in every PID
+        # namespace, which a pid does not.
+        fcntl.lockf(segment.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, index)
         # Phase counters read as plain ints (cheaper than numpy indexing in the wait loop).
         self._counters = memoryview(mm).cast("q")
         self._stride = CTRL_STRIDE // 8
@@ -115,17 +138,14 @@ class ShmComm:
         self._data[:, index, :] = 0  # fault our pages in now, not in the first collective
 
     def abort(self) -> None:
-        return None  # peers watch each other's pids and the world's abort flag
+        return None  # peers watch each other's liveness locks and the world's abort flag
 
     def close(self) -> None:
         if self.mm.closed:
             return
         self._counters.release()
         del self._ctrl, self._ctrl_bytes, self._data
-        try:
-            self.mm.close()
-        except BufferError:
-            pass
+        self.segment.close()
 
     # -- synchronisation -------------------------------------------------------------------------
     def _sync(self, deadline: float) -> None:
@@ -161,18 +181,14 @@ class ShmComm:
             raise self._fail(self._abort_reason())
         lagging = [j for j in range(self.n) if int(self._ctrl[j, 0]) < phase]
         for j in lagging:
-            pid = int(self._ctrl[j, 1])
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
+            if not self._alive(j):
+                pid = int(self._ctrl[j, 1])
                 raise self._fail(
                     PeerLost(
-                        f"rank {self.ranks[j]} (pid {pid}) died during a shared-memory collective",
+                        f"rank {self.ranks[j]} (pid {pid} in its namespace) died during a shared-memory collective",
                         self.ranks[j],
                     )
-                ) from None
-            except PermissionError:
-                pass
+                )
         if now >= deadline:
             names = [self.ranks[j] for j in lagging]
             raise self._fail(
@@ -181,6 +197,15 @@ class ShmComm:
                     "(PARAMPLANE_TIMEOUT) if they are merely slow, else check them for a hang"
                 )
             )
+
+    def _alive(self, j: int) -> bool:
+        """Whether the rank at index ``j`` still holds its lock (see ``__init__``)."""
+        try:
+            fcntl.lockf(self.segment.fd, fcntl.LOCK_SH | fcntl.LOCK_NB, 1, j)
+        except OSError:
+            return True  # held by its live process
+        fcntl.lockf(self.segment.fd, fcntl.LOCK_UN, 1, j)
+        return False
 
     def _fail(self, exc: PlaneError) -> PlaneError:
         self.failure = self.failure or exc
