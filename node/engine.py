@@ -86,7 +86,10 @@ class GroupEngine:
         self.size = len(self.ranks)
         self.timeout_s = timeout_s
         self.actor = OpActor(name)
-        self.p2p_actor = OpActor(f"{name}/p2p")
+        # Sends and receives run on actors of their own: messages pair up by their per-direction number,
+        # so a receive posted early never holds back this rank's sends (which its peer may be waiting for).
+        self.send_actor = OpActor(f"{name}/send")
+        self.recv_actor = OpActor(f"{name}/recv")
         self.failure: PlaneError | None = None
         self.transports = TransportFactory(ctx, name, self.ranks, timeout_s)
         self._p2p_seq: dict[tuple[int, int], int] = {}
@@ -134,11 +137,13 @@ class GroupEngine:
                 if self.ctx.tracer is not None:
                     self.ctx.tracer.record(name, self.name, seq, nbytes, start, time.monotonic(), transport)
 
-        return (self.p2p_actor if p2p else self.actor).submit(op, async_op=async_op)
+        actor = self.actor if not p2p else (self.send_actor if name == "send" else self.recv_actor)
+        return actor.submit(op, async_op=async_op)
 
     def close(self) -> None:
         self.actor.close()
-        self.p2p_actor.close()
+        self.send_actor.close()
+        self.recv_actor.close()
         self.transports.close()
 
     # -- running ops (inside ``run``'s body: in order, one at a time) -------------------------------

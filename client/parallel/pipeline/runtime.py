@@ -22,6 +22,7 @@ schedule that ``validate`` accepts cannot deadlock for activations of that size 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ from paramplane.nn.module import Array, Module, Parameter
 from paramplane.node.arrays import DTYPES, array_module, dtype_name
 from paramplane.node.errors import CollectiveMismatch
 from paramplane.parallel.pipeline import schedules
+from paramplane.work import Work
 
 _NAMES = list(DTYPES)
 _META = 8  # dtype, ndim, up to 6 dims
@@ -79,6 +81,7 @@ class Pipeline:
         self._peak_sets = 0
         self._peak_bytes = 0
         self._shapes: dict[tuple[str, int], tuple[Any, tuple[int, ...]]] = {}
+        self._sends: list[Work[Any]] = []
 
     # -- inspection ---------------------------------------------------------------------------------
     @property
@@ -108,7 +111,11 @@ class Pipeline:
 
     # -- transfers ----------------------------------------------------------------------------------
     def _send(self, x: Array, stage: int, microbatch: int) -> None:
-        """Send to ``stage``; microbatch 0 of a step also sends the dtype and shape (equal for all of them)."""
+        """Send to ``stage``; microbatch 0 of a step also sends the dtype and shape (equal for all of them).
+
+        Sends are asynchronous (the next compute does not wait for the wire); ``_finish_sends`` waits for
+        them at the end of the step. The arrays sent are not touched again, so they need no copy.
+        """
         dst = stage % self.group.size
         x = array_module(x).ascontiguousarray(x)
         if microbatch == 0:
@@ -119,8 +126,13 @@ class Pipeline:
             meta = np.zeros(_META, np.int64)
             meta[:2] = _NAMES.index(dtype_name(x.dtype)), x.ndim
             meta[2 : 2 + x.ndim] = x.shape
-            self.group.send(meta, dst)
-        self.group.send(x, dst)
+            self._sends.append(self.group.send(meta, dst, async_op=True))
+        self._sends.append(self.group.send(x, dst, async_op=True))
+
+    def _finish_sends(self) -> None:
+        sends, self._sends = self._sends, []
+        for work in sends:
+            work.wait()
 
     def _recv(self, stage: int, microbatch: int, kind: str, like: Any) -> Array:
         """Receive from ``stage``; a microbatch after the first reuses microbatch 0's dtype and shape, and a
@@ -136,6 +148,11 @@ class Pipeline:
             )
         dtype, shape = self._shapes[(kind, stage)]
         return self.group.recv(array_module(like).empty(shape, dtype), src)
+
+    def _post_recv(self, stage: int, kind: str, like: Any) -> Work[Any]:
+        """Start receiving a later microbatch (its shape is microbatch 0's) while this rank computes."""
+        dtype, shape = self._shapes[(kind, stage)]
+        return self.group.recv(array_module(like).empty(shape, dtype), stage % self.group.size, async_op=True)
 
     # -- running ------------------------------------------------------------------------------------
     def _split(self, x: Array | None, what: str) -> list[Array] | None:
@@ -160,14 +177,28 @@ class Pipeline:
         grads: dict[tuple[int, int], Array] = {}
         losses: dict[int, float] = {}
         self._peak_sets = self._peak_bytes = 0
+        self._sends = []  # a step that raised left its sends behind; the group has failed anyway
         p = self.group.size
-        for a in self.actions:
+        # Each receive is posted as soon as the one before it is in (in schedule order, so messages still
+        # pair up per direction), so it arrives while this rank computes instead of on the critical path.
+        recv_at = [i for i, a in enumerate(self.actions) if a.kind in ("RECV_F", "RECV_B")]
+        after = dict(itertools.pairwise(recv_at))
+        posted: dict[int, Work[Any]] = {}
+        for i, a in enumerate(self.actions):
             key = (a.stage, a.microbatch)
             module = self.modules[a.stage // p]
-            if a.kind == "RECV_F":
-                received[("F", *key)] = self._recv(a.stage - 1, a.microbatch, "F", like)
-            elif a.kind == "RECV_B":
-                received[("B", *key)] = self._recv(a.stage + 1, a.microbatch, "B", like)
+            if a.kind in ("RECV_F", "RECV_B"):
+                kind, src = ("F", a.stage - 1) if a.kind == "RECV_F" else ("B", a.stage + 1)
+                work = posted.pop(i, None)
+                received[(kind, *key)] = (
+                    work.wait() if work is not None else self._recv(src, a.microbatch, kind, like)
+                )
+                nxt = after.get(i)
+                if nxt is not None and self.actions[nxt].microbatch > 0:
+                    b = self.actions[nxt]
+                    posted[nxt] = self._post_recv(
+                        b.stage - 1 if b.kind == "RECV_F" else b.stage + 1, b.kind[-1], like
+                    )
             elif a.kind == "F":
                 inp = (
                     inputs[a.microbatch] if a.stage == 0 and inputs is not None else received.pop(("F", *key))
@@ -192,6 +223,7 @@ class Pipeline:
                     grads[key] = grad_in
             else:  # SEND_B
                 self._send(grads.pop(key), a.stage - 1, a.microbatch)
+        self._finish_sends()
         assert not states and not received, "schedule left work undone"
         if self.dp_group is not None and self.dp_group.size > 1:
             self._sync_data_parallel(self.dp_group)
@@ -219,6 +251,7 @@ class Pipeline:
         like = x if x is not None else np.empty(0)
         p, last = self.group.size, self.num_stages - 1
         outs: list[Array] = []
+        self._sends = []
         for mb in range(self.num_microbatches):
             for stage in range(self.group.rank, self.num_stages, p):
                 inp = (
@@ -230,6 +263,7 @@ class Pipeline:
                     outs.append(out)
                 else:
                     self._send(out, stage + 1, mb)
+        self._finish_sends()
         return array_module(outs[0]).concatenate(outs) if outs else None
 
     def _note(self, states: dict[tuple[int, int], Any]) -> None:
