@@ -35,18 +35,18 @@ import numpy as np
 from paramplane.group import ProcessGroup
 from paramplane.nn.layers import Sequential
 from paramplane.nn.module import Array, Module, Parameter, RemovableHandle
-from paramplane.node.arrays import array_module, on_module, to_host, to_pinned
+from paramplane.node.arrays import array_module, to_host, to_pinned
 from paramplane.node.errors import CollectiveMismatch
 from paramplane.optim.optimizer import Optimizer
 from paramplane.parallel.fsdp_config import STRATEGIES, CPUOffload, MemoryTracker, MixedPrecision
+from paramplane.parallel.fsdp_state import FSDPState
 from paramplane.parallel.fsdp_units import FlatUnit, concat_params
 from paramplane.parallel.mesh import Mesh
-from paramplane.parallel.sharding import ShardedArray
 
 __all__ = ["FSDP", "STRATEGIES", "CPUOffload", "MixedPrecision"]
 
 
-class FSDP:
+class FSDP(FSDPState):
     """Shard ``module``'s parameters, gradients and optimizer state over ``group`` (module docstring)."""
 
     def __init__(
@@ -420,103 +420,6 @@ class FSDP:
             for g in grads:
                 g *= coef
         return norm
-
-    # -- state -------------------------------------------------------------------------------------
-    def _gather_master(self, unit: FlatUnit) -> Array:
-        """The unit's full flat parameter in the master dtype (a collective on the shard group)."""
-        if self.shard_group.size == 1:
-            return unit.shard.data.copy()
-        out = array_module(unit.shard.data).empty(unit.padded, self.master_dtype)
-        self.shard_group.all_gather(unit.shard.data, out=out)
-        return out
-
-    def state_dict(self) -> dict[str, Array]:
-        """The full, unsharded state (same keys as ``module.state_dict()``), on every rank."""
-        values: dict[str, Array] = {}
-        for unit in self.units:
-            full = self._gather_master(unit)
-            for name, p, off in zip(unit.names, unit.params, unit.offsets):
-                values[name] = full[off : off + p.size].reshape(p.shape).copy()
-        out = {name: values[name] for name, _ in self.module.named_parameters() if name in values}
-        for name, buf in self.module.named_buffers():
-            out[name] = buf.copy()
-        return out
-
-    def load_state_dict(self, state: dict[str, Array]) -> None:
-        """Load a full state dict: every rank keeps its shard (no communication)."""
-        wanted = {n: p.shape for u in self.units for n, p in zip(u.names, u.params)}
-        buffers = dict(self.module.named_buffers())
-        missing = sorted((set(wanted) | set(buffers)) - set(state))
-        unexpected = sorted(set(state) - set(wanted) - set(buffers))
-        if missing or unexpected:
-            raise ValueError(f"FSDP.load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
-        for key, shape in [*wanted.items(), *((k, tuple(b.shape)) for k, b in buffers.items())]:
-            if tuple(state[key].shape) != tuple(shape):
-                raise ValueError(
-                    f"FSDP.load_state_dict: {key!r} has shape {tuple(state[key].shape)}, expected {shape}"
-                )
-        for unit in self.units:
-            self._release(unit)
-            xp = array_module(unit.shard.data)
-            flat = xp.zeros(unit.padded, self.master_dtype)
-            for name, p, off in zip(unit.names, unit.params, unit.offsets):
-                flat[off : off + p.size] = on_module(xp, state[name]).reshape(-1)
-            self._keep_shard(unit, flat)
-        for key, buf in buffers.items():
-            buf[...] = on_module(array_module(buf), state[key])
-
-    def _keep_shard(self, unit: FlatUnit, flat: Array) -> None:
-        """Copy this rank's piece of the full flat parameter ``flat`` into its shard (wherever that lives)."""
-        lo = self.shard_group.rank * unit.shard_size
-        unit.shard.data[...] = on_module(array_module(unit.shard.data), flat[lo : lo + unit.shard_size])
-
-    def sharded_state_dict(self) -> dict[str, ShardedArray | Array]:
-        """This rank's pieces as ``ShardedArray`` views into the live shards, plus buffers (replicated).
-
-        Replicas (no_shard, hybrid) hold equal ranges; a writer keeps one of them.
-        """
-        out: dict[str, ShardedArray | Array] = {}
-        for unit in self.units:
-            out.update(unit.shard.layout.views(unit.shard.data))
-        for name, buf in self.module.named_buffers():
-            out[name] = buf
-        return out
-
-    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
-        """Copy ``state`` (as returned by :meth:`sharded_state_dict`, possibly refilled) into the shards."""
-        mine = self.sharded_state_dict()
-        for key, target in mine.items():
-            if key not in state:
-                raise ValueError(f"FSDP.load_sharded_state_dict: missing key {key!r}")
-            value = state[key]
-            if isinstance(target, ShardedArray):
-                if not isinstance(value, ShardedArray) or (value.global_shape, value.start, value.stop) != (
-                    target.global_shape,
-                    target.start,
-                    target.stop,
-                ):
-                    raise ValueError(
-                        f"FSDP.load_sharded_state_dict: {key!r} does not cover this rank's range"
-                    )
-                if value.local is not target.local:
-                    target.local[...] = on_module(array_module(target.local), value.local)
-            else:
-                target[...] = on_module(array_module(target), value)
-
-    @contextlib.contextmanager
-    def summon_full_params(self) -> Iterator[None]:
-        """Full parameters (master dtype) in the module inside; writes are kept; resharded after."""
-        self.finish_gradient_sync()
-        for unit in self.units:
-            self._release(unit)
-            self._use(unit, self._xp.asarray(self._gather_master(unit)))
-        try:
-            yield
-        finally:
-            for unit in self.units:
-                assert unit.full is not None
-                self._keep_shard(unit, unit.full)
-                self._release(unit)
 
     # -- inspection --------------------------------------------------------------------------------
     def parameters(self) -> list[Parameter]:
