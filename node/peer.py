@@ -19,12 +19,16 @@ from typing import Any
 import grpc
 
 from paramplane.node.errors import (
-    CollectiveMismatch,
     PeerLost,
     PlaneClosed,
     PlaneError,
     TransportError,
-    WorldAborted,
+)
+from paramplane.node.failures import (
+    KINDS,
+    decode_failure,
+    encode_failure,
+    from_failure_message,
 )
 from paramplane.node.inbox import Inbox
 from paramplane.node.lane import LaneReader, LaneServer, LaneStream
@@ -59,52 +63,8 @@ SERVER_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_permit_without_calls", 1),
 ]
 
-# Failures travel between ranks as "<Kind>: message" in gRPC details and error frames.
-_KINDS: dict[str, type[PlaneError]] = {
-    "CollectiveMismatch": CollectiveMismatch,
-    "WorldAborted": WorldAborted,
-    "TransportError": TransportError,
-    "PeerLost": PeerLost,
-}
 # Sent on a stream of its own when a plane closes, so receivers know the sender left on purpose.
 GOODBYE_KEY = "#bye"
-
-
-def encode_failure(exc: BaseException) -> str:
-    """``Kind: message``, or ``Kind[rank]: message`` for errors that name a rank."""
-    kind = type(exc).__name__ if type(exc).__name__ in _KINDS else "TransportError"
-    rank = getattr(exc, "rank", None)
-    return f"{kind}[{rank}]: {exc}" if isinstance(rank, int) and rank >= 0 else f"{kind}: {exc}"
-
-
-def decode_failure(text: str, default: type[PlaneError] = TransportError) -> PlaneError:
-    head, _, message = text.partition(": ")
-    kind, _, rank = head.partition("[")
-    cls = _KINDS.get(kind, default)
-    number = int(rank.rstrip("]")) if rank.rstrip("]").isdigit() else -1
-    if cls is PeerLost:
-        return PeerLost(message or text, number)
-    if cls is WorldAborted:
-        return WorldAborted(message or text, number)
-    return cls(message or text)
-
-
-def failure_message(exc: BaseException) -> peer_pb2.Failure:
-    """The typed failure an error frame carries."""
-    kind = type(exc).__name__ if type(exc).__name__ in _KINDS else "TransportError"
-    rank = getattr(exc, "rank", None)
-    return peer_pb2.Failure(
-        kind=kind, rank=rank if isinstance(rank, int) and rank >= 0 else -1, text=str(exc)
-    )
-
-
-def from_failure_message(msg: peer_pb2.Failure) -> PlaneError:
-    cls = _KINDS.get(msg.kind, TransportError)
-    if cls is PeerLost:
-        return PeerLost(msg.text, msg.rank)
-    if cls is WorldAborted:
-        return WorldAborted(msg.text, msg.rank)
-    return cls(msg.text)
 
 
 class _Malformed(Exception):
@@ -202,7 +162,7 @@ class OutStream:
             details = (await asyncio.wait_for(self.call.details(), 1.0)) or ""
         except BaseException:
             pass
-        if details.split(": ", 1)[0].split("[", 1)[0] in _KINDS:
+        if details.split(": ", 1)[0].split("[", 1)[0] in KINDS:
             return decode_failure(details)
         return PeerLost(f"rank {self.dst} is unreachable: the data stream to it broke ({exc!r})", self.dst)
 

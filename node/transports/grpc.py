@@ -20,8 +20,9 @@ import numpy as np
 from paramplane.node.algorithms import ring
 from paramplane.node.algorithms.ring import Sink
 from paramplane.node.errors import CollectiveMismatch, CollectiveTimeout, PeerLost, PlaneError, TransportError
+from paramplane.node.failures import failure_message
 from paramplane.node.loop import LoopThread
-from paramplane.node.peer import CHUNK_BYTES, ERROR_SUFFIX, PeerPlane, failure_message
+from paramplane.node.peer import CHUNK_BYTES, ERROR_SUFFIX, PeerPlane
 from paramplane.node.spec import OpSpec
 from paramplane.node.transports.base import Bounds, Transport
 from paramplane.protos import peer_pb2
