@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from paramplane.benchmarks._jsonl import emit
+from paramplane.benchmarks._ranks import run_ranks
 
 THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -95,32 +95,13 @@ def _spawn(impl: str, world: int, args: argparse.Namespace, folder: str) -> list
         "--dir",
         folder,
     ]
-    env = dict(os.environ, **THREADS)
-    coord = None
-    if impl == "paramplane":
-        from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
-
-        coord = CoordinatorThread(CoordinatorConfig(world_size=world, host="127.0.0.1", port=0))
-        env.update(
-            PARAMPLANE_COORDINATOR=coord.start(), PARAMPLANE_WORLD_SIZE=str(world), PARAMPLANE_TIMEOUT="600"
-        )
-    try:
-        procs = [
-            subprocess.Popen(
-                [*cmd, "--rank", str(r), "--store", os.path.join(folder, "store")],
-                env=dict(env, PARAMPLANE_RANK=str(r)),
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            for r in range(world)
-        ]
-        outs = [p.communicate(timeout=1800)[0] for p in procs]
-    finally:
-        if coord is not None:
-            coord.stop()
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"{impl} at world {world}: exit codes {[p.returncode for p in procs]}")
-    return [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    return run_ranks(
+        lambda r: [*cmd, "--rank", str(r), "--store", os.path.join(folder, "store")],
+        world,
+        dict(os.environ, **THREADS, PARAMPLANE_TIMEOUT="600"),
+        what=f"{impl} at world {world}",
+        coordinator=impl == "paramplane",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

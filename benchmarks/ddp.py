@@ -17,7 +17,6 @@ import itertools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from paramplane.benchmarks._jsonl import emit
+from paramplane.benchmarks._ranks import run_ranks
 
 SIZES = (1024, 2048, 2048, 2048, 10)  # 2.1M + 4.2M + 4.2M + 20k weights: about 10.5M parameters
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
@@ -131,41 +131,20 @@ def _spawn(impl: str, world_size: int, args: argparse.Namespace, env: dict[str, 
     base = [sys.executable, str(Path(__file__).resolve()), "--worker", impl, "--world-size", str(world_size)]
     base += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--local-batch", str(args.local_batch)]
     base += ["--bucket-mb", str(args.bucket_mb), "--comm-dtype", env.pop("COMM_DTYPE", "")]
-    coord = None
     extra = dict(os.environ, **THREADS, **env)
     if impl == "paramplane":  # our launcher's defaults for our ranks; a peer runs at its own defaults
         for key, value in MALLOC.items():
             extra.setdefault(key, value)
     with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        if impl == "paramplane" and world_size > 1:
-            from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
-
-            coord = CoordinatorThread(CoordinatorConfig(world_size=world_size, host="127.0.0.1", port=0))
-            extra["PARAMPLANE_COORDINATOR"] = coord.start()
-            extra["PARAMPLANE_WORLD_SIZE"] = str(world_size)
-        procs = []
-        try:
-            for r in range(world_size):
-                cmd = [*base, "--rank", str(r), "--store", store]
-                procs.append(
-                    subprocess.Popen(
-                        cmd, env=dict(extra, PARAMPLANE_RANK=str(r)), stdout=subprocess.PIPE, text=True
-                    )
-                )
-            outs = [p.communicate(timeout=600)[0] for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait(10)
-            if coord is not None:
-                coord.stop()
-        for r, p in enumerate(procs):
-            if p.returncode != 0:
-                raise RuntimeError(f"{impl} rank {r} of {world_size} exited {p.returncode}")
-        result: dict[str, Any] = json.loads(outs[0].strip().splitlines()[-1])
-        return result
+        ranks = run_ranks(
+            lambda r: [*base, "--rank", str(r), "--store", os.path.join(tmp, "store")],
+            world_size,
+            extra,
+            what=f"{impl} at world {world_size}",
+            coordinator=impl == "paramplane" and world_size > 1,
+            timeout_s=600,
+        )
+    return ranks[0]
 
 
 def _row(

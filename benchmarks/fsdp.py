@@ -20,7 +20,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from paramplane.benchmarks._jsonl import emit
+from paramplane.benchmarks._ranks import run_ranks
 
 THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
@@ -121,36 +121,18 @@ def _spawn(impl: str, strategy: str, world_size: int, args: argparse.Namespace) 
     base = [sys.executable, str(Path(__file__).resolve()), "--worker", impl, "--strategy", strategy]
     base += ["--world-size", str(world_size), "--steps", str(args.steps), "--width", str(args.width)]
     base += ["--layers", str(args.layers), "--local-batch", str(args.local_batch)]
-    env = dict(os.environ, **THREADS, **(MALLOC if impl == "paramplane" else {}))
-    coord = None
+    env = dict(os.environ, **THREADS, **(MALLOC if impl == "paramplane" else {}), PARAMPLANE_TIMEOUT="600")
     with tempfile.TemporaryDirectory() as tmp:
-        if impl == "paramplane" and strategy != "single":
-            from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
-
-            coord = CoordinatorThread(CoordinatorConfig(world_size=world_size, host="127.0.0.1", port=0))
-            env["PARAMPLANE_COORDINATOR"] = coord.start()
-            env["PARAMPLANE_WORLD_SIZE"] = str(world_size)
-            env["PARAMPLANE_TIMEOUT"] = "600"
-        procs = []
-        try:
-            for r in range(world_size):
-                rank_env = dict(env, PARAMPLANE_RANK=str(r))
-                if strategy.startswith("hybrid"):
-                    rank_env["PARAMPLANE_HOST_ID"] = f"host{r // max(1, world_size // 2)}"
-                cmd = [*base, "--rank", str(r), "--store", os.path.join(tmp, "store")]
-                procs.append(subprocess.Popen(cmd, env=rank_env, stdout=subprocess.PIPE, text=True))
-            outs = [p.communicate(timeout=1800)[0] for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait(10)
-            if coord is not None:
-                coord.stop()
-    for r, p in enumerate(procs):
-        if p.returncode != 0:
-            raise RuntimeError(f"{impl} {strategy} rank {r} of {world_size} exited {p.returncode}")
-    return [json.loads(o.strip().splitlines()[-1]) for o in outs]
+        return run_ranks(
+            lambda r: [*base, "--rank", str(r), "--store", os.path.join(tmp, "store")],
+            world_size,
+            env,
+            what=f"{impl} {strategy} at world {world_size}",
+            coordinator=impl == "paramplane" and strategy != "single",
+            rank_env=(lambda r: {"PARAMPLANE_HOST_ID": f"host{r // max(1, world_size // 2)}"})
+            if strategy.startswith("hybrid")
+            else None,
+        )
 
 
 def _row(

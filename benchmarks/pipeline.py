@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from paramplane.benchmarks._jsonl import emit
+from paramplane.benchmarks._ranks import run_ranks
 
 P = 2
 
@@ -90,38 +90,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
-    from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
-
-    with CoordinatorThread(CoordinatorConfig(world_size=P, host="127.0.0.1", port=0)) as coord:
-        cmd = [
-            sys.executable,
-            __file__,
-            "--worker",
-            "--compute-ms",
-            str(args.compute_ms),
-            "--microbatches",
-            args.microbatches,
-            "--steps",
-            str(args.steps),
-        ]
-        procs = [
-            subprocess.Popen(
-                cmd,
-                env=dict(
-                    os.environ,
-                    PARAMPLANE_COORDINATOR=coord.address,
-                    PARAMPLANE_RANK=str(r),
-                    PARAMPLANE_WORLD_SIZE=str(P),
-                ),
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            for r in range(P)
-        ]
-        outs = [p.communicate(timeout=1800)[0] for p in procs]
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"a pipeline benchmark rank failed: {[p.returncode for p in procs]}")
-    per_rank = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        "--compute-ms",
+        str(args.compute_ms),
+        "--microbatches",
+        args.microbatches,
+        "--steps",
+        str(args.steps),
+    ]
+    per_rank = run_ranks(lambda _r: cmd, P, os.environ, what="pipeline benchmark")
     lines = []
     for rows in zip(*per_rank):
         step = max(r["step_s"] for r in rows)

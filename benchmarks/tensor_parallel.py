@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from paramplane.benchmarks._jsonl import emit
+from paramplane.benchmarks._ranks import run_ranks
 
 THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 TP = 2
@@ -82,28 +83,8 @@ def _run(kind: str, args: argparse.Namespace) -> float:
         if out.returncode:
             raise RuntimeError(f"dense benchmark failed: {out.stderr[-2000:]}")
         return float(json.loads(out.stdout.strip().splitlines()[-1])["step_s"])
-    from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
-
-    with CoordinatorThread(CoordinatorConfig(world_size=TP, host="127.0.0.1", port=0)) as coord:
-        procs = [
-            subprocess.Popen(
-                cmd,
-                env=dict(
-                    os.environ,
-                    **THREADS,
-                    PARAMPLANE_COORDINATOR=coord.address,
-                    PARAMPLANE_RANK=str(r),
-                    PARAMPLANE_WORLD_SIZE=str(TP),
-                ),
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            for r in range(TP)
-        ]
-        outs = [p.communicate(timeout=1800)[0] for p in procs]
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"a tensor-parallel benchmark rank failed: {[p.returncode for p in procs]}")
-    return max(float(json.loads(o.strip().splitlines()[-1])["step_s"]) for o in outs)
+    ranks = run_ranks(lambda _r: cmd, TP, dict(os.environ, **THREADS), what="tensor-parallel benchmark")
+    return max(float(r["step_s"]) for r in ranks)
 
 
 def main(argv: list[str] | None = None) -> int:
