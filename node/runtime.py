@@ -208,6 +208,11 @@ class NodeRuntime:
                 log.error("%s", exc)
         self.aborted.set()
         self.plane.fail_all(self._abort_exc)
+        comms = [g.transports.nccl for g in self._groups.values() if g.transports.nccl is not None]
+        if comms:
+            # NCCL work queued on a stream waits for peers that may never come: abort every communicator
+            # (off the loop: ncclCommAbort waits for NCCL's own threads).
+            threading.Thread(target=lambda: [c.abort() for c in comms], name="nccl-abort", daemon=True).start()
 
     @property
     def coord(self) -> CoordinatorClient:

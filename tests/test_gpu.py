@@ -82,3 +82,22 @@ def test_hybrid_shard_on_cupy_across_two_hosts() -> None:
     )
     results = world.check_ok()
     assert all(r["num_checks"] >= 12 for r in results)
+
+
+def test_nccl_work_behind_a_dead_peer_is_released() -> None:
+    """A peer dies while an NCCL all_reduce waits for it: the world's NCCL communicators are aborted, the
+    stream returns, and the next op raises PeerLost (no hang)."""
+    from _world import run_world
+
+    world = run_world(
+        2,
+        "nccl_abort.py",
+        env={"PARAMPLANE_TIMEOUT": "120"},
+        heartbeat_timeout_s=3.0,
+        heartbeat_interval_s=0.5,
+        timeout=150,
+    )
+    assert not world.timed_out, world.describe()
+    assert world.ranks[1].returncode == -9, world.describe()
+    r0 = world.ranks[0].result
+    assert r0 is not None and r0["failures"] == [] and r0["num_checks"] == 3, world.describe()
