@@ -212,7 +212,9 @@ class NodeRuntime:
         if comms:
             # NCCL work queued on a stream waits for peers that may never come: abort every communicator
             # (off the loop: ncclCommAbort waits for NCCL's own threads).
-            threading.Thread(target=lambda: [c.abort() for c in comms], name="nccl-abort", daemon=True).start()
+            threading.Thread(
+                target=lambda: [c.abort() for c in comms], name="nccl-abort", daemon=True
+            ).start()
 
     @property
     def coord(self) -> CoordinatorClient:
