@@ -102,6 +102,9 @@ class LaneReader:
 class LaneServer:
     """Accepts lane connections on ``bind_host`` (port 0: any free port)."""
 
+    reader_shape: tuple[int, int] = (1 << 20, 16)
+    """(chunk bytes, inbox depth) for readers; the peer plane sets its own."""
+
     def __init__(self, token: str | None, opener: Opener, serve: Serve) -> None:
         self._token = token
         self._opener = opener
@@ -147,9 +150,6 @@ class LaneServer:
         finally:
             conn.close()
 
-    reader_shape: tuple[int, int] = (1 << 20, 16)
-    """(chunk bytes, inbox depth) for readers; the peer plane sets its own."""
-
     async def _handshake(
         self, loop: asyncio.AbstractEventLoop, conn: socket.socket
     ) -> tuple[int, str, bool] | None:
@@ -167,7 +167,10 @@ class LaneServer:
         opening, mac = bytes(body[:size]), bytes(body[size:])
         if not hmac.compare_digest(mac, opening_mac(self._token, nonce, opening)):
             return None
-        message = peer_pb2.StreamOpen.FromString(opening)
+        try:
+            message = peer_pb2.StreamOpen.FromString(opening)
+        except Exception:  # authenticated but undecodable: refuse like any bad opening
+            return None
         key = await self._opener(message)
         if key is None:
             return None

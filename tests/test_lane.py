@@ -222,3 +222,23 @@ async def test_a_receive_beyond_what_a_departed_peer_sent_fails_at_once() -> Non
             )
     finally:
         await b.close(0.5)
+
+
+async def test_an_authenticated_but_undecodable_opening_is_refused() -> None:
+    server, rec = await _server()
+    loop = asyncio.get_running_loop()
+    try:
+        sock = socket.socket()
+        sock.setblocking(False)
+        await bounded(loop.sock_connect(sock, ("127.0.0.1", server.port)))
+        nonce = await bounded(loop.sock_recv(sock, 16))
+        junk = b"\xff\xff\xff\xff"  # not a StreamOpen, with a valid MAC
+        await loop.sock_sendall(sock, struct.pack("!I", len(junk)) + junk + opening_mac(TOKEN, nonce, junk))
+        try:
+            assert await bounded(loop.sock_recv(sock, 1)) == b""
+        except ConnectionResetError:
+            pass
+        sock.close()
+        assert rec.served == []
+    finally:
+        await server.close()
