@@ -12,36 +12,32 @@ import tempfile
 from pathlib import Path
 
 from paramplane.coordinator.server import CoordinatorConfig, CoordinatorServer
+from paramplane.protos.fields import default_of, field_docs
 from paramplane.protos.net import TOKEN_ENV, resolve_token
+
+# Flags that set a CoordinatorConfig field: (flag, field, type). Their help and default come from the field.
+FIELD_FLAGS: list[tuple[str, str, type]] = [
+    ("--host", "host", str),
+    ("--port", "port", int),
+    ("--join-timeout", "join_timeout_s", float),
+    ("--heartbeat-timeout", "heartbeat_timeout_s", float),
+    ("--heartbeat-interval", "heartbeat_interval_s", float),
+    ("--progress-timeout", "progress_timeout_s", float),
+]
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="paramplane coordinator", description="Run the coordinator of one world."
     )
-    p.add_argument(
-        "--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1; others need a token)"
-    )
-    p.add_argument("--port", type=int, default=29400, help="TCP port (0 = pick a free one; default 29400)")
-    p.add_argument("--world-size", type=int, required=True, help="number of ranks in the world")
+    docs = field_docs(CoordinatorConfig)
+    p.add_argument("--world-size", type=int, required=True, help=docs["world_size"])
+    for flag, name, kind in FIELD_FLAGS:
+        default = default_of(CoordinatorConfig, name)
+        p.add_argument(flag, type=kind, default=default, help=f"{docs[name]} (default {default})")
     p.add_argument("--token-file", type=Path, help=f"file holding the job token (else ${TOKEN_ENV})")
-    p.add_argument("--tls-cert", type=Path, help="PEM certificate chain (with --tls-key)")
-    p.add_argument("--tls-key", type=Path, help="PEM private key (with --tls-cert)")
-    p.add_argument(
-        "--join-timeout", type=float, default=300.0, help="seconds to wait for all ranks (default 300)"
-    )
-    p.add_argument(
-        "--heartbeat-timeout", type=float, default=10.0, help="silence that kills a rank (default 10 s)"
-    )
-    p.add_argument(
-        "--heartbeat-interval", type=float, default=1.0, help="heartbeat period told to ranks (default 1 s)"
-    )
-    p.add_argument(
-        "--progress-timeout",
-        type=float,
-        default=300.0,
-        help="stall that kills a lagging rank (default 300 s, 0 = off)",
-    )
+    p.add_argument("--tls-cert", type=Path, help=docs["tls_cert"] + " (a PEM file, with --tls-key)")
+    p.add_argument("--tls-key", type=Path, help=docs["tls_key"] + " (a PEM file, with --tls-cert)")
     p.add_argument("--port-file", type=Path, help="write the bound port to this file once listening")
     p.add_argument(
         "--grace", type=float, default=1.0, help="seconds in-flight calls get on shutdown (default 1)"
@@ -64,16 +60,11 @@ def _write_atomically(path: Path, text: str) -> None:
 def _config(args: argparse.Namespace) -> CoordinatorConfig:
     token = resolve_token(token_file=args.token_file)
     return CoordinatorConfig(
-        host=args.host,
-        port=args.port,
         world_size=args.world_size,
         token=token,
         tls_cert=args.tls_cert.read_bytes() if args.tls_cert else None,
         tls_key=args.tls_key.read_bytes() if args.tls_key else None,
-        join_timeout_s=args.join_timeout,
-        heartbeat_interval_s=args.heartbeat_interval,
-        heartbeat_timeout_s=args.heartbeat_timeout,
-        progress_timeout_s=args.progress_timeout,
+        **{name: getattr(args, flag[2:].replace("-", "_")) for flag, name, _ in FIELD_FLAGS},
     )
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from paramplane.world import ENV_VARS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,3 +44,29 @@ def test_the_readme_table_lists_nothing_the_package_ignores() -> None:
 def test_init_documents_what_it_reads() -> None:
     undocumented = _read_by_package() - set(ENV_VARS) - SET_BY_LAUNCHER
     assert not undocumented, f"not in paramplane.world.ENV_VARS: {sorted(undocumented)}"
+
+
+def test_coordinator_flags_come_from_its_config_dataclass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each coordinator flag that sets a CoordinatorConfig field takes that field's default and docstring,
+    and every field is reachable from the command line (or deliberately set another way)."""
+    import dataclasses
+
+    from paramplane.coordinator import cli
+    from paramplane.coordinator.server import CoordinatorConfig
+    from paramplane.protos.fields import field_docs
+
+    for name in ("PARAMPLANE_TOKEN", "PARAMPLANE_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    parser = cli._parser()
+    args = parser.parse_args(["--world-size", "3"])
+    config = cli._config(args)
+    assert config == CoordinatorConfig(world_size=3)
+    help_text = " ".join(parser.format_help().split())
+    docs = field_docs(CoordinatorConfig)
+    for _flag, name, _kind in cli.FIELD_FLAGS:
+        assert docs[name] in help_text, name
+    by_file = {"token", "tls_cert", "tls_key"}  # --token-file, --tls-cert, --tls-key read files
+    internal = {"max_message_bytes"}
+    covered = {name for _f, name, _k in cli.FIELD_FLAGS} | {"world_size"} | by_file | internal
+    assert {f.name for f in dataclasses.fields(CoordinatorConfig)} == covered
+    assert set(docs) >= covered - internal
