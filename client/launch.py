@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from paramplane.node.errors import PlaneError
+from paramplane.protos.fields import default_of, field_docs
 from paramplane.protos.net import parse_address, read_token, resolve_token
 
 if TYPE_CHECKING:
@@ -474,44 +475,45 @@ def _parser() -> argparse.ArgumentParser:
         "(script.py | -m module) [args ...]",
     )
     add = parser.add_argument
-    add("-n", "--num-ranks", type=int, required=True, metavar="N", help="rank processes on this host")
+    # Every option sets the LaunchConfig field of its dest; its help is that field's docstring.
+    doc = field_docs(LaunchConfig)
+    add("-n", "--num-ranks", type=int, required=True, metavar="N", help=doc["num_ranks"])
     where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--standalone", action="store_true", help="start an embedded coordinator on 127.0.0.1")
-    where.add_argument("--coordinator", metavar="HOST:PORT", help="address of a running coordinator")
-    add("--world-size", type=int, metavar="W", help="ranks in the whole job, on all hosts (default: -n)")
+    where.add_argument("--standalone", action="store_true", help=doc["standalone"])
+    where.add_argument("--coordinator", metavar="HOST:PORT", help=doc["coordinator"])
+    add("--world-size", type=int, metavar="W", help=doc["world_size"])
+    add("--host-id", metavar="ID", help=doc["host_id"])
     add(
-        "--host-id",
-        metavar="ID",
-        help="this host's identity (default: $PARAMPLANE_HOST_ID, else the hostname)",
+        "--token-file",
+        type=Path,
+        metavar="FILE",
+        help="file holding the job token (default: $PARAMPLANE_TOKEN_FILE, else $PARAMPLANE_TOKEN, "
+        "else a random one with --standalone)",
     )
-    add("--token-file", type=Path, metavar="FILE", help="job token file (default: $PARAMPLANE_TOKEN[_FILE])")
-    add("--timeout", dest="timeout_s", type=float, metavar="S", help="the ranks' default collective timeout")
-    add(
-        "--join-timeout",
-        dest="join_timeout_s",
-        type=float,
-        metavar="S",
-        help="how long the world may take to form",
-    )
+    add("--timeout", dest="timeout_s", type=float, metavar="S", help=doc["timeout_s"])
+    add("--join-timeout", dest="join_timeout_s", type=float, metavar="S", help=doc["join_timeout_s"])
     add(
         "--heartbeat-timeout",
         dest="heartbeat_timeout_s",
         type=float,
         metavar="S",
-        help="standalone: dead rank",
+        help=doc["heartbeat_timeout_s"],
     )
-    add("--grace", dest="grace_s", type=float, default=5.0, metavar="S", help="SIGTERM to SIGKILL (5)")
+    grace = default_of(LaunchConfig, "grace_s")
     add(
-        "--max-restarts",
-        type=int,
-        default=0,
-        metavar="K",
-        help="restart every rank up to K times after a failure (--standalone; ranks resume from a checkpoint)",
+        "--grace",
+        dest="grace_s",
+        type=float,
+        default=grace,
+        metavar="S",
+        help=f"{doc['grace_s']} (default {grace})",
     )
-    add("--no-prefix", dest="prefix", action="store_false", help="pass rank output through without [rank i]")
-    add("-m", "--module", action="store_true", help="run the target as a module, like python -m")
-    add("target", metavar="script.py", help="the script (or module, with -m) every rank runs")
-    add("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    restarts = default_of(LaunchConfig, "max_restarts")
+    add("--max-restarts", type=int, default=restarts, metavar="K", help=doc["max_restarts"])
+    add("--no-prefix", dest="prefix", action="store_false", help=doc["prefix"])
+    add("-m", "--module", action="store_true", help=doc["module"])
+    add("target", metavar="script.py", help=doc["target"])
+    add("args", nargs=argparse.REMAINDER, help=doc["args"])
     return parser
 
 

@@ -70,3 +70,23 @@ def test_coordinator_flags_come_from_its_config_dataclass(monkeypatch: pytest.Mo
     covered = {name for _f, name, _k in cli.FIELD_FLAGS} | {"world_size"} | by_file | internal
     assert {f.name for f in dataclasses.fields(CoordinatorConfig)} == covered
     assert set(docs) >= covered - internal
+
+
+def test_launcher_options_are_its_config_fields() -> None:
+    """Every ``paramplane launch`` option sets the LaunchConfig field of the same name, with that field's
+    docstring as its help; every field but the token (read from --token-file) has an option."""
+    import dataclasses
+
+    from paramplane.launch import LaunchConfig, _parser
+    from paramplane.protos.fields import field_docs
+
+    parser = _parser()
+    docs = field_docs(LaunchConfig)
+    dests = {a.dest: a for a in parser._actions if a.dest not in ("help", "token_file")}
+    fields = {f.name for f in dataclasses.fields(LaunchConfig)}
+    assert set(dests) == fields - {"token"}
+    for name, action in dests.items():
+        assert action.help is not None and docs[name] in action.help, name
+        default = next(f.default for f in dataclasses.fields(LaunchConfig) if f.name == name)
+        if action.default is not None and not action.required:
+            assert action.default == default, name
