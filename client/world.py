@@ -14,7 +14,7 @@ from typing import Any, cast
 from paramplane.group import ProcessGroup
 from paramplane.node.peer import TlsConfig
 from paramplane.node.runtime import NodeRuntime, RuntimeConfig
-from paramplane.node.transports.base import POLICIES, TransportPolicy
+from paramplane.node.transports.base import TransportPolicy
 from paramplane.protos.net import resolve_token
 
 ENV_VARS = {
@@ -36,12 +36,6 @@ ENV_VARS = {
     "PARAMPLANE_TLS_KEY": "PEM private key of that certificate",
     "PARAMPLANE_TLS_CA": "PEM root certificate that verifies peers and a TLS coordinator",
 }
-
-
-def _transport(value: str) -> TransportPolicy:
-    if value not in POLICIES:
-        raise ValueError(f"transport must be one of {POLICIES}, got {value!r} (PARAMPLANE_TRANSPORT)")
-    return cast(TransportPolicy, value)
 
 
 def _flag(name: str, *, default: bool) -> bool:
@@ -214,7 +208,8 @@ def init(
         host_id=host_id or _env("PARAMPLANE_HOST_ID") or socket.gethostname(),
         timeout_s=timeout or float(_env("PARAMPLANE_TIMEOUT", "300") or 300),
         join_timeout_s=join_timeout or float(_env("PARAMPLANE_JOIN_TIMEOUT", "300") or 300),
-        transport=_transport(transport or _env("PARAMPLANE_TRANSPORT", "auto") or "auto"),
+        # RuntimeConfig checks the value and names PARAMPLANE_TRANSPORT when it is wrong.
+        transport=cast(TransportPolicy, transport or _env("PARAMPLANE_TRANSPORT", "auto") or "auto"),
         shm_slot_mb=float(_env("PARAMPLANE_SHM_SLOT_MB", "1") or 1),
         tcp_lane=_flag("PARAMPLANE_TCP_LANE", default=True),
         bind_host=bind or _env("PARAMPLANE_BIND", "127.0.0.1") or "127.0.0.1",

@@ -20,11 +20,10 @@ from paramplane.node.actor import OpActor
 from paramplane.node.arrays import array_module, dtype_name, is_cupy, is_device, to_host
 from paramplane.node.errors import PlaneError
 from paramplane.node.spec import OpSpec, check_reduce_op, split_bounds
-from paramplane.node.transports.base import POLICIES, Bounds, Comm, Transport
+from paramplane.node.transports.base import Bounds, Comm, Transport
 from paramplane.node.transports.factory import TransportContext, TransportFactory
 
 T = TypeVar("T")
-TRANSPORTS = POLICIES
 
 
 class Tracer(Protocol):

@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paramplane.node.coord_client import CoordinatorClient, Membership
-from paramplane.node.engine import TRANSPORTS, GroupEngine, Tracer
+from paramplane.node.engine import GroupEngine, Tracer
 from paramplane.node.errors import CoordinatorUnavailable, PeerLost, PlaneClosed, PlaneError, WorldAborted
 from paramplane.node.loop import LoopThread
 from paramplane.node.peer import PeerPlane, TlsConfig
 from paramplane.node.topology import Topology
-from paramplane.node.transports.base import TransportPolicy
+from paramplane.node.transports.base import POLICIES, TransportPolicy
 from paramplane.node.transports.shm import DEFAULT_SLOT_BYTES, slot_bytes
 from paramplane.protos.net import is_loopback, parse_address
 
@@ -77,9 +77,9 @@ class RuntimeConfig:
         if self.timeout_s <= 0 or self.join_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
         slot_bytes(self.shm_slot_mb)  # ValueError for a bad size
-        if self.transport not in TRANSPORTS:
+        if self.transport not in POLICIES:
             raise ValueError(
-                f"transport must be one of {TRANSPORTS}, got {self.transport!r} (PARAMPLANE_TRANSPORT)"
+                f"transport must be one of {POLICIES}, got {self.transport!r} (PARAMPLANE_TRANSPORT)"
             )
         if not is_loopback(self.bind_host) and not self.token:
             raise ValueError(

@@ -33,6 +33,25 @@ def _opening(src: int = 1, job: str = JOB, group: str = "g") -> bytes:
     return peer_pb2.StreamOpen(src=src, job_id=job, group=group).SerializeToString()
 
 
+async def _raw_lane(port: int) -> tuple[socket.socket, bytes]:
+    """A bare connection to a lane port and the server's nonce (the start of every handshake)."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setblocking(False)
+    await bounded(loop.sock_connect(sock, ("127.0.0.1", port)))
+    nonce = await bounded(loop.sock_recv(sock, 16))
+    assert isinstance(nonce, bytes)
+    return sock, nonce
+
+
+async def _closed_by_server(sock: socket.socket) -> bool:
+    """True once the server has closed ``sock`` without accepting (the end, or a reset)."""
+    try:
+        return await bounded(asyncio.get_running_loop().sock_recv(sock, 1)) == b""
+    except ConnectionResetError:
+        return True
+
+
 class _Recorder:
     def __init__(self) -> None:
         self.served: list[tuple[int, str, bool]] = []
@@ -93,21 +112,14 @@ async def test_garbage_and_oversized_openings_are_dropped_and_the_server_lives_o
     rng = random.Random(7)
     try:
         for case in range(20):
-            sock = socket.socket()
-            sock.setblocking(False)
-            await bounded(loop.sock_connect(sock, ("127.0.0.1", server.port)))
-            nonce = await bounded(loop.sock_recv(sock, 16))
+            sock, nonce = await _raw_lane(server.port)
             if case % 2:
                 payload = rng.randbytes(rng.randrange(1, 200))
             else:  # a claimed opening far beyond the limit
                 payload = struct.pack("!I", 1 << 30) + opening_mac(TOKEN, nonce, b"")
             await loop.sock_sendall(sock, payload)
             sock.shutdown(socket.SHUT_WR)
-            # The server closes the connection: no acceptance byte, just the end (or a reset).
-            try:
-                assert await bounded(loop.sock_recv(sock, 1)) == b""
-            except ConnectionResetError:
-                pass
+            assert await _closed_by_server(sock)  # no acceptance byte
             sock.close()
         assert rec.served == []
         lane = LaneStream(0, "127.0.0.1", server.port)
@@ -152,10 +164,7 @@ async def test_a_malformed_frame_on_a_lane_fails_the_key_with_a_transport_error(
     try:
         b.register_stream_key("g", frozenset({0, 1}))
         port = b._lane.port if b._lane is not None else 0
-        sock = socket.socket()
-        sock.setblocking(False)
-        await bounded(loop.sock_connect(sock, ("127.0.0.1", port)))
-        nonce = await bounded(loop.sock_recv(sock, 16))
+        sock, nonce = await _raw_lane(port)
         opening = _opening(src=0, group="g")
         await loop.sock_sendall(
             sock, struct.pack("!I", len(opening)) + opening + opening_mac(TOKEN, nonce, opening)
@@ -228,16 +237,10 @@ async def test_an_authenticated_but_undecodable_opening_is_refused() -> None:
     server, rec = await _server()
     loop = asyncio.get_running_loop()
     try:
-        sock = socket.socket()
-        sock.setblocking(False)
-        await bounded(loop.sock_connect(sock, ("127.0.0.1", server.port)))
-        nonce = await bounded(loop.sock_recv(sock, 16))
+        sock, nonce = await _raw_lane(server.port)
         junk = b"\xff\xff\xff\xff"  # not a StreamOpen, with a valid MAC
         await loop.sock_sendall(sock, struct.pack("!I", len(junk)) + junk + opening_mac(TOKEN, nonce, junk))
-        try:
-            assert await bounded(loop.sock_recv(sock, 1)) == b""
-        except ConnectionResetError:
-            pass
+        assert await _closed_by_server(sock)
         sock.close()
         assert rec.served == []
     finally:
