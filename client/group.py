@@ -25,6 +25,10 @@ class ProcessGroup:
     def __init__(self, engine: GroupEngine) -> None:
         self._e = engine
 
+    def _configure(self, engine: GroupEngine) -> None:
+        """Point this group at ``engine`` (a re-formed world's): wrappers holding the group go on with it."""
+        self._e = engine
+
     @property
     def rank(self) -> int:
         return self._e.rank

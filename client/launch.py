@@ -83,6 +83,11 @@ class LaunchConfig:
     ``--coordinator``, the next epoch of that coordinator (the launcher aborts the failed world there, so
     every host's ranks fail and their launchers restart too). Ranks see the attempt number in
     ``PARAMPLANE_RESTART_COUNT`` and resume from ``pp.checkpoint.latest``."""
+    max_replacements: int = 0
+    """After a rank fails, start a replacement for that rank alone (this many times at most, in all) while
+    the other ranks go on: they re-form the world in process (``world.reform()``) and bring the
+    replacement, which sees ``PARAMPLANE_REPLACEMENT=1``, up to date live (``pp.checkpoint.sync``).
+    Used before ``max_restarts``."""
 
     def __post_init__(self) -> None:
         if self.num_ranks < 1:
@@ -117,12 +122,12 @@ class LaunchConfig:
             raise ValueError(f"--host-id must be a non-empty name without spaces, got {self.host_id!r}")
         if self.token is not None and not self.token:
             raise ValueError("the job token is empty")
-        if (
-            isinstance(self.max_restarts, bool)
-            or not isinstance(self.max_restarts, int)
-            or self.max_restarts < 0
+        for name, count in (
+            ("--max-restarts", self.max_restarts),
+            ("--max-replacements", self.max_replacements),
         ):
-            raise ValueError(f"--max-restarts must be a whole number >= 0, got {self.max_restarts!r}")
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise ValueError(f"{name} must be a whole number >= 0, got {count!r}")
 
     @property
     def total_ranks(self) -> int:
@@ -234,6 +239,7 @@ class Launcher:
         self._events: queue.SimpleQueue[tuple[str, int, int]] = queue.SimpleQueue()
         self._signal: int | None = None  # the first signal received
         self._num_signals = 0
+        self._num_replacements = 0
         self._out = _binary_writer(sys.stdout)
         self._err = _binary_writer(sys.stderr)
         self._locks = (threading.Lock(), threading.Lock())
@@ -284,7 +290,9 @@ class Launcher:
                 if self._signal is not None:
                     break
                 self._start_rank(index, address, token, attempt)
-            code, message = self._supervise()
+            code, message = self._supervise(
+                lambda index: self._start_rank(index, address, token, attempt, True)
+            )
         finally:
             try:
                 self._stop_all(self._signal or signal.SIGTERM)
@@ -340,7 +348,9 @@ class Launcher:
 
         return {signum: signal.signal(signum, on_signal) for signum in FORWARDED_SIGNALS}
 
-    def _start_rank(self, index: int, address: str, token: str | None, attempt: int = 0) -> None:
+    def _start_rank(
+        self, index: int, address: str, token: str | None, attempt: int = 0, replacement: bool = False
+    ) -> None:
         config = self.config
         env = dict(os.environ)
         for stale in ("PARAMPLANE_RANK", "PARAMPLANE_TOKEN", "PARAMPLANE_TOKEN_FILE"):
@@ -366,13 +376,18 @@ class Launcher:
             env["PARAMPLANE_TIMEOUT"] = str(config.timeout_s)
         if config.join_timeout_s is not None:
             env["PARAMPLANE_JOIN_TIMEOUT"] = str(config.join_timeout_s)
+        if replacement:
+            env["PARAMPLANE_REPLACEMENT"] = "1"
         argv = [sys.executable, *(["-m"] if config.module else []), config.target, *config.args]
         pipe = subprocess.PIPE if config.prefix else None
         process = subprocess.Popen(
             argv, env=env, stdin=subprocess.DEVNULL, stdout=pipe, stderr=pipe, start_new_session=True
         )
         rank = _Rank(index, process)
-        self._ranks.append(rank)
+        if replacement:
+            self._ranks[index] = rank
+        else:
+            self._ranks.append(rank)
         targets: list[Any] = [(self._wait_leader, (rank, self._events))]
         if config.prefix:
             assert process.stdout is not None and process.stderr is not None
@@ -400,7 +415,21 @@ class Launcher:
         if kind == "exit":
             self._ranks[index].returncode = returncode
 
-    def _supervise(self) -> tuple[int, str | None]:
+    def _replace(self, index: int, start: Callable[[int], None]) -> None:
+        """Reap rank ``index``'s failed process (and what is left of its group), then start a replacement."""
+        self._num_replacements += 1
+        old = self._ranks[index]
+        with self._locks[1]:
+            self._err(
+                f"paramplane launch: rank {index} {describe_exit(old.returncode or 0)}; starting a replacement "
+                f"(replacement {self._num_replacements} of {self.config.max_replacements})\n".encode()
+            )
+        self._signal_group(old, signal.SIGKILL)
+        old.process.wait(timeout=max(self.config.grace_s, 1.0))
+        old.reaped = True
+        start(index)
+
+    def _supervise(self, replace: Callable[[int], None]) -> tuple[int, str | None]:
         while True:
             if self._signal is not None:
                 live = [r for r in self._ranks if r.returncode is None]
@@ -414,6 +443,9 @@ class Launcher:
                 continue
             self._handle(event)
             kind, index, returncode = event
+            if kind == "exit" and returncode != 0 and self._num_replacements < self.config.max_replacements:
+                self._replace(index, replace)
+                continue
             if kind == "exit" and returncode != 0:
                 num_live = sum(r.returncode is None for r in self._ranks)
                 stopped = f"; stopped the other {_plural(num_live, 'rank')}" if num_live else ""
@@ -510,6 +542,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     restarts = default_of(LaunchConfig, "max_restarts")
     add("--max-restarts", type=int, default=restarts, metavar="K", help=doc["max_restarts"])
+    replacements = default_of(LaunchConfig, "max_replacements")
+    add("--max-replacements", type=int, default=replacements, metavar="K", help=doc["max_replacements"])
     add("--no-prefix", dest="prefix", action="store_false", help=doc["prefix"])
     add("-m", "--module", action="store_true", help=doc["module"])
     add("target", metavar="script.py", help=doc["target"])

@@ -34,11 +34,14 @@ class ChromeTracer:
         self._lock = threading.Lock()
         self._offset_us = (time.time() - time.monotonic()) * 1e6
         self._closed = False
+        self._name = ""
         self._max_events = max_events
         self.dropped = 0
 
-    def open(self, rank: int) -> None:
+    def open(self, rank: int, epoch: int = 1) -> None:
+        """Start recording as ``rank``; a world re-formed at a later ``epoch`` writes a file of its own."""
         self.rank = rank
+        self._name = f"rank-{rank}.json" if epoch <= 1 else f"rank-{rank}.epoch-{epoch}.json"
         self.folder.mkdir(parents=True, exist_ok=True)
         atexit.register(self.close)
 
@@ -82,7 +85,7 @@ class ChromeTracer:
             {"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}},
             {"name": "dropped_events", "ph": "M", "pid": self.rank, "args": {"count": self.dropped}},
         ]
-        path = self.folder / f"rank-{self.rank}.json"
+        path = self.folder / self._name
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps({"traceEvents": meta + self.events, "displayTimeUnit": "ms"}))
         tmp.replace(path)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
+import dataclasses
 import os
 import socket
 from collections.abc import Sequence
@@ -12,10 +14,13 @@ from types import TracebackType
 from typing import Any, cast
 
 from paramplane.group import ProcessGroup
+from paramplane.node.engine import GroupEngine
+from paramplane.node.errors import PlaneError
 from paramplane.node.peer import TlsConfig
 from paramplane.node.runtime import NodeRuntime, RuntimeConfig
 from paramplane.node.transports.base import TransportPolicy
 from paramplane.protos.net import resolve_token
+from paramplane.trace import ChromeTracer
 
 ENV_VARS = {
     "PARAMPLANE_COORDINATOR": "host:port of the coordinator (required unless passed to init)",
@@ -26,6 +31,7 @@ ENV_VARS = {
     "PARAMPLANE_HOST_ID": "host identity for rank grouping (default: hostname)",
     "PARAMPLANE_TIMEOUT": "default collective timeout in seconds (default 300)",
     "PARAMPLANE_JOIN_TIMEOUT": "seconds to wait for the world to form (default 300)",
+    "PARAMPLANE_REPLACEMENT": "1: this rank replaces a lost one; wait for the survivors' World.reform() (default 0)",
     "PARAMPLANE_TRANSPORT": "auto | grpc | shm (default auto)",
     "PARAMPLANE_BIND": "address the data-plane server binds (default 127.0.0.1)",
     "PARAMPLANE_ADVERTISE": "address peers use to reach this rank (default: the bind address)",
@@ -92,6 +98,11 @@ class World:
     """This rank's view of the job; a context manager that shuts the plane down on exit."""
 
     def __init__(self, runtime: NodeRuntime) -> None:
+        self._num_barriers = 0
+        self.group = ProcessGroup(self._adopt(runtime))
+
+    def _adopt(self, runtime: NodeRuntime) -> GroupEngine:
+        """Take ``runtime``'s membership as this world's; returns the engine of its world group."""
         self._rt = runtime
         m = runtime.membership
         self.rank = m.rank
@@ -102,9 +113,9 @@ class World:
         self.num_nodes = m.num_nodes
         self.host_id = m.peers[m.rank].host_id
         self.job_id = m.job_id
+        self.epoch = m.epoch
         self.kv = KVStore(runtime)
-        self.group = ProcessGroup(runtime.group("world", list(range(m.world_size))))
-        self._num_barriers = 0
+        return runtime.group("world", list(range(m.world_size)))
 
     @property
     def topology(self) -> Any:
@@ -157,6 +168,46 @@ class World:
         """Abort the whole job: every rank's pending and later ops fail with WorldAborted."""
         self._rt.run(self._rt.coord.abort(reason), timeout=30)
 
+    def reform(self, *, timeout: float | None = None) -> World:
+        """Re-form the world in this process after a failure (PeerLost, WorldAborted); returns ``self``.
+
+        Ends the broken epoch on the coordinator (if no rank has yet), leaves it, and joins the next
+        epoch with the other survivors and any replacement rank (started with ``pp.init(replacement=True)``
+        or ``PARAMPLANE_REPLACEMENT=1``), keeping this rank's number where it can. It returns once the
+        world has all ``world_size`` ranks again, or raises RendezvousError after ``timeout`` seconds
+        (default: the join timeout). ``rank``, ``epoch`` and the rest then describe the new world.
+
+        ``world.group`` stays the same object, now over the new world, so wrappers built on it (``pp.DDP``)
+        go on. Groups made from the old world (``new_group``, subgroups, a ``Mesh``, FSDP's hybrid groups)
+        fail with PlaneClosed: make them again. Survivors keep their state; bring a replacement up to date
+        live with ``pp.checkpoint.sync(...)``, or load a checkpoint.
+        """
+        old = self._rt
+        cause = old.abort_error() if old.aborted.is_set() else None
+        reason = f"rank {self.rank} re-forms the world" + (f" after: {cause}" if cause else "")
+        # Every survivor ends the epoch (the first call wins); after that, or once another survivor has
+        # started the next epoch, the coordinator refuses the call, which is fine: the old world is over.
+        with contextlib.suppress(PlaneError, TimeoutError):
+            old.run(old.coord.abort(reason), timeout=10)
+        old.shutdown()
+        tracer = None
+        if isinstance(old.tracer, ChromeTracer):
+            tracer = ChromeTracer(old.tracer.folder)
+        config = dataclasses.replace(
+            old.config,
+            rank_hint=self.rank,
+            world_size=self.world_size,
+            join_timeout_s=timeout or old.config.join_timeout_s,
+            replacement=False,
+            tracer=tracer,
+        )
+        runtime = NodeRuntime(config)
+        runtime.start()
+        self.group._configure(self._adopt(runtime))
+        if tracer is not None:
+            tracer.open(self.rank, self.epoch)
+        return self
+
     def shutdown(self) -> None:
         """Leave the world and stop the runtime. Idempotent."""
         self._rt.shutdown()
@@ -185,6 +236,7 @@ def init(
     transport: str | None = None,
     bind: str | None = None,
     advertise: str | None = None,
+    replacement: bool | None = None,
 ) -> World:
     """Join the world; arguments override the PARAMPLANE_* variables (see ``ENV_VARS``)."""
     address = coordinator or _env("PARAMPLANE_COORDINATOR")
@@ -196,8 +248,6 @@ def init(
     tracer = None
     trace_dir = _env("PARAMPLANE_TRACE")
     if trace_dir:
-        from paramplane.trace import ChromeTracer
-
         tracer = ChromeTracer(trace_dir)
     tls, coordinator_ca = _tls()
     config = RuntimeConfig(
@@ -208,6 +258,9 @@ def init(
         host_id=host_id or _env("PARAMPLANE_HOST_ID") or socket.gethostname(),
         timeout_s=timeout or float(_env("PARAMPLANE_TIMEOUT", "300") or 300),
         join_timeout_s=join_timeout or float(_env("PARAMPLANE_JOIN_TIMEOUT", "300") or 300),
+        replacement=replacement
+        if replacement is not None
+        else _flag("PARAMPLANE_REPLACEMENT", default=False),
         # RuntimeConfig checks the value and names PARAMPLANE_TRANSPORT when it is wrong.
         transport=cast(TransportPolicy, transport or _env("PARAMPLANE_TRANSPORT", "auto") or "auto"),
         shm_slot_mb=float(_env("PARAMPLANE_SHM_SLOT_MB", "1") or 1),
@@ -224,5 +277,5 @@ def init(
     # A script that forgets shutdown() still says goodbye to its peers (they would see it as lost).
     atexit.register(world.shutdown)
     if tracer is not None:
-        tracer.open(world.rank)
+        tracer.open(world.rank, world.epoch)
     return world

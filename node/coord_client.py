@@ -172,8 +172,13 @@ class CoordinatorClient:
         rank_hint: int = -1,
         world_size: int = 0,
         timeout_s: float,
+        replacement: bool = False,
     ) -> Membership:
-        """Wait until the world forms; retries while the coordinator is not up yet, until ``timeout_s``."""
+        """Wait until the world forms; retries while the coordinator is not up yet, until ``timeout_s``.
+
+        A ``replacement`` rank also retries while the current world is full: it waits for that world to
+        end (its survivors call ``World.reform()``) and joins the next epoch.
+        """
         _check_timeout(timeout_s)
         request = pb.JoinRequest(
             host_id=host_id,
@@ -193,7 +198,10 @@ class CoordinatorClient:
                 break
             except grpc.aio.AioRpcError as e:
                 left = deadline - time.monotonic()
-                if e.code() == grpc.StatusCode.UNAVAILABLE and left > 0:
+                retry = e.code() == grpc.StatusCode.UNAVAILABLE or (
+                    replacement and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                )
+                if retry and left > 0:
                     await asyncio.sleep(min(backoff, left))
                     backoff = min(backoff * 2, _JOIN_BACKOFF_S[1])
                     continue

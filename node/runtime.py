@@ -52,6 +52,9 @@ class RuntimeConfig:
     """Default timeout of every group's collectives (and of group setup)."""
     join_timeout_s: float = 300.0
     """How long to wait for the world to form."""
+    replacement: bool = False
+    """This rank replaces a lost one: while the current world is still full, wait (within the join
+    timeout) for its survivors to re-form it (``World.reform()``) and join the new epoch."""
     bind_host: str = "127.0.0.1"
     """Address the peer server listens on; set it to reach peers on other hosts."""
     advertise_host: str | None = None
@@ -145,6 +148,7 @@ class NodeRuntime:
             rank_hint=c.rank_hint,
             world_size=c.world_size,
             timeout_s=c.join_timeout_s,
+            replacement=c.replacement,
         )
         self.membership = m
         self.rank = m.rank

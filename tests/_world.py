@@ -53,9 +53,14 @@ class WorldOutcome:
     """Outcomes in rank order."""
     timed_out: bool = False
     """True when the deadline passed and remaining ranks were killed."""
+    replaced: list[RankOutcome] = field(default_factory=list)
+    """The first processes of ranks that were replaced (``run_world(replace=...)``); ``ranks`` holds
+    their replacements."""
 
     def describe(self) -> str:
         parts = []
+        for r in self.replaced:
+            parts.append(f"--- rank {r.rank} (replaced) exit {r.returncode} ---\n{r.output[-6000:]}")
         for r in self.ranks:
             parts.append(f"--- rank {r.rank} exit {r.returncode} ---\n{r.output[-6000:]}")
         return ("TIMED OUT\n" if self.timed_out else "") + "\n".join(parts)
@@ -124,13 +129,16 @@ def run_world(
     progress_timeout_s: float | None = None,
     token: str | None = None,
     out_dir: str | os.PathLike[str] | None = None,
+    replace: Mapping[int, Mapping[str, str]] | None = None,
 ) -> WorldOutcome:
     """Run ``target`` as ranks 0..n-1 of one world and collect what each left behind.
 
     ``env`` is added to every rank's environment, ``rank_env[r]`` to rank r's only. The ranks
     get PARAMPLANE_COORDINATOR, _RANK, _WORLD_SIZE, _TOKEN (when ``token`` is given) and
     PARAMPLANE_TEST_OUT (the folder for their JSON results). After ``timeout`` seconds the
-    ranks still running are killed and ``timed_out`` is set.
+    ranks still running are killed and ``timed_out`` is set. For each rank in ``replace``, once its
+    process has exited a replacement process starts as the same rank with PARAMPLANE_REPLACEMENT=1
+    and ``replace[rank]`` added to its environment (the survivors' ``World.reform()`` admits it).
     """
     if n < 1:
         raise ValueError(f"a world needs at least one rank, got {n}")
@@ -150,10 +158,12 @@ def run_world(
     procs: list[subprocess.Popen[bytes]] = []
     logs: list[Any] = []
     outcome = WorldOutcome()
+    first_of: dict[int, tuple[subprocess.Popen[bytes], Any]] = {}  # replaced rank -> its first process, log
     with tempfile.TemporaryDirectory(prefix="pp-world-") as scratch:
         results = Path(out_dir) if out_dir is not None else Path(scratch)
         try:
-            for rank in range(n):
+
+            def spawn(rank: int, extra: Mapping[str, str], label: str) -> subprocess.Popen[bytes]:
                 child_env = dict(os.environ)
                 child_env.update(
                     PARAMPLANE_COORDINATOR=address,
@@ -166,20 +176,29 @@ def run_world(
                 if token is not None:
                     child_env["PARAMPLANE_TOKEN"] = token
                 child_env.update(env or {})
-                child_env.update((rank_env or {}).get(rank, {}))
-                log = open(Path(scratch) / f"log-{rank}.txt", "w+b")  # noqa: SIM115 (closed below)
+                child_env.update(extra)
+                log = open(Path(scratch) / f"log-{label}.txt", "w+b")  # noqa: SIM115 (closed below)
                 logs.append(log)
-                procs.append(
-                    subprocess.Popen(
-                        _command(target, args),
-                        env=child_env,
-                        cwd=REPO,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
+                return subprocess.Popen(
+                    _command(target, args),
+                    env=child_env,
+                    cwd=REPO,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
                 )
+
+            for rank in range(n):
+                procs.append(spawn(rank, (rank_env or {}).get(rank, {}), str(rank)))
             deadline = time.monotonic() + timeout
+            for rank, extra in (replace or {}).items():
+                try:
+                    procs[rank].wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    break
+                first_of[rank] = (procs[rank], logs[rank])
+                procs[rank] = spawn(rank, {**extra, "PARAMPLANE_REPLACEMENT": "1"}, f"{rank}-replacement")
+                logs[rank] = logs.pop()
             for proc in procs:
                 try:
                     proc.wait(max(0.0, deadline - time.monotonic()))
@@ -187,11 +206,17 @@ def run_world(
                     outcome.timed_out = True
                     break
         finally:
-            for proc in procs:
+            for proc in [*procs, *(p for p, _ in first_of.values())]:
                 if proc.poll() is None:
                     outcome.timed_out = True
                 _kill(proc)
             coordinator.stop()
+        for rank, (proc, log) in sorted(first_of.items()):
+            log.seek(0)
+            outcome.replaced.append(
+                RankOutcome(rank, proc.returncode, log.read().decode(errors="replace"), None)
+            )
+            log.close()
         for rank, (proc, log) in enumerate(zip(procs, logs)):
             log.seek(0)
             text = log.read().decode(errors="replace")

@@ -409,12 +409,14 @@ def test_max_restarts_resumes_from_the_checkpoint_and_ends_like_an_unbroken_run(
     assert failed.returncode == 3 and "rank 1 exited with code 3" in failed.stderr
 
 
-def test_max_restarts_must_be_a_whole_number() -> None:
+def test_max_restarts_and_replacements_must_be_whole_numbers() -> None:
     from paramplane.launch import LaunchConfig
 
     for bad in (-1, True):
         with pytest.raises(ValueError, match="max-restarts must be"):
             LaunchConfig(num_ranks=2, target=__file__, standalone=True, max_restarts=bad)
+        with pytest.raises(ValueError, match="max-replacements must be"):
+            LaunchConfig(num_ranks=2, target=__file__, standalone=True, max_replacements=bad)
 
 
 def test_max_restarts_across_two_launchers_reforms_the_world_on_the_coordinator(tmp_path: Path) -> None:

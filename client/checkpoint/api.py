@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -388,38 +388,36 @@ def _materialize(opt: Optimizer, top: str, manifest: dict[str, Any]) -> None:
             opt.ensure_state(i, arrays, values)
 
 
-def load(state: Mapping[str, Any], path: str | os.PathLike[str], group: ProcessGroup) -> dict[str, Any]:
-    """Load the checkpoint at ``path`` into ``state`` in place (any world size); returns the saved plain values.
-
-    Every rank checks every key first; a problem on any rank raises CheckpointError on every rank
-    and nothing is modified.
-    """
-    root = Path(path)
-    try:
-        manifest: dict[str, Any] | None = read_manifest(root)
-        local_error = ""
-    except (OSError, ValueError) as exc:
-        manifest, local_error = None, str(exc)
-    entries = _entries(state)
-    optim_tops = {top for top, obj in state.items() if isinstance(obj, Optimizer)}
-    problems, dropped = (
-        _problems(entries, manifest, optim_tops) if manifest is not None else ([local_error], [])
-    )
+def _agree(group: ProcessGroup, problems: list[str], what: str) -> None:
+    """Raise CheckpointError on every rank if any rank has a problem (before anything is modified)."""
     reports = _gather_json(group, problems[:5])
     failing = {r: p for r, p in enumerate(reports) if p}
     if failing:
         text = "; ".join(f"group rank {r}: {', '.join(p)}" for r, p in failing.items())
-        raise CheckpointError(f"cannot load {root} (nothing was modified): {text}")
-    assert manifest is not None
+        raise CheckpointError(f"{what} (nothing was modified): {text}")
+
+
+Fill = Callable[[str, dict[str, Any], ShardedArray], None]
+
+
+def _apply(
+    state: Mapping[str, Any],
+    entries: dict[str, Any],
+    manifest: dict[str, Any],
+    dropped: list[str],
+    fill: Fill,
+) -> dict[str, Any]:
+    """Fill every array of ``state`` with ``fill(key, manifest entry, target)`` and load the stateful
+    objects; returns the plain values. Only after every rank agreed that ``manifest`` fits."""
+    optim_tops = {top for top, obj in state.items() if isinstance(obj, Optimizer)}
     for top in optim_tops:  # a fresh optimizer gets the state the checkpoint has, then loads into it
         _materialize(state[top], top, manifest)
         entries.update({f"{top}/{k}": v for k, v in state[top].sharded_state_dict().items()})
-    reader = _Reader(root)
     loaded: dict[str, Any] = {}
     for key, target in entries.items():
         if isinstance(target, ShardedArray) or _is_array(target):
             if key in manifest["arrays"]:
-                reader.fill(key, manifest["arrays"][key], _as_sharded(target))
+                fill(key, manifest["arrays"][key], _as_sharded(target))
             loaded[key] = target
         elif key in manifest["values"]:
             loaded[key] = manifest["values"][key]
@@ -438,3 +436,25 @@ def load(state: Mapping[str, Any], path: str | os.PathLike[str], group: ProcessG
             saved = loaded.get(top)
             result[top] = np.array(saved) if _is_array(saved) else saved
     return result
+
+
+def load(state: Mapping[str, Any], path: str | os.PathLike[str], group: ProcessGroup) -> dict[str, Any]:
+    """Load the checkpoint at ``path`` into ``state`` in place (any world size); returns the saved plain values.
+
+    Every rank checks every key first; a problem on any rank raises CheckpointError on every rank
+    and nothing is modified.
+    """
+    root = Path(path)
+    try:
+        manifest: dict[str, Any] | None = read_manifest(root)
+        local_error = ""
+    except (OSError, ValueError) as exc:
+        manifest, local_error = None, str(exc)
+    entries = _entries(state)
+    optim_tops = {top for top, obj in state.items() if isinstance(obj, Optimizer)}
+    problems, dropped = (
+        _problems(entries, manifest, optim_tops) if manifest is not None else ([local_error], [])
+    )
+    _agree(group, problems, f"cannot load {root}")
+    assert manifest is not None
+    return _apply(state, entries, manifest, dropped, _Reader(root).fill)

@@ -75,7 +75,12 @@ class DDP:
         *,
         reduce_op: str = "mean",
         comm_dtype: str | None = None,
+        init_sync: bool = True,
     ) -> None:
+        """``init_sync=False`` skips the wrap-time broadcast of parameters and buffers from group rank 0
+        (a collective every rank must join): a replacement rank wrapping its model after
+        ``World.reform()`` gets its state from ``pp.checkpoint.sync`` instead, as the survivors do not
+        wrap again."""
         if not isinstance(module, Module):
             raise ValueError(f"DDP wraps a paramplane.nn.Module, got {type(module).__name__}")
         if not isinstance(group, ProcessGroup):
@@ -94,7 +99,8 @@ class DDP:
         self.reduce_op = reduce_op
         self._tracer = _tracer_of(group)
         all_params = module.parameters()
-        self._sync_state(all_params)
+        if init_sync:
+            self._sync_state(all_params)
         self._params: list[Parameter] = [p for p in all_params if p.requires_grad]
         bucket_bytes = max(1, int(self.bucket_mb * MIB))
         self._buckets = [

@@ -1,0 +1,73 @@
+"""In-process recovery: ``world.reform()`` after a lost rank, a replacement that receives state live
+(``pp.checkpoint.sync``), and training that ends exactly like a run that never failed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests._world import WORKERS, run_world
+
+STEPS = 6
+
+
+def _train(fail_at: int, *, replace: bool, transport: str) -> list[dict[str, object]]:
+    outcome = run_world(
+        3,
+        "reform.py",
+        env={"FAIL_AT": str(fail_at), "STEPS": str(STEPS), "PARAMPLANE_TRANSPORT": transport},
+        replace={1: {}} if replace else None,
+        timeout=120,
+        heartbeat_timeout_s=5,
+    )
+    if replace:
+        (first,) = outcome.replaced
+        assert first.returncode == 3, outcome.describe()  # the victim did die at FAIL_AT
+    return outcome.check_ok()
+
+
+@pytest.mark.parametrize("transport", ["auto", "grpc"])  # shm on one host; the inter-host path
+def test_a_replacement_rank_receives_state_live_and_training_ends_like_an_unbroken_run(
+    transport: str,
+) -> None:
+    clean = _train(-1, replace=False, transport=transport)
+    broken = _train(3, replace=True, transport=transport)
+    for r in (0, 2):
+        assert broken[r]["values"]["errors"], f"survivor {r} never saw the loss"  # type: ignore[index]
+        assert broken[r]["values"]["resumed_at"] == 3  # type: ignore[index]
+    assert broken[1]["values"]["resumed_at"] == 3  # type: ignore[index]
+    assert {res["values"]["epoch"] for res in broken} == {2}  # type: ignore[index]
+    assert [res["values"]["rank_after"] for res in broken] == [0, 1, 2]  # type: ignore[index]
+    # Every rank holds the same parameters and optimizer state, bit for bit, and they are the ones an
+    # unbroken run reaches (the replacement started from other weights: only the live transfer fixes that).
+    for res in broken:
+        assert res["digests"] == clean[0]["digests"], res["rank"]
+    assert all(res["digests"] == clean[0]["digests"] for res in clean)
+    assert any(k.startswith("optim ") for k in clean[0]["digests"])  # type: ignore[union-attr]
+
+
+def test_sync_refuses_state_that_does_not_fit_on_every_rank_and_modifies_nothing() -> None:
+    """No rank with state, a different model, and a different layout: CheckpointError on every rank, naming
+    the problem, before anything is modified (the checks are in tests/workers/reform_errors.py)."""
+    results = run_world(2, "reform_errors.py", timeout=60).check_ok()
+    assert all(res["num_checks"] >= 7 for res in results)
+
+
+def test_launch_max_replacements_replaces_the_lost_rank_while_the_others_go_on(tmp_path: Path) -> None:
+    env = dict(os.environ, FAIL_AT="3", STEPS=str(STEPS), PARAMPLANE_TEST_OUT=str(tmp_path))
+    cmd = [sys.executable, "-m", "paramplane.cli", "launch", "--standalone", "-n", "3"]
+    cmd += ["--heartbeat-timeout", "5", "--timeout", "60", "--max-replacements", "1"]
+    proc = subprocess.run(
+        [*cmd, str(WORKERS / "reform.py")], env=env, capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "rank 1 exited with code 3; starting a replacement (replacement 1 of 1)" in proc.stderr
+    results = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(3)]
+    assert all(res["failures"] == [] for res in results), results
+    assert [res["values"]["epoch"] for res in results] == [2, 2, 2]
+    assert results[0]["digests"] == results[1]["digests"] == results[2]["digests"]
