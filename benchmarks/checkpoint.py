@@ -7,6 +7,11 @@ about 200 MB) sharded over the world; torch's is the same model under FSDP2 ``fu
 with ``torch.distributed.checkpoint`` (DCP). GB/s = state bytes / wall time of the collective save (or
 load), taken on the slowest rank, into a fresh directory under ``--dir`` (default: a temporary folder, so
 the page cache is warm: this measures the software path more than the disk). One JSON line per row.
+
+Recovery rows (``bench: recovery``): the same layers under pp.DDP with AdamW state (params + 2 moments,
+3x the model's bytes); the last rank plays a replacement and the time it needs to get that state is taken
+two ways: live from a healthy peer over the data plane (``pp.checkpoint.sync``) and from a checkpoint on
+disk (``pp.checkpoint.load``, page cache warm).
 """
 
 from __future__ import annotations
@@ -48,6 +53,35 @@ def worker_paramplane(args: argparse.Namespace) -> dict[str, Any]:
         load = time.perf_counter() - t
         world.group.barrier()
     return {"save_s": save, "load_s": load}
+
+
+def worker_recovery(args: argparse.Namespace) -> dict[str, Any]:
+    import paramplane as pp
+    from paramplane.nn import Linear, Sequential
+    from paramplane.optim import AdamW
+
+    rng = np.random.default_rng(0)
+    model = Sequential(*(Linear(args.width, args.width, rng=rng) for _ in range(args.layers)))
+    with pp.init() as world:
+        ddp = pp.DDP(model, world.group, init_sync=False)  # same seed everywhere: already replicas
+        opt = AdamW(ddp.parameters(), lr=1e-3)
+        for p in ddp.parameters():
+            p.grad = np.full_like(p.data, 1e-3)
+        opt.step()  # the moments exist
+        state = {"model": ddp, "optim": opt, "step": 5}
+        replacement = world.rank == world.world_size - 1
+        path = Path(args.dir) / "recovery"
+        pp.checkpoint.save(state, path, world.group)
+        world.group.barrier()
+        t = time.perf_counter()
+        pp.checkpoint.sync(state, world.group, has_state=not replacement)
+        live = time.perf_counter() - t
+        world.group.barrier()
+        t = time.perf_counter()
+        pp.checkpoint.load(state, path, world.group)
+        disk = time.perf_counter() - t
+        world.group.barrier()
+    return {"live_s": live, "disk_s": disk, "replacement": replacement}
 
 
 def worker_torch(args: argparse.Namespace) -> dict[str, Any]:
@@ -100,7 +134,7 @@ def _spawn(impl: str, world: int, args: argparse.Namespace, folder: str) -> list
         world,
         dict(os.environ, **THREADS, PARAMPLANE_TIMEOUT="600"),
         what=f"{impl} at world {world}",
-        coordinator=impl == "paramplane",
+        coordinator=impl != "torch",
     )
 
 
@@ -114,13 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--worker", choices=("paramplane", "torch"), help=argparse.SUPPRESS)
+    parser.add_argument("--no-recovery", action="store_true", help="skip the live-vs-disk recovery rows")
+    parser.add_argument("--worker", choices=("paramplane", "torch", "recovery"), help=argparse.SUPPRESS)
     parser.add_argument("--world-size", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--store", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        fn = worker_paramplane if args.worker == "paramplane" else worker_torch
+        fn = {"paramplane": worker_paramplane, "torch": worker_torch, "recovery": worker_recovery}[
+            args.worker
+        ]
         print(json.dumps(fn(args)), flush=True)
         return 0
     impls = ["paramplane"]
@@ -155,6 +192,28 @@ def main(argv: list[str] | None = None) -> int:
                     }
                 )
             )
+        if args.no_recovery:
+            continue
+        folder = tempfile.mkdtemp(prefix="pp-ckpt-bench-", dir=args.dir)
+        try:
+            ranks = _spawn("recovery", world, args, folder)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        (rep,) = [r for r in ranks if r["replacement"]]
+        lines.append(
+            json.dumps(
+                {
+                    "bench": "recovery",
+                    "world_size": world,
+                    "state_bytes": 3 * nbytes,
+                    "live_s": rep["live_s"],
+                    "disk_s": rep["disk_s"],
+                    "live_gb_s": 3 * nbytes / rep["live_s"] / 1e9,
+                    "disk_gb_s": 3 * nbytes / rep["disk_s"] / 1e9,
+                    "disk_over_live": rep["disk_s"] / rep["live_s"],
+                }
+            )
+        )
     emit(lines, args.out)
     return 0
 

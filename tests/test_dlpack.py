@@ -11,3 +11,11 @@ pytest.importorskip("torch")
 def test_torch_tensors_through_collectives() -> None:
     world = run_world(2, "dlpack.py", env={"PARAMPLANE_TIMEOUT": "30"}, timeout=90)
     assert all(r["num_checks"] >= 11 for r in world.check_ok())
+
+
+def test_ddp_over_a_torch_module_matches_one_process_on_the_whole_batch() -> None:
+    """pp.DDP wraps a torch.nn.Module: broadcast at wrap, gradient buckets from torch's grad hooks, a torch
+    optimizer attached; every step equals single-process training (checked on each rank in the worker)."""
+    results = run_world(2, "torch_ddp.py", env={"PARAMPLANE_TIMEOUT": "30"}, timeout=90).check_ok()
+    assert all(r["num_checks"] >= 3 * 6 + 3 for r in results)
+    assert results[0]["digests"] == results[1]["digests"]

@@ -400,6 +400,14 @@ def _agree(group: ProcessGroup, problems: list[str], what: str) -> None:
 Fill = Callable[[str, dict[str, Any], ShardedArray], None]
 
 
+def _prepare_optimizers(state: Mapping[str, Any], entries: dict[str, Any], manifest: dict[str, Any]) -> None:
+    """A fresh optimizer gets (zero) state arrays for what ``manifest`` holds, added to ``entries`` to be filled."""
+    for top, obj in state.items():
+        if isinstance(obj, Optimizer):
+            _materialize(obj, top, manifest)
+            entries.update({f"{top}/{k}": v for k, v in obj.sharded_state_dict().items()})
+
+
 def _apply(
     state: Mapping[str, Any],
     entries: dict[str, Any],
@@ -409,10 +417,7 @@ def _apply(
 ) -> dict[str, Any]:
     """Fill every array of ``state`` with ``fill(key, manifest entry, target)`` and load the stateful
     objects; returns the plain values. Only after every rank agreed that ``manifest`` fits."""
-    optim_tops = {top for top, obj in state.items() if isinstance(obj, Optimizer)}
-    for top in optim_tops:  # a fresh optimizer gets the state the checkpoint has, then loads into it
-        _materialize(state[top], top, manifest)
-        entries.update({f"{top}/{k}": v for k, v in state[top].sharded_state_dict().items()})
+    _prepare_optimizers(state, entries, manifest)
     loaded: dict[str, Any] = {}
     for key, target in entries.items():
         if isinstance(target, ShardedArray) or _is_array(target):

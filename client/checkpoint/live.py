@@ -6,7 +6,7 @@ values). The lowest group rank with ``has_state=True`` is the source: it describ
 global shapes, dtypes, the range each array covers, plain values) in a JSON header broadcast to the
 group; every rank checks that header against its own state exactly as ``load`` checks a manifest (any
 problem fails every rank before anything is modified); then the arrays travel in one broadcast per
-dtype and every rank loads them in place. Nothing is unpickled.
+dtype (large arrays alone, straight into their target) and every other rank loads them in place. Nothing is unpickled.
 
 The group's ranks must hold the same layout: replicas (``pp.DDP``, plain modules, optimizers over them)
 over the world group, or, for sharded state, a group of ranks that hold the same shard ranges.
@@ -28,11 +28,16 @@ from paramplane.checkpoint.api import (
     _as_sharded,
     _entries,
     _is_array,
+    _prepare_optimizers,
     _problems,
 )
 from paramplane.group import ProcessGroup
 from paramplane.node.arrays import DTYPES, array_module, dtype_name, to_host
 from paramplane.optim.optimizer import Optimizer
+
+_DIRECT_BYTES = (
+    1 << 20
+)  # arrays this large travel alone, into their target; smaller ones are packed per dtype
 
 
 def _describe(entries: dict[str, Any]) -> dict[str, Any]:
@@ -90,8 +95,8 @@ def sync(state: Mapping[str, Any], group: ProcessGroup, *, has_state: bool) -> d
     """Give every rank of ``group`` the state of the lowest group rank that has it; returns the plain values.
 
     Every rank of the group calls it with the same ``state`` structure. Ranks with ``has_state=False``
-    (a replacement) are overwritten in place, optimizer state included (a fresh optimizer gets it);
-    ranks that have state keep it (they should hold the same state already). CheckpointError on every
+    (a replacement) are overwritten in place, optimizer state included (a fresh optimizer gets it), and
+    so are other ranks with state (replicas: they hold the same already); the source's state is untouched. CheckpointError on every
     rank when no rank has state or the source's state does not fit a rank's (a different model).
     """
     flags = group.all_gather(np.array([1 if has_state else 0], np.int64))
@@ -104,26 +109,51 @@ def sync(state: Mapping[str, Any], group: ProcessGroup, *, has_state: bool) -> d
     optim_tops = {top for top, obj in state.items() if isinstance(obj, Optimizer)}
     problems, dropped = _problems(entries, manifest, optim_tops)
     _agree(group, problems + _layout_problems(entries, manifest), f"cannot sync from group rank {src}")
-
-    received: dict[str, np.ndarray] = {}
-    for dtype, keys in _packing(manifest).items():
-        total = sum(n for _, n in keys)
-        if total == 0:
-            continue
-        if group.rank == src:
-            buf = np.concatenate(
-                [np.asarray(to_host(_as_sharded(entries[k]).local)).reshape(-1) for k, _ in keys]
-            )
-        else:
-            buf = np.empty(total, DTYPES[dtype])
-        group.broadcast(buf, src=src)
-        offset = 0
-        for key, n in keys:
-            received[key] = buf[offset : offset + n]
-            offset += n
+    if group.rank == src:  # its state is the one sent: nothing to load
+        _send(group, entries, manifest)
+        return {top: np.array(v) if _is_array(v) else v for top, v in entries.items() if top in state}
+    _prepare_optimizers(state, entries, manifest)
+    staged = _receive(group, src, entries, manifest)
 
     def fill(key: str, entry: dict[str, Any], target: ShardedArray) -> None:
-        if group.rank != src:
-            target.local[...] = array_module(target.local).asarray(received[key])
+        if key in staged:
+            target.local[...] = array_module(target.local).asarray(staged[key])
 
     return _apply(state, entries, manifest, dropped, fill)
+
+
+def _send(group: ProcessGroup, entries: dict[str, Any], manifest: dict[str, Any]) -> None:
+    for dtype, keys in _packing(manifest).items():
+        big = [k for k, n in keys if n * DTYPES[dtype].itemsize >= _DIRECT_BYTES]
+        for key in big:
+            group.broadcast(np.ascontiguousarray(to_host(_as_sharded(entries[key]).local)), src=group.rank)
+        small = [k for k, n in keys if k not in big and n]
+        if small:
+            pieces = [np.asarray(to_host(_as_sharded(entries[k]).local)).reshape(-1) for k in small]
+            group.broadcast(np.concatenate(pieces), src=group.rank)
+
+
+def _receive(
+    group: ProcessGroup, src: int, entries: dict[str, Any], manifest: dict[str, Any]
+) -> dict[str, np.ndarray]:
+    """Receive the source's arrays in ``_send``'s order: large ones straight into their target where it is a
+    contiguous host array; the rest staged (returned by key) for ``_apply`` to copy in."""
+    staged: dict[str, np.ndarray] = {}
+    for dtype, keys in _packing(manifest).items():
+        big = [k for k, n in keys if n * DTYPES[dtype].itemsize >= _DIRECT_BYTES]
+        for key in big:
+            local = _as_sharded(entries[key]).local
+            if isinstance(local, np.ndarray) and local.flags.c_contiguous:
+                group.broadcast(local, src=src)
+            else:
+                staged[key] = np.empty(local.size, DTYPES[dtype])
+                group.broadcast(staged[key], src=src)
+        small = [(k, n) for k, n in keys if k not in big and n]
+        if small:
+            buf = np.empty(sum(n for _, n in small), DTYPES[dtype])
+            group.broadcast(buf, src=src)
+            offset = 0
+            for key, n in small:
+                staged[key] = buf[offset : offset + n]
+                offset += n
+    return staged

@@ -45,17 +45,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from paramplane.group import ProcessGroup
-from paramplane.nn.module import Array, LoadResult, Module, Parameter, RemovableHandle
+from paramplane.nn.module import Array, LoadResult, Module, Parameter
 from paramplane.node.arrays import DTYPES
 from paramplane.optim.optimizer import Optimizer
 from paramplane.parallel.ddp_buckets import MIB, Bucket, assign_buckets, shard_range
+from paramplane.parallel.torch_params import is_torch_module, torch_buffers, torch_params
 
 __all__ = ["DDP", "shard_range"]
 
@@ -81,8 +83,11 @@ class DDP:
         (a collective every rank must join): a replacement rank wrapping its model after
         ``World.reform()`` gets its state from ``pp.checkpoint.sync`` instead, as the survivors do not
         wrap again."""
-        if not isinstance(module, Module):
-            raise ValueError(f"DDP wraps a paramplane.nn.Module, got {type(module).__name__}")
+        self._torch = is_torch_module(module)
+        if not isinstance(module, Module) and not self._torch:
+            raise ValueError(
+                f"DDP wraps a paramplane.nn.Module or a torch.nn.Module, got {type(module).__name__}"
+            )
         if not isinstance(group, ProcessGroup):
             raise ValueError(f"DDP needs a ProcessGroup, got {type(group).__name__}")
         if not bucket_mb > 0:
@@ -98,7 +103,8 @@ class DDP:
         self.broadcast_buffers = broadcast_buffers
         self.reduce_op = reduce_op
         self._tracer = _tracer_of(group)
-        all_params = module.parameters()
+        # A torch module's parameters are duck-typed Parameters (DLPack views, torch grad hooks).
+        all_params = cast(list[Parameter], torch_params(module)) if self._torch else module.parameters()
         if init_sync:
             self._sync_state(all_params)
         self._params: list[Parameter] = [p for p in all_params if p.requires_grad]
@@ -115,7 +121,7 @@ class DDP:
         self._round_open = False
         self._next_launch = 0
         self._no_sync = False
-        self._handles: list[RemovableHandle] = [
+        self._handles: list[Any] = [
             p.register_grad_hook(functools.partial(self._on_grad, i)) for i, p in enumerate(self._params)
         ]
 
@@ -135,7 +141,7 @@ class DDP:
             self._broadcast_buffers()
 
     def _broadcast_buffers(self) -> None:
-        for _, buf in self.module.named_buffers():
+        for _, buf in torch_buffers(self.module) if self._torch else self.module.named_buffers():
             if buf.flags.c_contiguous:
                 self.group.broadcast(buf, src=0)
             else:
@@ -228,11 +234,19 @@ class DDP:
             if self._tracer is not None:
                 self._tracer.mark("ddp gradient sync wait", start, time.monotonic())
 
-    def attach(self, optimizer: Optimizer) -> RemovableHandle:
-        """Make ``optimizer.step()`` call :meth:`finish_gradient_sync` first; returns the hook handle."""
-        if not isinstance(optimizer, Optimizer):
-            raise ValueError(f"attach() takes a paramplane.optim optimizer, got {type(optimizer).__name__}")
-        return optimizer.register_step_pre_hook(lambda _opt: self.finish_gradient_sync())
+    def attach(self, optimizer: Any) -> Any:
+        """Make ``optimizer.step()`` call :meth:`finish_gradient_sync` first; returns the hook handle.
+
+        A ``paramplane.optim`` optimizer, or a ``torch.optim`` one when the module is a torch module."""
+        if isinstance(optimizer, Optimizer):
+            return optimizer.register_step_pre_hook(lambda _opt: self.finish_gradient_sync())
+        torch = sys.modules.get("torch")
+        if self._torch and torch is not None and isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer.register_step_pre_hook(lambda _opt, _args, _kwargs: self.finish_gradient_sync())
+        wanted = (
+            "a paramplane.optim or torch.optim optimizer" if self._torch else "a paramplane.optim optimizer"
+        )
+        raise ValueError(f"attach() takes {wanted}, got {type(optimizer).__name__}")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -248,17 +262,21 @@ class DDP:
             self._no_sync = previous
 
     # -- pass-through ------------------------------------------------------------------------------
-    def forward(self, x: Array) -> Array:
+    def forward(self, x: Any) -> Any:
         """``module.forward(x)``; first re-broadcasts buffers from rank 0 when ``broadcast_buffers``."""
         if self.broadcast_buffers and self.module.training and self.group.size > 1:
             self._broadcast_buffers()
-        return self.module.forward(x)
+        return self.module(x) if self._torch else self.module.forward(x)
 
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Any) -> Any:
         return self.forward(x)
 
     def backward(self, grad_out: Array) -> Array:
         """``module.backward(grad_out)``; gradient buckets start their all-reduce as they fill."""
+        if self._torch:
+            raise RuntimeError(
+                "a torch module runs its own backward: call loss.backward() (the buckets fill from it)"
+            )
         start = time.monotonic()
         try:
             return self.module.backward(grad_out)
@@ -266,11 +284,12 @@ class DDP:
             if self._tracer is not None:
                 self._tracer.mark("backward", start, time.monotonic())
 
-    def parameters(self) -> list[Parameter]:
-        return self.module.parameters()
+    def parameters(self) -> list[Any]:
+        """The module's parameters (torch tensors for a torch module, to hand to a torch optimizer)."""
+        return list(self.module.parameters())
 
-    def named_parameters(self) -> list[tuple[str, Parameter]]:
-        return self.module.named_parameters()
+    def named_parameters(self) -> list[tuple[str, Any]]:
+        return list(self.module.named_parameters())
 
     def state_dict(self) -> dict[str, Array]:
         return self.module.state_dict()
