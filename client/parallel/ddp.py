@@ -33,6 +33,10 @@ for its all-reduce and back afterwards, like torch's ``bf16_compress_hook`` / ``
 the bytes on the wire (between hosts), at the dtype's precision (bfloat16 keeps float32's range, float16 its
 precision better but overflows above 65504). On cupy use float16 (cupy has no bfloat16).
 
+torch modules: ``DDP(torch_module, group)`` (CPU tensors) sees each parameter through a DLPack view
+(``parallel/torch_params.py``); buckets fill from torch's post-accumulate-grad hooks during
+``loss.backward()`` and ``attach`` takes a ``torch.optim`` optimizer.
+
 Splitting a global batch: :func:`shard_range` gives rank r the ``numpy.array_split``
 slice (the first ``B % N`` ranks one sample more). With equal shards, a ``"mean"`` loss
 and the default ``reduce_op="mean"`` give exactly the gradient of one process on the
