@@ -51,6 +51,33 @@ def test_a_replacement_rank_receives_state_live_and_training_ends_like_an_unbrok
     assert any(k.startswith("optim ") for k in clean[0]["digests"])  # type: ignore[union-attr]
 
 
+def test_a_hybrid_shard_replacement_gets_its_shards_from_its_replica_and_ends_like_an_unbroken_run() -> None:
+    """HybridShard over two "hosts" (2 x 2): rank 1 dies; its replica on the other host (rank 3) sends the
+    replacement its parameter and optimizer shards over the replicate group; fsdp.reform() on survivors."""
+    hosts = {r: {"PARAMPLANE_HOST_ID": "ab"[r // 2]} for r in range(4)}
+
+    def train(fail_at: int) -> list[dict[str, object]]:
+        outcome = run_world(
+            4,
+            "reform.py",
+            env={"FAIL_AT": str(fail_at), "STEPS": str(STEPS), "WRAPPER": "hybrid_shard"},
+            rank_env=hosts,
+            replace={1: hosts[1]} if fail_at >= 0 else None,
+            timeout=150,
+            heartbeat_timeout_s=5,
+        )
+        if fail_at >= 0:
+            assert [r.returncode for r in outcome.replaced] == [3], outcome.describe()
+        return outcome.check_ok()
+
+    clean, broken = train(-1), train(3)
+    assert broken[1]["values"]["resumed_at"] == 3  # type: ignore[index]
+    assert all(broken[r]["values"]["errors"] for r in (0, 2, 3))  # type: ignore[index]
+    assert {res["values"]["epoch"] for res in broken} == {2}  # type: ignore[index]
+    for res in [*clean, *broken]:
+        assert res["digests"] == clean[0]["digests"], res["rank"]
+
+
 def test_sync_refuses_state_that_does_not_fit_on_every_rank_and_modifies_nothing() -> None:
     """No rank with state, a different model, and a different layout: CheckpointError on every rank, naming
     the problem, before anything is modified (the checks are in tests/workers/reform_errors.py)."""

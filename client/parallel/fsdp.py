@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -36,11 +35,10 @@ from paramplane.group import ProcessGroup
 from paramplane.nn.layers import Sequential
 from paramplane.nn.module import Array, Module, Parameter, RemovableHandle
 from paramplane.node.arrays import array_module, to_host, to_pinned
-from paramplane.node.errors import CollectiveMismatch
 from paramplane.optim.optimizer import Optimizer
 from paramplane.parallel.fsdp_config import STRATEGIES, CPUOffload, MemoryTracker, MixedPrecision
 from paramplane.parallel.fsdp_state import FSDPState
-from paramplane.parallel.fsdp_units import FlatUnit, concat_params
+from paramplane.parallel.fsdp_units import FlatUnit, check_same_model, concat_params
 from paramplane.parallel.mesh import Mesh
 
 __all__ = ["FSDP", "STRATEGIES", "CPUOffload", "MixedPrecision"]
@@ -95,9 +93,7 @@ class FSDP(FSDPState):
             else strategy in ("full_shard", "hybrid_shard")
         )
         shard_size = self._shard_size(strategy, intra_size, hybrid)
-        self.mesh = Mesh(group, dims=[("replicate", group.size // shard_size), ("shard", shard_size)])
-        self.shard_group = self.mesh.group("shard")
-        self.replicate_group = self.mesh.group("replicate")
+        self._make_groups(shard_size)
         master = named[0][1].dtype
         self.master_dtype = master
         mp = mixed_precision or MixedPrecision()
@@ -107,7 +103,8 @@ class FSDP(FSDPState):
         self._optimizer: Optimizer | None = None
         self.units: list[FlatUnit] = []
         self.memory = MemoryTracker(self._lasting_bytes)
-        _check_same_model(group, named)
+        self._named = named
+        check_same_model(group, named)
         self.units = self._build_units(module, named, units, sync_module_states)
         self._order = {id(u): i for i, u in enumerate(self.units)}
         self._wrapped = [u for u in self.units if u.module is not None]
@@ -122,6 +119,38 @@ class FSDP(FSDPState):
         self.memory.update()
 
     # -- construction ------------------------------------------------------------------------------
+    def _make_groups(self, shard_size: int) -> None:
+        group = self.group
+        self.mesh = Mesh(group, dims=[("replicate", group.size // shard_size), ("shard", shard_size)])
+        self.shard_group = self.mesh.group("shard")
+        self.replicate_group = self.mesh.group("replicate")
+
+    def reform(self) -> None:
+        """Go on after ``world.reform()`` (this FSDP's group is ``world.group``, now over the new world).
+
+        Drops what the failed step left in flight (gathered parameters, pending reductions, gradients),
+        makes the shard and replicate groups again and checks the model across the group: the collectives
+        a replacement's ``FSDP(..., sync_module_states=False)`` runs at the same time. Then bring the
+        replacement up to date with ``pp.checkpoint.sync({"model": fsdp, "optim": opt, ...},
+        fsdp.replicate_group, has_state=True)``: its replicas hold the same shards (hybrid strategies and
+        no_shard); with full_shard or shard_grad_op its shards are gone, so load a checkpoint instead.
+        """
+        for unit in self.units:
+            if unit.grad_flat is not None:
+                self.memory.add("grads", -unit.grad_flat.nbytes)
+            unit.gather_work = unit.grad_work = unit.replicate_work = None
+            unit.grad_flat = unit.grad_shard = None
+            for key in ("buffer", "source", "replicated"):
+                unit.extra.pop(key, None)
+            self._release(unit)
+            unit.drop_param_grads()
+            unit.shard.grad = None
+        self._reduce_queue = []
+        self._round_open = self._forward_open = False
+        self._make_groups(self.shard_group.size)
+        check_same_model(self.group, self._named)
+        self.memory.update()
+
     def _shard_size(self, strategy: str, intra_size: int | None, hybrid: bool) -> int:
         n = self.group.size
         if not hybrid:
@@ -492,27 +521,3 @@ class FSDP(FSDPState):
             f"FSDP({type(self.module).__name__}, strategy={self.strategy}, units={len(self.units)}, "
             f"shard={self.shard_group.size}, replicate={self.replicate_group.size})"
         )
-
-
-def _check_same_model(group: ProcessGroup, named: list[tuple[str, Parameter]]) -> None:
-    """CollectiveMismatch naming the first parameter whose name, shape or dtype differs across ranks."""
-    if group.size == 1:
-        return
-    counts = group.all_gather(np.array([len(named)], np.int64))
-    if len(set(counts.tolist())) != 1:
-        raise CollectiveMismatch(
-            f"FSDP: ranks wrap models with different numbers of parameters: {dict(enumerate(counts.tolist()))} "
-            f"(group ranks of '{group.name}'); every rank must wrap the same model"
-        )
-    sigs = np.array([zlib.crc32(f"{n}|{p.shape}|{p.dtype}".encode()) for n, p in named], np.int64)
-    every = group.all_gather(sigs).reshape(group.size, -1)
-    for i, (name, p) in enumerate(named):
-        versions: dict[int, list[int]] = {}
-        for r in range(group.size):
-            versions.setdefault(int(every[r, i]), []).append(r)
-        if len(versions) > 1:
-            raise CollectiveMismatch(
-                f"FSDP: parameter {name!r} differs across the group ranks of '{group.name}': ranks "
-                f"{' vs '.join(map(str, versions.values()))} hold different names, shapes or dtypes (here, group "
-                f"rank {group.rank}: shape {p.shape}, {p.dtype}); every rank must wrap the same model"
-            )

@@ -11,12 +11,17 @@ zero-stride placeholders of the right shape that hold no memory.
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from paramplane.group import ProcessGroup
 from paramplane.nn.module import Array, Module, Parameter
 from paramplane.node.arrays import array_module
+from paramplane.node.errors import CollectiveMismatch
 from paramplane.parallel.sharding import FlatLayout, LayoutEntry
 from paramplane.work import Work
 
@@ -144,3 +149,27 @@ class FlatUnit:
 
     def has_param_grads(self) -> bool:
         return any(p.grad is not None for p in self.params)
+
+
+def check_same_model(group: ProcessGroup, named: list[tuple[str, Parameter]]) -> None:
+    """CollectiveMismatch naming the first parameter whose name, shape or dtype differs across ranks."""
+    if group.size == 1:
+        return
+    counts = group.all_gather(np.array([len(named)], np.int64))
+    if len(set(counts.tolist())) != 1:
+        raise CollectiveMismatch(
+            f"FSDP: ranks wrap models with different numbers of parameters: {dict(enumerate(counts.tolist()))} "
+            f"(group ranks of '{group.name}'); every rank must wrap the same model"
+        )
+    sigs = np.array([zlib.crc32(f"{n}|{p.shape}|{p.dtype}".encode()) for n, p in named], np.int64)
+    every = group.all_gather(sigs).reshape(group.size, -1)
+    for i, (name, p) in enumerate(named):
+        versions: dict[int, list[int]] = {}
+        for r in range(group.size):
+            versions.setdefault(int(every[r, i]), []).append(r)
+        if len(versions) > 1:
+            raise CollectiveMismatch(
+                f"FSDP: parameter {name!r} differs across the group ranks of '{group.name}': ranks "
+                f"{' vs '.join(map(str, versions.values()))} hold different names, shapes or dtypes (here, group "
+                f"rank {group.rank}: shape {p.shape}, {p.dtype}); every rank must wrap the same model"
+            )
