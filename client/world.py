@@ -6,37 +6,25 @@ import atexit
 import contextlib
 import dataclasses
 import os
-import socket
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, cast
+from typing import Any
 
 from paramplane.group import ProcessGroup
 from paramplane.node.engine import GroupEngine
 from paramplane.node.errors import PlaneError
 from paramplane.node.peer import TlsConfig
-from paramplane.node.runtime import NodeRuntime, RuntimeConfig
-from paramplane.node.transports.base import TransportPolicy
+from paramplane.node.runtime import ENV_OF, NodeRuntime, RuntimeConfig
+from paramplane.protos.fields import field_docs
 from paramplane.protos.net import resolve_token
 from paramplane.trace import ChromeTracer
 
-ENV_VARS = {
-    "PARAMPLANE_COORDINATOR": "host:port of the coordinator (required unless passed to init)",
-    "PARAMPLANE_WORLD_SIZE": "expected number of ranks (0 or unset: the coordinator's)",
-    "PARAMPLANE_RANK": "rank hint (the launcher sets it)",
+_FILE_VARS = {
     "PARAMPLANE_TOKEN": "job token every RPC carries",
     "PARAMPLANE_TOKEN_FILE": "file holding the job token",
-    "PARAMPLANE_HOST_ID": "host identity for rank grouping (default: hostname)",
-    "PARAMPLANE_TIMEOUT": "default collective timeout in seconds (default 300)",
-    "PARAMPLANE_JOIN_TIMEOUT": "seconds to wait for the world to form (default 300)",
-    "PARAMPLANE_REPLACEMENT": "1: this rank replaces a lost one; wait for the survivors' World.reform() (default 0)",
-    "PARAMPLANE_TRANSPORT": "auto | grpc | shm (default auto)",
-    "PARAMPLANE_BIND": "address the data-plane server binds (default 127.0.0.1)",
-    "PARAMPLANE_ADVERTISE": "address peers use to reach this rank (default: the bind address)",
-    "PARAMPLANE_SHM_SLOT_MB": "shared-memory slot per rank and bank in MiB (default 1)",
-    "PARAMPLANE_TCP_LANE": "1 (default): data frames on raw TCP lanes; 0: on gRPC streams (always under TLS)",
     "PARAMPLANE_TRACE": "folder for per-rank Chrome-trace JSON of every collective",
     "PARAMPLANE_TLS_CERT": "PEM certificate this rank's data-plane server presents (with _KEY and _CA)",
     "PARAMPLANE_TLS_KEY": "PEM private key of that certificate",
@@ -44,13 +32,52 @@ ENV_VARS = {
 }
 
 
-def _flag(name: str, *, default: bool) -> bool:
-    value = _env(name)
-    if value is None:
-        return default
-    if value.lower() not in ("0", "1", "true", "false", "yes", "no"):
-        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-    return value.lower() in ("1", "true", "yes")
+def _env_vars() -> dict[str, str]:
+    docs = field_docs(RuntimeConfig)
+    out = {}
+    for f in dataclasses.fields(RuntimeConfig):
+        if f.name in ENV_OF:
+            default = "" if f.default in (dataclasses.MISSING, None) else f" (default {f.default!r})"
+            out[ENV_OF[f.name]] = docs[f.name] + default
+    return {**out, **_FILE_VARS}
+
+
+ENV_VARS = _env_vars()
+"""Every PARAMPLANE_* variable ``pp.init`` reads, with its doc: RuntimeConfig's field docs and defaults."""
+
+
+def _parse(name: str, value: str, kind: Any) -> Any:
+    """``value`` of variable ``name`` as a field of type ``kind`` (ValueError naming the variable)."""
+    if kind is bool:
+        if value.lower() not in ("0", "1", "true", "false", "yes", "no"):
+            raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+        return value.lower() in ("1", "true", "yes")
+    if kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            raise ValueError(f"{name} must be a number, got {value!r}") from None
+    return value
+
+
+def runtime_config(**overrides: Any) -> RuntimeConfig:
+    """RuntimeConfig from the arguments (None: not given), else each field's PARAMPLANE_* variable
+    (``ENV_OF``), else the field's default."""
+    kinds = typing.get_type_hints(RuntimeConfig)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(RuntimeConfig):
+        value = overrides.pop(f.name, None)
+        if value is None and f.name in ENV_OF and (raw := _env(ENV_OF[f.name])) is not None:
+            value = _parse(ENV_OF[f.name], raw, kinds[f.name])
+        if value is not None:
+            kwargs[f.name] = value
+    assert not overrides, f"not RuntimeConfig fields: {sorted(overrides)}"
+    if "coordinator" not in kwargs:
+        raise ValueError(
+            "no coordinator: pass init(coordinator='HOST:PORT') or set PARAMPLANE_COORDINATOR "
+            "(`paramplane launch --standalone` sets it for you)"
+        )
+    return RuntimeConfig(**kwargs)
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -239,34 +266,23 @@ def init(
     replacement: bool | None = None,
 ) -> World:
     """Join the world; arguments override the PARAMPLANE_* variables (see ``ENV_VARS``)."""
-    address = coordinator or _env("PARAMPLANE_COORDINATOR")
-    if not address:
-        raise ValueError(
-            "no coordinator: pass init(coordinator='HOST:PORT') or set PARAMPLANE_COORDINATOR "
-            "(`paramplane launch --standalone` sets it for you)"
-        )
     tracer = None
     trace_dir = _env("PARAMPLANE_TRACE")
     if trace_dir:
         tracer = ChromeTracer(trace_dir)
     tls, coordinator_ca = _tls()
-    config = RuntimeConfig(
-        coordinator=address,
-        world_size=world_size if world_size is not None else int(_env("PARAMPLANE_WORLD_SIZE", "0") or 0),
-        rank_hint=rank if rank is not None else int(_env("PARAMPLANE_RANK", "-1") or -1),
+    config = runtime_config(
+        coordinator=coordinator,
+        world_size=world_size,
+        rank_hint=rank,
         token=resolve_token(token),
-        host_id=host_id or _env("PARAMPLANE_HOST_ID") or socket.gethostname(),
-        timeout_s=timeout or float(_env("PARAMPLANE_TIMEOUT", "300") or 300),
-        join_timeout_s=join_timeout or float(_env("PARAMPLANE_JOIN_TIMEOUT", "300") or 300),
-        replacement=replacement
-        if replacement is not None
-        else _flag("PARAMPLANE_REPLACEMENT", default=False),
-        # RuntimeConfig checks the value and names PARAMPLANE_TRANSPORT when it is wrong.
-        transport=cast(TransportPolicy, transport or _env("PARAMPLANE_TRANSPORT", "auto") or "auto"),
-        shm_slot_mb=float(_env("PARAMPLANE_SHM_SLOT_MB", "1") or 1),
-        tcp_lane=_flag("PARAMPLANE_TCP_LANE", default=True),
-        bind_host=bind or _env("PARAMPLANE_BIND", "127.0.0.1") or "127.0.0.1",
-        advertise_host=advertise or _env("PARAMPLANE_ADVERTISE"),
+        host_id=host_id,
+        timeout_s=timeout,
+        join_timeout_s=join_timeout,
+        replacement=replacement,
+        transport=transport,
+        bind_host=bind,
+        advertise_host=advertise,
         tracer=tracer,
         tls=tls,
         coordinator_root_cert=coordinator_ca,

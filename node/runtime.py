@@ -90,6 +90,25 @@ class RuntimeConfig:
             )
 
 
+ENV_OF = {
+    "coordinator": "PARAMPLANE_COORDINATOR",
+    "world_size": "PARAMPLANE_WORLD_SIZE",
+    "rank_hint": "PARAMPLANE_RANK",
+    "host_id": "PARAMPLANE_HOST_ID",
+    "timeout_s": "PARAMPLANE_TIMEOUT",
+    "join_timeout_s": "PARAMPLANE_JOIN_TIMEOUT",
+    "replacement": "PARAMPLANE_REPLACEMENT",
+    "bind_host": "PARAMPLANE_BIND",
+    "advertise_host": "PARAMPLANE_ADVERTISE",
+    "transport": "PARAMPLANE_TRANSPORT",
+    "shm_slot_mb": "PARAMPLANE_SHM_SLOT_MB",
+    "tcp_lane": "PARAMPLANE_TCP_LANE",
+}
+"""The PARAMPLANE_* variable that sets each plain RuntimeConfig field (``pp.init`` reads them, parsed by the
+field's type; its arguments win). token, tls, coordinator_root_cert and tracer come from files and folders
+that PARAMPLANE_TOKEN(_FILE), PARAMPLANE_TLS_* and PARAMPLANE_TRACE name."""
+
+
 def group_name(members: Sequence[int], k: int) -> str:
     """The name of the ``k``-th group over ``members`` (short, and the same on every member)."""
     if len(members) <= 8:

@@ -90,3 +90,50 @@ def test_launcher_options_are_its_config_fields() -> None:
         default = next(f.default for f in dataclasses.fields(LaunchConfig) if f.name == name)
         if action.default is not None and not action.required:
             assert action.default == default, name
+
+
+def test_init_reads_each_runtime_field_from_its_variable_and_arguments_win(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every plain RuntimeConfig field has a PARAMPLANE_* variable, parsed by the field's type; the rest
+    (token, TLS, tracer) come from the documented file variables."""
+    import dataclasses
+
+    from paramplane.node.runtime import ENV_OF, RuntimeConfig
+    from paramplane.world import runtime_config
+
+    special = {"token", "tls", "coordinator_root_cert", "tracer"}
+    assert {f.name for f in dataclasses.fields(RuntimeConfig)} == set(ENV_OF) | special
+    values = {
+        "coordinator": ("127.0.0.1:1234", "127.0.0.1:1234"),
+        "world_size": ("3", 3),
+        "rank_hint": ("2", 2),
+        "host_id": ("box-7", "box-7"),
+        "timeout_s": ("12.5", 12.5),
+        "join_timeout_s": ("7", 7.0),
+        "replacement": ("1", True),
+        "bind_host": ("127.0.0.2", "127.0.0.2"),
+        "advertise_host": ("127.0.0.3", "127.0.0.3"),
+        "transport": ("grpc", "grpc"),
+        "shm_slot_mb": ("2", 2.0),
+        "tcp_lane": ("0", False),
+    }
+    assert set(values) == set(ENV_OF)
+    for name, (raw, _) in values.items():
+        monkeypatch.setenv(ENV_OF[name], raw)
+    config = runtime_config()
+    for name, (_, want) in values.items():
+        assert getattr(config, name) == want, name
+    assert runtime_config(timeout_s=1.0, transport="shm").timeout_s == 1.0
+    for var, bad, needle in (
+        ("PARAMPLANE_TIMEOUT", "soon", "PARAMPLANE_TIMEOUT must be a number"),
+        ("PARAMPLANE_TCP_LANE", "maybe", "PARAMPLANE_TCP_LANE must be 0 or 1"),
+        ("PARAMPLANE_TRANSPORT", "pigeon", "PARAMPLANE_TRANSPORT"),
+    ):
+        with monkeypatch.context() as m:
+            m.setenv(var, bad)
+            with pytest.raises(ValueError, match=needle):
+                runtime_config()
+    monkeypatch.delenv("PARAMPLANE_COORDINATOR")
+    with pytest.raises(ValueError, match="no coordinator"):
+        runtime_config()
