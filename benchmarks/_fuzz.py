@@ -80,8 +80,8 @@ def call(
         channel.unary_unary(COORD + method)(payload, metadata=metadata, timeout=timeout)
         return grpc.StatusCode.OK
     except grpc.RpcError as err:
-        code = err.code()  # type: ignore[attr-defined]
-        assert code != grpc.StatusCode.UNKNOWN, f"{method}: unhandled error {err.details()}"  # type: ignore[attr-defined]
+        code = err.code()
+        assert code != grpc.StatusCode.UNKNOWN, f"{method}: unhandled error {err.details()}"
         if code == grpc.StatusCode.INTERNAL:  # only gRPC's own refusal to decode
-            assert "deserializ" in (err.details() or "").lower(), f"{method}: {err.details()}"  # type: ignore[attr-defined]
-        return code  # type: ignore[no-any-return]
+            assert "deserializ" in (err.details() or "").lower(), f"{method}: {err.details()}"
+        return code

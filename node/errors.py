@@ -51,5 +51,10 @@ class TransportError(PlaneError):
     """A data-plane stream failed for a reason other than a lost peer (malformed or oversized message)."""
 
 
+class DeviceCommError(TransportError):
+    """NCCL reported an error: a call failed, or a communicator hit an asynchronous error (a peer's
+    failure, a network error). The group is failed and the world aborted, so every rank learns it."""
+
+
 class PlaneClosed(PlaneError):
     """The plane was shut down; no further operations are possible."""

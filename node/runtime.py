@@ -185,6 +185,10 @@ class NodeRuntime:
         limit = m.heartbeat_timeout_s if m.heartbeat_timeout_s > 0 else 10.0
         last_ok = time.monotonic()
         while True:
+            device_error = self._device_comm_error()
+            if device_error is not None:
+                await self._abort_world(device_error)
+                return
             progress = {name: g.progress() for name, g in list(self._groups.items())}
             try:
                 aborted, reason = await asyncio.wait_for(self.coord.heartbeat(progress), max(interval, 1.0))
@@ -238,6 +242,26 @@ class NodeRuntime:
             threading.Thread(
                 target=lambda: [c.abort() for c in comms], name="nccl-abort", daemon=True
             ).start()
+
+    def abort_world(self, exc: PlaneError) -> None:
+        """Fail every op here with ``exc`` and abort the world on the coordinator, so every rank learns it
+        (from any thread but the loop's; returns at once)."""
+        if not self._closed:
+            self.loop.submit(self._abort_world(exc))
+
+    async def _abort_world(self, exc: PlaneError) -> None:
+        self._abort(exc)
+        with contextlib.suppress(PlaneError, asyncio.TimeoutError):
+            await asyncio.wait_for(self.coord.abort(f"rank {self.rank}: {exc}"), 10)
+
+    def _device_comm_error(self) -> PlaneError | None:
+        """The first asynchronous error of this rank's NCCL communicators (NCCL reports them only when asked)."""
+        for g in list(self._groups.values()):
+            comm = g.transports.nccl
+            error = comm.async_error() if comm is not None else None
+            if error is not None:
+                return error
+        return None
 
     @property
     def coord(self) -> CoordinatorClient:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import types
+
+import numpy as np
 import pytest
+from _world import run_world
 
 from paramplane.node.topology import RankInfo, Topology
 from paramplane.node.transports.nccl import pack_unique_id, share_gpu_env, unpack_unique_id
@@ -58,3 +62,54 @@ def test_gpu_sharing_across_hosts_keeps_the_socket_interface_open() -> None:
     assert share_gpu_env(_topology(["a", "a", "b", "b"]), 2, num_devices=1, environ=env)
     assert env["NCCL_HOSTID"].startswith("b")
     assert "NCCL_SOCKET_IFNAME" not in env
+
+
+class FakeNcclError(RuntimeError):
+    pass
+
+
+FAKE_NCCL = types.SimpleNamespace(
+    NcclError=FakeNcclError, NCCL_FLOAT32=7, NCCL_SUM=0, NCCL_PROD=1, NCCL_MIN=2, NCCL_MAX=3
+)
+
+
+class _FailingComm:
+    """Stands for a cupy NcclCommunicator whose calls and async-error check fail."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def allReduce(self, *args: object) -> None:
+        self.calls.append("allReduce")
+        raise FakeNcclError("NCCL_ERROR_REMOTE_ERROR: remote process exited")
+
+    def check_async_error(self) -> None:
+        raise FakeNcclError("NCCL_ERROR_SYSTEM_ERROR: unhandled system error")
+
+
+def test_nccl_errors_become_typed_device_comm_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    from paramplane.node import transports
+    from paramplane.node.errors import DeviceCommError, TransportError
+    from paramplane.node.spec import OpSpec
+
+    monkeypatch.setattr(transports.nccl, "_nccl", lambda: FAKE_NCCL)
+    monkeypatch.setattr(transports.nccl.NcclComm, "_stream", staticmethod(lambda: 0))
+    fake = _FailingComm()
+    comm = transports.nccl.NcclComm(fake, 2)
+    flat = types.SimpleNamespace(data=types.SimpleNamespace(ptr=0), size=4, dtype=np.dtype(np.float32))
+    with pytest.raises(DeviceCommError, match=r"NCCL allReduce failed in op 3 of group .g..*REMOTE_ERROR"):
+        comm.all_reduce(OpSpec("g", 3, "all_reduce", "float32", (4,)), flat, "sum", 0.0)
+    assert fake.calls == ["allReduce"]
+    error = comm.async_error()
+    assert isinstance(error, DeviceCommError) and isinstance(error, TransportError)
+    assert "SYSTEM_ERROR" in str(error)
+    healthy = transports.nccl.NcclComm(types.SimpleNamespace(check_async_error=lambda: None), 2)
+    assert healthy.async_error() is None
+
+
+def test_an_nccl_async_error_aborts_the_world_on_every_rank() -> None:
+    """Rank 0's communicator reports an asynchronous error; the runtime's poll finds it and aborts the world:
+    both ranks, each waiting where only the coordinator can wake it, fail with the NCCL error named."""
+    results = run_world(2, "nccl_async.py", timeout=60, heartbeat_interval_s=0.2).check_ok()
+    for res in results:
+        assert "NCCL communicator error" in res["values"]["error"], res

@@ -3,7 +3,8 @@
 The group's first rank publishes an NCCL unique id in the coordinator's
 epoch-scoped key/value store; every member builds its communicator from it.
 Ops are enqueued on the current CUDA stream, so they are ordered with the
-caller's kernels; ``abort()`` tears the communicator down after a failure.
+caller's kernels; ``abort()`` tears the communicator down after a failure. An NCCL error, raised by a
+call or found by the runtime's poll of ``async_error()``, is a DeviceCommError that aborts the world.
 NCCL frames carry no header: argument checks happen before the call, and
 mismatched shapes across ranks are caught only by the host transports.
 """
@@ -20,7 +21,7 @@ from collections.abc import Iterator, MutableMapping, Sequence
 from typing import Any
 
 from paramplane.node.arrays import dtype_name
-from paramplane.node.errors import CollectiveTimeout
+from paramplane.node.errors import CollectiveTimeout, DeviceCommError
 from paramplane.node.spec import OpSpec
 from paramplane.node.topology import Topology
 from paramplane.node.transports.base import Bounds, Transport
@@ -197,14 +198,34 @@ class NcclComm:
 
         return int(cupy.cuda.get_current_stream().ptr)
 
+    def _call(self, spec: OpSpec, method: str, *args: Any) -> None:
+        """``comm.<method>(*args, stream)``; an NcclError becomes a DeviceCommError (the group fails)."""
+        try:
+            getattr(self.comm, method)(*args, self._stream())
+        except _nccl().NcclError as exc:
+            raise DeviceCommError(
+                f"NCCL {method} failed in op {spec.seq} of group {spec.group!r}: {exc}"
+            ) from None
+
+    def async_error(self) -> DeviceCommError | None:
+        """The communicator's asynchronous error (``ncclCommGetAsyncError``), if it has one."""
+        check = getattr(self.comm, "check_async_error", None)
+        if check is None:
+            return None
+        try:
+            check()
+        except _nccl().NcclError as exc:
+            return DeviceCommError(f"NCCL communicator error: {exc}")
+        return None
+
     def all_reduce(self, spec: OpSpec, flat: Any, op: str, deadline: float) -> None:
-        self.comm.allReduce(flat.data.ptr, flat.data.ptr, flat.size, _dtype(flat), _redop(op), self._stream())
+        self._call(spec, "allReduce", flat.data.ptr, flat.data.ptr, flat.size, _dtype(flat), _redop(op))
 
     def broadcast(self, spec: OpSpec, flat: Any, root: int, deadline: float) -> None:
-        self.comm.broadcast(flat.data.ptr, flat.data.ptr, flat.size, _dtype(flat), root, self._stream())
+        self._call(spec, "broadcast", flat.data.ptr, flat.data.ptr, flat.size, _dtype(flat), root)
 
     def all_gather(self, spec: OpSpec, piece: Any, out: Any, deadline: float) -> None:
-        self.comm.allGather(piece.data.ptr, out.data.ptr, piece.size, _dtype(piece), self._stream())
+        self._call(spec, "allGather", piece.data.ptr, out.data.ptr, piece.size, _dtype(piece))
 
     def reduce_scatter(
         self, spec: OpSpec, flat: Any, bounds: Bounds, op: str, out: Any, deadline: float
@@ -217,9 +238,7 @@ class NcclComm:
         for i, (a, b) in enumerate(bounds):
             padded[i * piece : i * piece + (b - a)] = flat[a:b]
         mine = cupy.empty(piece, flat.dtype)
-        self.comm.reduceScatter(
-            padded.data.ptr, mine.data.ptr, piece, _dtype(flat), _redop(op), self._stream()
-        )
+        self._call(spec, "reduceScatter", padded.data.ptr, mine.data.ptr, piece, _dtype(flat), _redop(op))
         a, b = bounds[self.comm.rank_id()]
         out[...] = mine[: b - a]
 
