@@ -9,7 +9,7 @@ training steps (model construction excluded: every implementation builds the ful
 model on each rank first): ``tracemalloc`` peak for paramplane (numpy reports its
 buffers to it) and the growth of peak RSS for both implementations. The 1-process
 row is the same model trained without sharding. Hybrid strategies run on two fake
-hosts of world/2 ranks. paramplane ranks get the launcher's MALLOC_* defaults; torch
+hosts of world/2 ranks; ``hybrid_shard+bfloat16`` compresses the inter-host all-reduce (``comm_dtype``). paramplane ranks get the launcher's MALLOC_* defaults; torch
 gets none of our settings. One JSON line per configuration.
 """
 
@@ -34,7 +34,14 @@ from paramplane.benchmarks._ranks import run_ranks
 
 THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
-STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
+STRATEGIES = (
+    "full_shard",
+    "shard_grad_op",
+    "no_shard",
+    "hybrid_shard",
+    "hybrid_shard_zero2",
+    "hybrid_shard+bfloat16",
+)
 
 
 def _rss() -> int:
@@ -55,7 +62,8 @@ def worker_paramplane(args: argparse.Namespace) -> dict[str, Any]:
         import paramplane as pp
 
         world = pp.init()
-        model = pp.FSDP(model, world.group, args.strategy)
+        strategy, _, comm = args.strategy.partition("+")  # "hybrid_shard+bfloat16": compressed across hosts
+        model = pp.FSDP(model, world.group, strategy, comm_dtype=comm or None)
     opt = AdamW(model.parameters(), lr=1e-4)
     if world is not None:
         model.attach(opt)

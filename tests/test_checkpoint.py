@@ -61,8 +61,10 @@ def test_load_reshards_and_training_continues(saved: Path, n: int, strategy: str
 
 
 def test_plain_state_mismatch_and_async(tmp_path: Path) -> None:
-    world = run_world(2, "checkpoint.py", args=["plain", str(tmp_path)], env=ENV, timeout=120)
-    assert all(r["num_checks"] >= 10 for r in world.check_ok())
+    env = {**ENV, "PARAMPLANE_TRACE": str(tmp_path / "trace")}
+    world = run_world(2, "checkpoint.py", args=["plain", str(tmp_path)], env=env, timeout=120)
+    results = world.check_ok()
+    assert all(r["num_checks"] >= 10 and r["values"]["async_traced"] for r in results)
 
 
 def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:

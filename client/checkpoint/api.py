@@ -153,12 +153,14 @@ def save_async(
 
     Collectives run before this returns (every rank calls it at the same point); the writing and the
     commit do not touch the data plane, so training may go on. Never exposes a half-written checkpoint.
+    With ``PARAMPLANE_TRACE`` the trace shows both parts ("checkpoint stage", "checkpoint write").
     """
     target = Path(path)
     if (target / MANIFEST).exists():
         raise FileExistsError(f"{target} already holds a checkpoint; save to a new directory (e.g. step_N)")
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
+    staging = time.monotonic()
     entries = _entries(state)
     arrays: dict[str, ShardedArray] = {}
     values: dict[str, Any] = {}
@@ -192,8 +194,12 @@ def save_async(
     }
     errors: list[BaseException] = []
     deadline = time.monotonic() + group.timeout
+    tracer = group.tracer if hasattr(group.tracer, "mark") else None
+    if tracer is not None:
+        tracer.mark("checkpoint stage", staging, time.monotonic(), path=str(target))
 
     def write() -> None:
+        start = time.monotonic()
         try:
             records = []
             for key, piece in to_write.items():
@@ -215,6 +221,9 @@ def save_async(
                 _wait_for(target / MANIFEST, deadline, "the checkpoint's commit by group rank 0", group)
         except BaseException as exc:
             errors.append(exc)
+        finally:
+            if tracer is not None:
+                tracer.mark("checkpoint write", start, time.monotonic(), path=str(target))
 
     thread = threading.Thread(target=write, name="paramplane-checkpoint", daemon=True)
     thread.start()

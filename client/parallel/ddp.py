@@ -60,13 +60,12 @@ from paramplane.group import ProcessGroup
 from paramplane.nn.module import Array, LoadResult, Module, Parameter
 from paramplane.node.arrays import DTYPES
 from paramplane.optim.optimizer import Optimizer
-from paramplane.parallel.ddp_buckets import MIB, Bucket, assign_buckets, shard_range
+from paramplane.parallel.ddp_buckets import COMM_DTYPES, MIB, Bucket, assign_buckets, shard_range
 from paramplane.parallel.torch_params import is_torch_module, torch_buffers, torch_params
 
 __all__ = ["DDP", "shard_range"]
 
 _REDUCE_OPS = ("mean", "sum")
-_COMM_DTYPES = (None, "bfloat16", "float16")
 
 
 class DDP:
@@ -98,8 +97,8 @@ class DDP:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb!r}")
         if reduce_op not in _REDUCE_OPS:
             raise ValueError(f"reduce_op must be 'mean' or 'sum', got {reduce_op!r}")
-        if comm_dtype not in _COMM_DTYPES:
-            raise ValueError(f"comm_dtype must be one of {_COMM_DTYPES}, got {comm_dtype!r}")
+        if comm_dtype not in COMM_DTYPES:
+            raise ValueError(f"comm_dtype must be one of {COMM_DTYPES}, got {comm_dtype!r}")
         self.comm_dtype = np.dtype(DTYPES[comm_dtype]) if comm_dtype is not None else None
         self.module = module
         self.group = group

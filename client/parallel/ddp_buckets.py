@@ -22,6 +22,9 @@ from paramplane.node.spec import split_bounds
 from paramplane.work import Work
 
 MIB = 1 << 20
+COMM_DTYPES = (None, "bfloat16", "float16")
+"""Wire dtypes of gradient compression (DDP's buckets, FSDP's inter-host all-reduce), like torch's
+``bf16_compress_hook`` / ``fp16_compress_hook``."""
 
 
 def shard_range(num_items: int, num_shards: int, index: int) -> tuple[int, int]:

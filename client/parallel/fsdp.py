@@ -18,7 +18,9 @@ A unit's flat parameter is all-gathered over the shard group before its forward 
 After its backward the unit's flat gradient is reduce-scattered over the shard group at
 once (async, overlapping the rest of the backward), and its shard all-reduced over the
 replicate group. Gradients are averaged over all N ranks, so equal batch shards and a
-mean loss reproduce one process on the whole batch.
+mean loss reproduce one process on the whole batch. ``comm_dtype="bfloat16"`` (or ``"float16"``)
+compresses that replicate all-reduce (HybridShard's inter-host traffic) like torch's compress hooks:
+half the bytes between hosts, at that dtype's precision; the reduce-scatter inside a host is unchanged.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ import numpy as np
 from paramplane.group import ProcessGroup
 from paramplane.nn.layers import Sequential
 from paramplane.nn.module import Array, Module, Parameter, RemovableHandle
-from paramplane.node.arrays import array_module, to_host, to_pinned
+from paramplane.node.arrays import DTYPES, array_module, to_host, to_pinned
 from paramplane.optim.optimizer import Optimizer
+from paramplane.parallel.ddp_buckets import COMM_DTYPES
 from paramplane.parallel.fsdp_config import STRATEGIES, CPUOffload, MemoryTracker, MixedPrecision
 from paramplane.parallel.fsdp_state import FSDPState
 from paramplane.parallel.fsdp_units import FlatUnit, check_same_model, concat_params
@@ -61,6 +64,7 @@ class FSDP(FSDPState):
         backward_prefetch: str | None = "pre",
         reshard_after_forward: bool | None = None,
         sync_module_states: bool = True,
+        comm_dtype: str | None = None,
     ) -> None:
         if not isinstance(module, Module):
             raise ValueError(f"FSDP wraps a paramplane.nn.Module, got {type(module).__name__}")
@@ -70,6 +74,8 @@ class FSDP(FSDPState):
             raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
         if backward_prefetch not in ("pre", "post", None):
             raise ValueError(f"backward_prefetch must be 'pre', 'post' or None, got {backward_prefetch!r}")
+        if comm_dtype not in COMM_DTYPES:
+            raise ValueError(f"comm_dtype must be one of {COMM_DTYPES}, got {comm_dtype!r}")
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise ValueError("mixed_precision must be a pp.MixedPrecision")
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -100,6 +106,7 @@ class FSDP(FSDPState):
         self.param_dtype = np.dtype(mp.param_dtype) if mp.param_dtype is not None else master
         self.reduce_dtype = np.dtype(mp.reduce_dtype) if mp.reduce_dtype is not None else self.param_dtype
         self.output_dtype = np.dtype(mp.output_dtype) if mp.output_dtype is not None else None
+        self.comm_dtype = np.dtype(DTYPES[comm_dtype]) if comm_dtype is not None else None
         self._optimizer: Optimizer | None = None
         self.units: list[FlatUnit] = []
         self.memory = MemoryTracker(self._lasting_bytes)
@@ -140,7 +147,7 @@ class FSDP(FSDPState):
                 self.memory.add("grads", -unit.grad_flat.nbytes)
             unit.gather_work = unit.grad_work = unit.replicate_work = None
             unit.grad_flat = unit.grad_shard = None
-            for key in ("buffer", "source", "replicated"):
+            for key in ("buffer", "source", "replicated", "wire"):
                 unit.extra.pop(key, None)
             self._release(unit)
             unit.drop_param_grads()
@@ -366,7 +373,10 @@ class FSDP(FSDPState):
                     unit.grad_flat = None
             assert unit.grad_shard is not None
             if self.replicate_group.size > 1:
-                unit.replicate_work = self.replicate_group.all_reduce(unit.grad_shard, "sum", async_op=True)
+                wire = unit.grad_shard
+                if self.comm_dtype is not None and wire.dtype.kind == "f" and wire.dtype != self.comm_dtype:
+                    wire = unit.extra["wire"] = wire.astype(self.comm_dtype)  # compressed across hosts
+                unit.replicate_work = self.replicate_group.all_reduce(wire, "sum", async_op=True)
             unit.extra["replicated"] = True
 
     def finish_gradient_sync(self) -> None:
@@ -388,6 +398,8 @@ class FSDP(FSDPState):
                 if unit.replicate_work is not None:
                     unit.replicate_work.wait()
                 assert unit.grad_shard is not None
+                if "wire" in unit.extra:
+                    unit.grad_shard[...] = unit.extra.pop("wire")
                 g = unit.grad_shard.astype(self.master_dtype) * scale
                 shard = unit.shard
                 if self._host_shards and shard.grad is None:  # into this unit's reused page-locked buffer
@@ -405,6 +417,7 @@ class FSDP(FSDPState):
                 unit.grad_flat = unit.grad_shard = None
                 unit.grad_work = unit.replicate_work = None
                 unit.extra.pop("replicated", None)
+                unit.extra.pop("wire", None)
             self._reduce_queue = []
             self._round_open = False
 

@@ -11,6 +11,7 @@ crash   save step_1, then a save during which rank 1 dies after writing its shar
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -138,13 +139,28 @@ def plain(world: Any, rep: Report, root: Path) -> None:
         "'epoch'",
     )
     # save_async: training (collectives) goes on while the files are written; the result is the same.
-    handle = pp.checkpoint.save_async({"model": model, "step": 3}, root / "async", g)
+    blob = np.arange(4 << 20, dtype=np.float32)  # 16 MB more to write: the write outlasts a training step
+    handle = pp.checkpoint.save_async({"model": model, "step": 3, "blob": blob}, root / "async", g)
+    returned = time.monotonic()
     for _ in range(2):
         y = model.forward(x)
         model.backward(np.ones_like(y))
         opt.step()
         opt.zero_grad()
     handle.wait(60)
+    if (
+        g.tracer is not None
+    ):  # the trace shows the write in the background, overlapping training's collectives
+        events = g.tracer.events
+        (write,) = [e for e in events if e["name"] == "checkpoint write" and "async" in e["args"]["path"]]
+        offset = (time.time() - time.monotonic()) * 1e6
+        after = [e for e in events if e["cat"] == "collective" and e["ts"] >= returned * 1e6 + offset - 1e3]
+        rep.check(
+            "a training collective ran while the checkpoint was written",
+            any(write["ts"] <= e["ts"] <= write["ts"] + write["dur"] for e in after),
+            f"write {write['ts']:.0f}+{write['dur']:.0f} us, collectives at {[round(e['ts']) for e in after][:6]}",
+        )
+        rep.values["async_traced"] = True
     again = pp.DDP(_plain_model(), g)
     pp.checkpoint.load({"model": again}, root / "async", g)
     rep.check(

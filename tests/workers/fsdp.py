@@ -109,6 +109,7 @@ class Counting:
 
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
+        self.dtypes: dict[str, set[str]] = {op: set() for op in self.OPS}
         self.on = False
         for op in self.OPS:
             original = getattr(ProcessGroup, op)
@@ -116,6 +117,7 @@ class Counting:
             def wrapped(group: ProcessGroup, *a: Any, _op: str = op, _orig: Any = original, **k: Any) -> Any:
                 if self.on and group.size > 1:
                     self.counts[_op] += 1
+                    self.dtypes[_op].add(str(a[0].dtype))
                 return _orig(group, *a, **k)
 
             setattr(ProcessGroup, op, wrapped)
@@ -134,12 +136,16 @@ def train(
     root: bool = False,
     clip: float | None = None,
     intra: int | None = None,
+    comm_dtype: str | None = None,
 ) -> None:
-    tag = f"{strategy}/{np.dtype(dtype).name}/{opt_name}/accum{accum}/root{int(root)}/clip{clip}"
+    tag = f"{strategy}/{np.dtype(dtype).name}/{opt_name}/accum{accum}/root{int(root)}/clip{clip}/{comm_dtype}"
     rtol = 1e-10 if np.dtype(dtype) == np.float64 else 2e-5
+    if comm_dtype is not None:
+        rtol = 1e-2  # gradients cross hosts in bfloat16
+        counter.dtypes["all_reduce"].clear()
     want = reference(dtype, opt_name, steps, accum, root, clip)
     model = make_model(dtype, root_param=root)
-    fsdp = pp.FSDP(model, world.group, strategy, intra_size=intra)
+    fsdp = pp.FSDP(model, world.group, strategy, intra_size=intra, comm_dtype=comm_dtype)
     opt = make_opt(opt_name, fsdp.parameters(), 0.0 if root else 0.01)
     fsdp.attach(opt)
     crit = CrossEntropyLoss()
@@ -186,6 +192,12 @@ def train(
         )
         opt.step()
         opt.zero_grad()
+    if comm_dtype is not None:
+        rep.check(
+            f"{tag}: the replicate all-reduce ran in {comm_dtype}",
+            counter.dtypes["all_reduce"] >= {comm_dtype},
+            str(counter.dtypes["all_reduce"]),
+        )
     got = fsdp.state_dict()
     rep.check(f"{tag}: state keys", list(got) == list(want["state"]), f"{list(got)}")
     for key, value in want["state"].items():
@@ -230,6 +242,8 @@ def main() -> None:
         for strategy in args.strategies.split(","):
             intra = args.intra if strategy.startswith("hybrid") else None
             train(world, rep, counter, strategy, np.float64, "sgd", intra=intra)
+            if strategy.startswith("hybrid"):
+                train(world, rep, counter, strategy, np.float64, "sgd", intra=intra, comm_dtype="bfloat16")
             if args.quick:
                 continue
             train(world, rep, counter, strategy, np.float64, "adamw", accum=2, intra=intra)

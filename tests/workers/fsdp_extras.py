@@ -52,6 +52,12 @@ def errors(world: Any, rep: Report) -> None:
     rep.raises(
         "bad strategy", ValueError, lambda: pp.FSDP(make_model(np.float64), g, "zero9"), "unknown strategy"
     )
+    rep.raises(
+        "bad comm_dtype",
+        ValueError,
+        lambda: pp.FSDP(make_model(np.float64), g, "hybrid_shard", comm_dtype="int8"),
+        "comm_dtype must be one of",
+    )
     fsdp = pp.FSDP(make_model(np.float64), g)
     rep.raises("backward first", ValueError, lambda: fsdp.backward(np.zeros((2, 5))), "without a forward")
     # Rank 1 wraps a model whose first layer differs: every rank learns which parameter and where.
