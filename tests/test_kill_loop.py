@@ -11,7 +11,7 @@ from _world import run_world
 
 HEARTBEAT_TIMEOUT_S = 3.0
 SEED = 1122
-NUM_ROUNDS = 6
+NUM_ROUNDS = 10  # issue 11: ten rounds
 
 
 def _rounds() -> list[tuple[str, int, str, int, int, float]]:
