@@ -205,9 +205,10 @@ class World:
         (default: the join timeout). ``rank``, ``epoch`` and the rest then describe the new world.
 
         ``world.group`` stays the same object, now over the new world, so wrappers built on it (``pp.DDP``)
-        go on. Groups made from the old world (``new_group``, subgroups, a ``Mesh``, FSDP's hybrid groups)
-        fail with PlaneClosed: make them again. Survivors keep their state; bring a replacement up to date
-        live with ``pp.checkpoint.sync(...)``, or load a checkpoint.
+        go on; ``pp.FSDP`` goes on after ``fsdp.reform()``, which makes its groups again. Other groups made
+        from the old world (``new_group``, subgroups, a ``Mesh``) fail with PlaneClosed: make them again.
+        Survivors keep their state; bring a replacement up to date live with ``pp.checkpoint.sync(...)``, or
+        load a checkpoint.
         """
         old = self._rt
         cause = old.abort_error() if old.aborted.is_set() else None

@@ -20,7 +20,8 @@ once (async, overlapping the rest of the backward), and its shard all-reduced ov
 replicate group. Gradients are averaged over all N ranks, so equal batch shards and a
 mean loss reproduce one process on the whole batch. ``comm_dtype="bfloat16"`` (or ``"float16"``)
 compresses that replicate all-reduce (HybridShard's inter-host traffic) like torch's compress hooks:
-half the bytes between hosts, at that dtype's precision; the reduce-scatter inside a host is unchanged.
+half the bytes between hosts, at that dtype's precision (on cupy use float16); the reduce-scatter inside a
+host is unchanged.
 """
 
 from __future__ import annotations
