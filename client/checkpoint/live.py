@@ -96,8 +96,9 @@ def sync(state: Mapping[str, Any], group: ProcessGroup, *, has_state: bool) -> d
 
     Every rank of the group calls it with the same ``state`` structure. Ranks with ``has_state=False``
     (a replacement) are overwritten in place, optimizer state included (a fresh optimizer gets it), and
-    so are other ranks with state (replicas: they hold the same already); the source's state is untouched. CheckpointError on every
-    rank when no rank has state or the source's state does not fit a rank's (a different model).
+    so are other ranks with state (replicas: they hold the same already); the source's state is untouched.
+    CheckpointError on every rank when no rank has state or the source's state does not fit a rank's (a
+    different model).
     """
     flags = group.all_gather(np.array([1 if has_state else 0], np.int64))
     holders = [r for r in range(group.size) if flags[r]]
