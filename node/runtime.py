@@ -256,6 +256,8 @@ class NodeRuntime:
 
     def _device_comm_error(self) -> PlaneError | None:
         """The first asynchronous error of this rank's NCCL communicators (NCCL reports them only when asked)."""
+        if self.aborted.is_set():  # the communicators are being torn down; the cause is known
+            return None
         for g in list(self._groups.values()):
             comm = g.transports.nccl
             error = comm.async_error() if comm is not None else None

@@ -105,6 +105,12 @@ def test_nccl_errors_become_typed_device_comm_errors(monkeypatch: pytest.MonkeyP
     assert "SYSTEM_ERROR" in str(error)
     healthy = transports.nccl.NcclComm(types.SimpleNamespace(check_async_error=lambda: None), 2)
     assert healthy.async_error() is None
+    # Once aborted, the communicator is neither aborted again nor polled (NCCL would see a freed handle).
+    aborts: list[int] = []
+    fake.abort = lambda: aborts.append(1)  # type: ignore[attr-defined]
+    comm.abort()
+    comm.abort()
+    assert aborts == [1] and comm.async_error() is None
 
 
 def test_an_nccl_async_error_aborts_the_world_on_every_rank() -> None:

@@ -425,8 +425,8 @@ def _apply(
     fill: Fill,
 ) -> dict[str, Any]:
     """Fill every array of ``state`` with ``fill(key, manifest entry, target)`` and load the stateful
-    objects; returns the plain values. Only after every rank agreed that ``manifest`` fits."""
-    _prepare_optimizers(state, entries, manifest)
+    objects; returns the plain values. Only after every rank agreed that ``manifest`` fits, and after
+    ``_prepare_optimizers``."""
     loaded: dict[str, Any] = {}
     for key, target in entries.items():
         if isinstance(target, ShardedArray) or _is_array(target):
@@ -471,4 +471,5 @@ def load(state: Mapping[str, Any], path: str | os.PathLike[str], group: ProcessG
     )
     _agree(group, problems, f"cannot load {root}")
     assert manifest is not None
+    _prepare_optimizers(state, entries, manifest)
     return _apply(state, entries, manifest, dropped, _Reader(root).fill)

@@ -143,6 +143,10 @@ class NcclComm:
     def __init__(self, comm: Any, size: int) -> None:
         self.comm = comm
         self.size = size
+        # abort() may run on an actor or the abort thread while the runtime's heartbeat polls async_error()
+        # on the loop: the poll must never touch a communicator being (or already) torn down.
+        self._lock = threading.Lock()
+        self._aborted = False
 
     @classmethod
     async def create(
@@ -210,12 +214,15 @@ class NcclComm:
     def async_error(self) -> DeviceCommError | None:
         """The communicator's asynchronous error (``ncclCommGetAsyncError``), if it has one."""
         check = getattr(self.comm, "check_async_error", None)
-        if check is None:
+        if check is None or not self._lock.acquire(blocking=False):  # an abort is under way
             return None
         try:
-            check()
+            if not self._aborted:
+                check()
         except _nccl().NcclError as exc:
             return DeviceCommError(f"NCCL communicator error: {exc}")
+        finally:
+            self._lock.release()
         return None
 
     def all_reduce(self, spec: OpSpec, flat: Any, op: str, deadline: float) -> None:
@@ -257,10 +264,15 @@ class NcclComm:
         self._unsupported("barrier")
 
     def abort(self) -> None:
-        try:
-            self.comm.abort()
-        except Exception:
-            pass
+        """Tear the communicator down (once; later calls and polls do nothing)."""
+        with self._lock:
+            if self._aborted:
+                return
+            self._aborted = True
+            try:
+                self.comm.abort()
+            except Exception:
+                pass
 
     def close(self) -> None:
         self.abort()
