@@ -44,12 +44,24 @@ from paramplane.parallel.fsdp_config import STRATEGIES, CPUOffload, MemoryTracke
 from paramplane.parallel.fsdp_state import FSDPState
 from paramplane.parallel.fsdp_units import FlatUnit, check_same_model, concat_params
 from paramplane.parallel.mesh import Mesh
+from paramplane.parallel.torch_params import is_torch_module
 
 __all__ = ["FSDP", "STRATEGIES", "CPUOffload", "MixedPrecision"]
 
 
 class FSDP(FSDPState):
-    """Shard ``module``'s parameters, gradients and optimizer state over ``group`` (module docstring)."""
+    """Shard ``module``'s parameters, gradients and optimizer state over ``group`` (module docstring).
+
+    A ``torch.nn.Module`` (CPU tensors) is wrapped by :class:`~paramplane.parallel.fsdp_torch.TorchFSDP`,
+    the same algorithm driven by torch's module and autograd hooks.
+    """
+
+    def __new__(cls, module: Any, *args: Any, **kwargs: Any) -> FSDP:
+        if cls is FSDP and is_torch_module(module):
+            from paramplane.parallel.fsdp_torch import TorchFSDP
+
+            return super().__new__(TorchFSDP)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -67,8 +79,10 @@ class FSDP(FSDPState):
         sync_module_states: bool = True,
         comm_dtype: str | None = None,
     ) -> None:
-        if not isinstance(module, Module):
-            raise ValueError(f"FSDP wraps a paramplane.nn.Module, got {type(module).__name__}")
+        if not isinstance(module, Module) and not is_torch_module(module):
+            raise ValueError(
+                f"FSDP wraps a paramplane.nn.Module or a torch.nn.Module, got {type(module).__name__}"
+            )
         if not isinstance(group, ProcessGroup):
             raise ValueError(f"FSDP needs a ProcessGroup, got {type(group).__name__}")
         if strategy not in STRATEGIES:
@@ -79,7 +93,7 @@ class FSDP(FSDPState):
             raise ValueError(f"comm_dtype must be one of {COMM_DTYPES}, got {comm_dtype!r}")
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise ValueError("mixed_precision must be a pp.MixedPrecision")
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        named = self._trainable(module)
         if not named:
             raise ValueError(f"FSDP: {type(module).__name__} has no trainable parameters to shard")
         offload = cpu_offload if isinstance(cpu_offload, CPUOffload) else CPUOffload(bool(cpu_offload))
@@ -127,6 +141,17 @@ class FSDP(FSDPState):
         self.memory.update()
 
     # -- construction ------------------------------------------------------------------------------
+    def _trainable(self, module: Module) -> list[tuple[str, Parameter]]:
+        return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+    def _children(self, module: Module) -> list[tuple[str, Module]]:
+        """The default units: the children with parameters of a Sequential (or of a module with several)."""
+        children = [(n, m) for n, m in module.named_children() if m.parameters()]
+        return children if isinstance(module, Sequential) or len(children) > 1 else []
+
+    def _members(self, module: Module) -> list[Parameter]:
+        return module.parameters()
+
     def _make_groups(self, shard_size: int) -> None:
         group = self.group
         self.mesh = Mesh(group, dims=[("replicate", group.size // shard_size), ("shard", shard_size)])
@@ -182,8 +207,7 @@ class FSDP(FSDPState):
         self, module: Module, named: list[tuple[str, Parameter]], units: Sequence[Module] | None, sync: bool
     ) -> list[FlatUnit]:
         if units is None:
-            children = [(n, m) for n, m in module.named_children() if m.parameters()]
-            chosen = children if isinstance(module, Sequential) or len(children) > 1 else []
+            chosen = self._children(module)
         else:
             paths = {id(m): path for path, m in module.named_modules()}
             chosen = []
@@ -197,7 +221,7 @@ class FSDP(FSDPState):
         groups: list[tuple[str, Module | None, list[tuple[str, Parameter]]]] = []
         by_id = {id(p): n for n, p in named}
         for path, m in chosen:
-            mine = [(by_id[id(p)], p) for p in m.parameters() if id(p) in by_id]
+            mine = [(by_id[id(p)], p) for p in self._members(m) if id(p) in by_id]
             for _, p in mine:
                 if id(p) in owner:
                     raise ValueError(
@@ -389,7 +413,9 @@ class FSDP(FSDPState):
             return
         try:
             for unit in self.units:  # units whose backward never ran (unused): zeros, same on every rank
-                if unit not in self._reduce_queue:
+                if unit not in self._reduce_queue and unit.has_param_grads():
+                    self._post_backward(unit)  # torch: some of its parameters got no gradient this backward
+                elif unit not in self._reduce_queue:
                     zeros = self._xp.zeros(unit.padded, self.reduce_dtype)
                     self.memory.add("grads", zeros.nbytes)
                     self._launch_reduce(unit, zeros)
@@ -513,22 +539,24 @@ class FSDP(FSDPState):
         """Shards, their gradients (and unsharded ones accumulated under no_sync) and optimizer state."""
         grads = sum(int(u.shard.grad.nbytes) for u in self.units if u.shard.grad is not None)
         grads += sum(int(p.grad.nbytes) for u in self.units for p in u.params if p.grad is not None)
-        optim = 0
-        if self._optimizer is not None:
-            mine = {id(u.shard) for u in self.units}
-            opt = self._optimizer
-            optim = sum(
-                int(v.nbytes)
-                for i, state in opt.state.items()
-                if id(opt.params[i]) in mine
-                for v in state.values()
-                if hasattr(v, "nbytes")
-            )
         return {
             "params_sharded": sum(int(u.shard.data.nbytes) for u in self.units),
             "grads": grads,
-            "optim_state": optim,
+            "optim_state": self._optim_bytes(),
         }
+
+    def _optim_bytes(self) -> int:
+        if self._optimizer is None:
+            return 0
+        mine = {id(u.shard) for u in self.units}
+        opt = self._optimizer
+        return sum(
+            int(v.nbytes)
+            for i, state in opt.state.items()
+            if id(opt.params[i]) in mine
+            for v in state.values()
+            if hasattr(v, "nbytes")
+        )
 
     def __repr__(self) -> str:
         return (

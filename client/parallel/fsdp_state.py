@@ -32,6 +32,9 @@ class FSDPState:
     def _release(self, unit: FlatUnit) -> None:
         raise NotImplementedError
 
+    def _buffers(self) -> list[tuple[str, Array]]:
+        return list(self.module.named_buffers())
+
     def _gather_master(self, unit: FlatUnit) -> Array:
         """The unit's full flat parameter in the master dtype (a collective on the shard group)."""
         if self.shard_group.size == 1:
@@ -48,14 +51,14 @@ class FSDPState:
             for name, p, off in zip(unit.names, unit.params, unit.offsets):
                 values[name] = full[off : off + p.size].reshape(p.shape).copy()
         out = {name: values[name] for name, _ in self.module.named_parameters() if name in values}
-        for name, buf in self.module.named_buffers():
+        for name, buf in self._buffers():
             out[name] = buf.copy()
         return out
 
     def load_state_dict(self, state: dict[str, Array]) -> None:
         """Load a full state dict: every rank keeps its shard (no communication)."""
         wanted = {n: p.shape for u in self.units for n, p in zip(u.names, u.params)}
-        buffers = dict(self.module.named_buffers())
+        buffers = dict(self._buffers())
         missing = sorted((set(wanted) | set(buffers)) - set(state))
         unexpected = sorted(set(state) - set(wanted) - set(buffers))
         if missing or unexpected:
@@ -88,7 +91,7 @@ class FSDPState:
         out: dict[str, ShardedArray | Array] = {}
         for unit in self.units:
             out.update(unit.shard.layout.views(unit.shard.data))
-        for name, buf in self.module.named_buffers():
+        for name, buf in self._buffers():
             out[name] = buf
         return out
 

@@ -1,4 +1,5 @@
-"""torch modules under ``pp.DDP``: each parameter seen as a paramplane ``Parameter`` through DLPack views.
+"""torch modules under ``pp.DDP`` and ``pp.FSDP``: each parameter seen as a paramplane ``Parameter`` through
+DLPack views (``TorchFlatParam``: FSDP re-points the tensor at pieces of its flat buffers).
 
 The views are zero-copy numpy arrays over the torch tensors (CPU), so DDP's broadcasts write into the
 module's parameters and its reduced gradients land in ``p.grad`` in place. A gradient hook is torch's
@@ -22,11 +23,17 @@ def is_torch_module(module: Any) -> bool:
     return torch is not None and isinstance(module, torch.nn.Module)
 
 
-def _view(tensor: Any, what: str) -> np.ndarray:
+def to_numpy(tensor: Any, what: str) -> np.ndarray:
+    """A zero-copy numpy view of a CPU torch tensor (bfloat16 through an int16 view, as ml_dtypes')."""
     if tensor.device.type != "cpu":
-        raise ValueError(f"DDP over a torch module needs CPU tensors; {what} is on {tensor.device}")
+        raise ValueError(f"paramplane over a torch module needs CPU tensors; {what} is on {tensor.device}")
+    tensor = tensor.detach()
+    if str(tensor.dtype) == "torch.bfloat16":
+        import torch
+
+        return tensor.view(torch.int16).numpy().view(DTYPES["bfloat16"])
     try:
-        view = np.from_dlpack(tensor.detach())
+        view = np.from_dlpack(tensor)
     except (BufferError, TypeError, RuntimeError) as exc:
         raise ValueError(f"{what} ({tensor.dtype}) cannot be seen by numpy through DLPack: {exc}") from None
     if view.dtype not in DTYPES.values():
@@ -36,13 +43,22 @@ def _view(tensor: Any, what: str) -> np.ndarray:
     return view
 
 
+def to_torch(array: np.ndarray) -> Any:
+    """A zero-copy torch tensor over a numpy array (bfloat16 included)."""
+    import torch
+
+    if array.dtype == DTYPES["bfloat16"]:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
 class TorchParam:
     """One torch parameter with the interface DDP's buckets use (``data``, ``grad``, grad hooks)."""
 
     def __init__(self, name: str, tensor: Any) -> None:
         self.name = name
         self.tensor = tensor
-        self.data = _view(tensor, f"parameter {name!r}")
+        self.data = to_numpy(tensor, f"parameter {name!r}")
         self.requires_grad = bool(tensor.requires_grad)
 
     @property
@@ -60,16 +76,37 @@ class TorchParam:
     @property
     def grad(self) -> np.ndarray | None:
         g = self.tensor.grad
-        return None if g is None else np.from_dlpack(g)
+        return None if g is None else to_numpy(g, f"the gradient of {self.name!r}")
 
     @grad.setter
     def grad(self, value: np.ndarray | None) -> None:
-        import torch
-
-        self.tensor.grad = None if value is None else torch.from_numpy(np.ascontiguousarray(value))
+        self.tensor.grad = None if value is None else to_torch(np.ascontiguousarray(value))
 
     def register_grad_hook(self, fn: Callable[[TorchParam], None]) -> Any:
         return self.tensor.register_post_accumulate_grad_hook(lambda _t: fn(self))
+
+
+class TorchFlatParam(TorchParam):
+    """A torch parameter whose values FSDP re-points: assigning ``data`` swaps the tensor's data.
+
+    A writable array becomes the tensor's data zero-copy (a view into the unit's gathered flat buffer);
+    a read-only one is FSDP's sharded placeholder and becomes a zero-stride tensor of the same shape,
+    as torch's FSDP frees a parameter's storage while keeping its metadata. Autograd keeps the tensor
+    object, so a backward after re-gathering sees the gathered values again.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._data = value
+        if value.flags.writeable:
+            self.tensor.data = to_torch(value)
+        else:
+            empty = to_torch(np.zeros((), value.dtype))
+            self.tensor.data = empty.expand(value.shape) if value.shape else empty
 
 
 def torch_params(module: Any) -> list[TorchParam]:
@@ -77,4 +114,4 @@ def torch_params(module: Any) -> list[TorchParam]:
 
 
 def torch_buffers(module: Any) -> list[tuple[str, np.ndarray]]:
-    return [(name, _view(b, f"buffer {name!r}")) for name, b in module.named_buffers()]
+    return [(name, to_numpy(b, f"buffer {name!r}")) for name, b in module.named_buffers()]
