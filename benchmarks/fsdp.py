@@ -5,9 +5,11 @@
 A stack of ``--layers`` Linear layers of ``--width`` (8 x 2500^2: about 50M float32
 parameters, one FSDP unit each) trains with AdamW on random data, local batch
 ``--local-batch``, one BLAS thread per process. Memory is measured per rank over the
-training steps (model construction excluded: every implementation builds the full
-model on each rank first): ``tracemalloc`` peak for paramplane (numpy reports its
-buffers to it) and the growth of peak RSS for both implementations. The 1-process
+training steps: ``tracemalloc`` (numpy reports its buffers to it) runs from before the model
+is built and its peak is reset when training starts, so ``live_peak`` is the most bytes a rank
+holds while training (its parameters, or its shards, included; the full model every rank
+builds first and FSDP frees at wrap time is not) and ``traced_peak`` that peak's growth over
+the start of training; also the growth of peak RSS for both implementations. The 1-process
 row is the same model trained without sharding. Hybrid strategies run on two fake
 hosts of world/2 ranks; ``hybrid_shard+bfloat16`` compresses the inter-host all-reduce (``comm_dtype``). paramplane ranks get the launcher's MALLOC_* defaults; torch
 gets none of our settings. One JSON line per configuration.
@@ -52,6 +54,7 @@ def worker_paramplane(args: argparse.Namespace) -> dict[str, Any]:
     from paramplane.nn import Linear, ReLU, Sequential
     from paramplane.optim import AdamW
 
+    tracemalloc.start()  # from before the model exists, so the live peak counts what a rank keeps
     rng = np.random.default_rng(0)
     layers: list[Any] = []
     for _ in range(args.layers):
@@ -69,7 +72,10 @@ def worker_paramplane(args: argparse.Namespace) -> dict[str, Any]:
         model.attach(opt)
     x = np.random.default_rng(1).standard_normal((args.local_batch, args.width)).astype(np.float32)
     rss0 = _rss()
-    tracemalloc.start()
+    live0, _ = (
+        tracemalloc.get_traced_memory()
+    )  # parameters (or shards) and the batch; construction's garbage is gone
+    tracemalloc.reset_peak()
     times = []
     for _ in range(args.steps):
         t = time.perf_counter()
@@ -80,7 +86,13 @@ def worker_paramplane(args: argparse.Namespace) -> dict[str, Any]:
         times.append(time.perf_counter() - t)
     _, traced = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    out = {"times": times, "traced_peak": traced, "rss_growth": _rss() - rss0, "rss_peak": _rss()}
+    out = {
+        "times": times,
+        "traced_peak": traced - live0,
+        "live_peak": traced,
+        "rss_growth": _rss() - rss0,
+        "rss_peak": _rss(),
+    }
     if world is not None:
         out["measured_peak"] = model.memory_stats()["total"]["peak"]
         world.group.barrier()
@@ -160,6 +172,7 @@ def _row(
     }
     if "traced_peak" in ranks[0]:
         row["traced_peak_max"] = max(r["traced_peak"] for r in ranks)
+        row["live_peak_max"] = max(r["live_peak"] for r in ranks)
     if "measured_peak" in ranks[0]:
         row["measured_peak_max"] = max(r["measured_peak"] for r in ranks)
     return row
@@ -208,7 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     single = rows[0]
     for row in rows:
         if row["impl"] == "paramplane" and row["world_size"] > 1:
-            row["peak_vs_single_over_n"] = row["traced_peak_max"] / (
+            # The ratio: a rank's peak of live bytes while training (its parameters or shards included)
+            # against the single process's over N; and the same for the growth over the start of training.
+            row["peak_vs_single_over_n"] = row["live_peak_max"] / (
+                single["live_peak_max"] / row["world_size"]
+            )
+            row["growth_vs_single_over_n"] = row["traced_peak_max"] / (
                 single["traced_peak_max"] / row["world_size"]
             )
             torch_row = next(

@@ -82,6 +82,9 @@ class OpActor:
             call, fut = item
             with self._exec_lock:
                 self._run(call, fut)
+            # The next get() may block for long: hold none of this op's arrays meanwhile (FSDP frees a
+            # unit's flat gradient the moment its reduce-scatter is done).
+            del item, call, fut
             self._done()
 
     def close(self) -> None:

@@ -169,11 +169,10 @@ class FSDP(FSDPState):
         no_shard); with full_shard or shard_grad_op its shards are gone, so load a checkpoint instead.
         """
         for unit in self.units:
-            if unit.grad_flat is not None:
-                self.memory.add("grads", -unit.grad_flat.nbytes)
+            self._drop_flat(unit)
             unit.gather_work = unit.grad_work = unit.replicate_work = None
-            unit.grad_flat = unit.grad_shard = None
-            for key in ("buffer", "source", "replicated", "wire"):
+            unit.grad_shard = None
+            for key in ("source", "replicated", "wire"):
                 unit.extra.pop(key, None)
             self._release(unit)
             unit.drop_param_grads()
@@ -304,18 +303,19 @@ class FSDP(FSDPState):
         if self.shard_group.size == 1:
             self._use(unit, src)
             return
-        buf = self._xp.empty(unit.padded, dtype)
-        unit.extra["buffer"], unit.extra["source"] = buf, src
-        unit.gather_work = self.shard_group.all_gather(src, out=buf, async_op=True)
+        # The group allocates the gathered buffer when the gather runs, not now: a prefetch queued behind a
+        # reduce-scatter holds no memory until that reduce-scatter is done and its input freed.
+        unit.extra["source"] = src
+        unit.gather_work = self.shard_group.all_gather(src, async_op=True)
 
     def _ensure_gathered(self, unit: FlatUnit, dtype: Any = None) -> None:
         if unit.gathered:
             return
         self._prefetch(unit, dtype)
         if unit.gather_work is not None:
-            unit.gather_work.wait()
+            full = unit.gather_work.wait()
             unit.gather_work = None
-            self._use(unit, unit.extra.pop("buffer"))
+            self._use(unit, full)
             unit.extra.pop("source", None)
 
     def _use(self, unit: FlatUnit, full: Array) -> None:
@@ -368,20 +368,27 @@ class FSDP(FSDPState):
         self._launch_reduce(unit, flat)
 
     def _launch_reduce(self, unit: FlatUnit, flat: Array) -> None:
-        if unit.grad_flat is not None or unit in self._reduce_queue:
+        if unit in self._reduce_queue:
             raise RuntimeError(
                 f"FSDP: unit {unit.name!r} produced gradients twice in one step; call finish_gradient_sync() "
                 "(or optimizer.step() on an attached optimizer) between synchronised backwards"
             )
-        unit.grad_flat = flat
+        unit.extra["flat_bytes"] = flat.nbytes
         if self.shard_group.size > 1:
             out = array_module(flat).empty(unit.shard_size, flat.dtype)
             unit.grad_shard = out
+            # No reference to ``flat`` is kept: the group holds it while the reduce-scatter runs, so this
+            # unit's largest transient is freed the moment the reduce-scatter is done (not when this thread
+            # next looks), and reduce-scatters still in flight do not pile up flat gradients.
             unit.grad_work = self.shard_group.reduce_scatter(flat, "sum", out=out, async_op=True)
         else:
             unit.grad_shard = flat
         self._reduce_queue.append(unit)
         self._pump_replicate(block=False)
+
+    def _drop_flat(self, unit: FlatUnit) -> None:
+        """The unit's flat gradient is gone (reduce-scattered, or the step's work dropped)."""
+        self.memory.add("grads", -unit.extra.pop("flat_bytes", 0))
 
     def _pump_replicate(self, *, block: bool) -> None:
         """Start the replicate all-reduce of finished reduce-scatters, in unit launch order."""
@@ -393,9 +400,7 @@ class FSDP(FSDPState):
                     return
                 unit.grad_work.wait()
                 unit.grad_work = None
-                if unit.grad_flat is not None and unit.grad_shard is not unit.grad_flat:
-                    self.memory.add("grads", -unit.grad_flat.nbytes)
-                    unit.grad_flat = None
+                self._drop_flat(unit)
             assert unit.grad_shard is not None
             if self.replicate_group.size > 1:
                 wire = unit.grad_shard
@@ -439,9 +444,8 @@ class FSDP(FSDPState):
                     shard.grad += g
         finally:
             for unit in self._reduce_queue:
-                if unit.grad_flat is not None:
-                    self.memory.add("grads", -unit.grad_flat.nbytes)
-                unit.grad_flat = unit.grad_shard = None
+                self._drop_flat(unit)
+                unit.grad_shard = None
                 unit.grad_work = unit.replicate_work = None
                 unit.extra.pop("replicated", None)
                 unit.extra.pop("wire", None)

@@ -61,10 +61,8 @@ class FlatUnit:
     """The gathered flat parameter while gathered, else None."""
     gather_work: Work[Any] | None = None
     grad_work: Work[Any] | None = None
-    grad_flat: Array | None = None
-    """The unsharded flat gradient while its reduce-scatter runs."""
     grad_shard: Array | None = None
-    """The reduce-scatter's output (this rank's gradient piece, reduce dtype)."""
+    """The reduce-scatter's output (this rank's gradient piece, reduce dtype); with one shard, the flat gradient."""
     replicate_work: Work[Any] | None = None
     forward_done: bool = False
     backward_done: bool = False
