@@ -54,17 +54,18 @@ def worker_paramplane(args: argparse.Namespace) -> dict[str, Any]:
     from paramplane.nn import Linear, ReLU, Sequential
     from paramplane.optim import AdamW
 
+    world = None
+    if args.strategy != "single":
+        import paramplane as pp
+
+        world = pp.init()  # before tracing: the runtime's imports are not training memory
     tracemalloc.start()  # from before the model exists, so the live peak counts what a rank keeps
     rng = np.random.default_rng(0)
     layers: list[Any] = []
     for _ in range(args.layers):
         layers += [Linear(args.width, args.width, rng=rng), ReLU()]
     model: Any = Sequential(*layers[:-1])
-    world = None
-    if args.strategy != "single":
-        import paramplane as pp
-
-        world = pp.init()
+    if world is not None:
         strategy, _, comm = args.strategy.partition("+")  # "hybrid_shard+bfloat16": compressed across hosts
         model = pp.FSDP(model, world.group, strategy, comm_dtype=comm or None)
     opt = AdamW(model.parameters(), lr=1e-4)
