@@ -18,7 +18,7 @@ import numpy as np
 
 from paramplane.node.actor import OpActor
 from paramplane.node.arrays import array_module, dtype_name, is_cupy, is_device, to_host
-from paramplane.node.errors import DeviceCommError, PlaneError
+from paramplane.node.errors import DeviceCommError, PeerLost, PlaneError
 from paramplane.node.spec import OpSpec, check_reduce_op, split_bounds
 from paramplane.node.transports.base import Bounds, Comm, Transport
 from paramplane.node.transports.factory import TransportContext, TransportFactory
@@ -41,6 +41,8 @@ class PlaneContext(TransportContext, Protocol):
     def new_group(self, ranks: Sequence[int], timeout_s: float | None = None) -> GroupEngine: ...
 
     def abort_world(self, exc: PlaneError) -> None: ...
+
+    def cause_of_peer_lost(self, exc: PeerLost) -> PlaneError: ...
 
 
 def check_array(x: Any, what: str = "x", *, writable: bool = True) -> None:
@@ -131,10 +133,13 @@ class GroupEngine:
             try:
                 return body(seq)
             except PlaneError as exc:
-                self.failure = self.failure or exc
+                cause = self.ctx.cause_of_peer_lost(exc) if isinstance(exc, PeerLost) else exc
+                self.failure = self.failure or cause
                 self.transports.abort()
                 if isinstance(exc, DeviceCommError):  # peers may wait inside NCCL kernels: tell every rank
                     self.ctx.abort_world(exc)
+                if cause is not exc:
+                    raise cause from exc
                 raise
             finally:
                 if self.ctx.tracer is not None:

@@ -249,6 +249,35 @@ class NodeRuntime:
         if not self._closed:
             self.loop.submit(self._abort_world(exc))
 
+    def cause_of_peer_lost(self, exc: PeerLost) -> PlaneError:
+        """What to report for a peer a transport found dead: the world's abort if the coordinator has one, else
+        ``exc``. A rank that aborts the world (``world.abort(reason)``) and exits may be seen dead here before
+        the abort's notice arrives; the coordinator has it already (the abort call returned before the exit),
+        so one heartbeat tells every rank the reason instead of a bare PeerLost. From any thread but the loop's.
+        """
+        if self.aborted.is_set():
+            return self.abort_error() if isinstance(self._abort_exc, WorldAborted) else exc
+        if self._closed or self._coord is None:
+            return exc
+
+        async def ask() -> PlaneError:
+            progress = {name: g.progress() for name, g in list(self._groups.items())}
+            try:
+                aborted, reason = await asyncio.wait_for(self.coord.heartbeat(progress), 2.0)
+            except WorldAborted as err:
+                self._abort(err)
+                return self.abort_error()
+            if aborted:
+                self._abort(WorldAborted(f"the coordinator aborted the world: {reason}"))
+                return self.abort_error()
+            return exc
+
+        try:
+            result: PlaneError = self.run(ask(), timeout=3.0)
+        except (PlaneError, TimeoutError, asyncio.TimeoutError):
+            return exc
+        return result
+
     async def _abort_world(self, exc: PlaneError) -> None:
         self._abort(exc)
         with contextlib.suppress(PlaneError, asyncio.TimeoutError):

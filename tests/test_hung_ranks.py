@@ -33,6 +33,17 @@ def test_world_abort_reaches_every_rank_with_its_reason() -> None:
         assert v["error"] == "WorldAborted" and "loss became NaN at step 7" in v["message"], v
 
 
+def test_a_rank_that_aborts_and_exits_at_once_still_gives_every_rank_its_reason() -> None:
+    """Its peers, waiting on it in an all_reduce over shared memory, may find it dead before the abort's notice
+    arrives; they ask the coordinator, which has the abort, and fail with WorldAborted and the reason."""
+    for _ in range(3):  # the race goes either way; each round must end with the reason
+        world = run_world(3, "hung.py", args=["abort_exit"], env={"PARAMPLANE_TIMEOUT": "60"}, timeout=90)
+        results = world.check_ok()
+        for r in (0, 1):
+            v = results[r]["values"]
+            assert v["error"] == "WorldAborted" and "loss became NaN at step 7" in v["message"], v
+
+
 def test_a_rank_that_stops_issuing_collectives_is_named() -> None:
     world = run_world(
         3,

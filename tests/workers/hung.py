@@ -4,6 +4,9 @@ sigstop   rank 1 stops itself (SIGSTOP) after a first collective; the others kee
           fail with PeerLost naming rank 1 (missed heartbeats); rank 0 then resumes it (SIGCONT) so it can exit.
 stall     rank 1 stays alive but stops issuing collectives; the others fail with PeerLost naming it (progress).
 abort     rank 2 calls world.abort(reason); every other rank's next op fails with WorldAborted carrying it.
+abort_exit rank 2 calls world.abort(reason) and exits at once, while the others wait on it inside an all_reduce:
+          they may see it gone before the abort's notice arrives, and must still fail with WorldAborted and the
+          reason (the coordinator has it), not a bare PeerLost.
 """
 
 from __future__ import annotations
@@ -71,5 +74,15 @@ def abort(world: Any, rep: Report) -> None:
     _until_error(world, rep)
 
 
+def abort_exit(world: Any, rep: Report) -> None:
+    world.group.all_reduce(np.ones(4))
+    if world.rank == 2:
+        rep.values.update(error="WorldAborted", message="loss became NaN at step 7 (this rank aborted)")
+        rep.write()
+        world.abort("loss became NaN at step 7")
+        os._exit(0)  # no shutdown, no leave: gone the moment the abort call returns
+    _until_error(world, rep)
+
+
 if __name__ == "__main__":
-    run_rank({"sigstop": sigstop, "stall": stall, "abort": abort}[sys.argv[1]])
+    run_rank({"sigstop": sigstop, "stall": stall, "abort": abort, "abort_exit": abort_exit}[sys.argv[1]])
