@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo test lint typecheck unit protos bench clean compose-demo test-compose
+.PHONY: install demo test lint typecheck unit protos bench clean compose-demo test-compose test-py313
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -46,6 +46,10 @@ compose-demo:
 
 test-compose:
 	bash scripts/compose.sh test
+
+# The suite under Python 3.13 (Debian trixie in a chroot; root): the top of the declared Python range.
+test-py313:
+	bash scripts/python313.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
