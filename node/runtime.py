@@ -189,14 +189,9 @@ class NodeRuntime:
             if device_error is not None:
                 await self._abort_world(device_error)
                 return
-            progress = {name: g.progress() for name, g in list(self._groups.items())}
             try:
-                aborted, reason = await asyncio.wait_for(self.coord.heartbeat(progress), max(interval, 1.0))
+                await self._beat(max(interval, 1.0))
                 last_ok = time.monotonic()
-                if aborted:
-                    self._abort(WorldAborted(f"the coordinator aborted the world: {reason}"))
-            except (WorldAborted, PeerLost) as exc:
-                self._abort(exc)
             except (PlaneError, asyncio.TimeoutError) as exc:
                 silent = time.monotonic() - last_ok
                 if silent > limit:
@@ -210,6 +205,18 @@ class NodeRuntime:
                     return
                 log.warning("heartbeat failed (%.1f s without an answer): %s", silent, exc)
             await asyncio.sleep(interval)
+
+    async def _beat(self, timeout: float) -> None:
+        """One heartbeat with this rank's progress; an aborted world or a lost rank in the answer aborts here.
+        Raises PlaneError or TimeoutError when the coordinator does not answer."""
+        progress = {name: g.progress() for name, g in list(self._groups.items())}
+        try:
+            aborted, reason = await asyncio.wait_for(self.coord.heartbeat(progress), timeout)
+        except (WorldAborted, PeerLost) as exc:
+            self._abort(exc)
+            return
+        if aborted:
+            self._abort(WorldAborted(f"the coordinator aborted the world: {reason}"))
 
     async def _watch(self) -> None:
         try:
@@ -255,28 +262,10 @@ class NodeRuntime:
         the abort's notice arrives; the coordinator has it already (the abort call returned before the exit),
         so one heartbeat tells every rank the reason instead of a bare PeerLost. From any thread but the loop's.
         """
-        if self.aborted.is_set():
-            return self.abort_error() if isinstance(self._abort_exc, WorldAborted) else exc
-        if self._closed or self._coord is None:
-            return exc
-
-        async def ask() -> PlaneError:
-            progress = {name: g.progress() for name, g in list(self._groups.items())}
-            try:
-                aborted, reason = await asyncio.wait_for(self.coord.heartbeat(progress), 2.0)
-            except WorldAborted as err:
-                self._abort(err)
-                return self.abort_error()
-            if aborted:
-                self._abort(WorldAborted(f"the coordinator aborted the world: {reason}"))
-                return self.abort_error()
-            return exc
-
-        try:
-            result: PlaneError = self.run(ask(), timeout=3.0)
-        except (PlaneError, TimeoutError, asyncio.TimeoutError):
-            return exc
-        return result
+        if not self.aborted.is_set() and not self._closed and self._coord is not None:
+            with contextlib.suppress(PlaneError, TimeoutError, asyncio.TimeoutError):
+                self.run(self._beat(2.0), timeout=3.0)
+        return self.abort_error() if isinstance(self._abort_exc, WorldAborted) else exc
 
     async def _abort_world(self, exc: PlaneError) -> None:
         self._abort(exc)

@@ -172,7 +172,7 @@ class FSDP(FSDPState):
             self._drop_flat(unit)
             unit.gather_work = unit.grad_work = unit.replicate_work = None
             unit.grad_shard = None
-            for key in ("source", "replicated", "wire"):
+            for key in ("replicated", "wire"):
                 unit.extra.pop(key, None)
             self._release(unit)
             unit.drop_param_grads()
@@ -303,9 +303,8 @@ class FSDP(FSDPState):
         if self.shard_group.size == 1:
             self._use(unit, src)
             return
-        # The group allocates the gathered buffer when the gather runs, not now: a prefetch queued behind a
-        # reduce-scatter holds no memory until that reduce-scatter is done and its input freed.
-        unit.extra["source"] = src
+        # The group holds ``src`` while the gather runs and allocates the gathered buffer when it runs, not
+        # now: a prefetch queued behind a reduce-scatter holds no memory until that one is done and freed.
         unit.gather_work = self.shard_group.all_gather(src, async_op=True)
 
     def _ensure_gathered(self, unit: FlatUnit, dtype: Any = None) -> None:
@@ -316,7 +315,6 @@ class FSDP(FSDPState):
             full = unit.gather_work.wait()
             unit.gather_work = None
             self._use(unit, full)
-            unit.extra.pop("source", None)
 
     def _use(self, unit: FlatUnit, full: Array) -> None:
         unit.use_full(full)

@@ -65,7 +65,7 @@ class FlatUnit:
     """The reduce-scatter's output (this rank's gradient piece, reduce dtype); with one shard, the flat gradient."""
     replicate_work: Work[Any] | None = None
     forward_done: bool = False
-    backward_done: bool = False
+    """Set by the unit's forward (the torch wrapper checks every unit's module was called)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

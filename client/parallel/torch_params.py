@@ -105,8 +105,7 @@ class TorchFlatParam(TorchParam):
         if value.flags.writeable:
             self.tensor.data = to_torch(value)
         else:
-            empty = to_torch(np.zeros((), value.dtype))
-            self.tensor.data = empty.expand(value.shape) if value.shape else empty
+            self.tensor.data = to_torch(np.zeros((), value.dtype)).expand(value.shape)
 
 
 def torch_params(module: Any) -> list[TorchParam]:

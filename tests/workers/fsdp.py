@@ -9,6 +9,7 @@ every full parameter, gradient norms and collective counts. Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 from collections import Counter
@@ -159,7 +160,7 @@ def train(
         local = 0.0
         pieces = np.array_split(np.arange(b - a), accum)
         for i, idx in enumerate(pieces):
-            ctx = fsdp.no_sync() if i < accum - 1 else _null()
+            ctx = fsdp.no_sync() if i < accum - 1 else contextlib.nullcontext()
             with ctx:
                 if i < accum - 1:
                     before = counter.counts["reduce_scatter"] + counter.counts["all_reduce"]
@@ -220,14 +221,6 @@ def _check_counts(rep: Report, tag: str, strategy: str, k: int, counts: Counter[
     want = {"all_gather": gathers, "reduce_scatter": k if s > 1 else 0, "all_reduce": k if r > 1 else 0}
     got = {op: counts[op] for op in want}
     rep.check(f"{tag}: collectives per step", got == want, f"got {got}, want {want}")
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def main() -> None:
