@@ -6,8 +6,12 @@ p = 2 ranks, one stage each (interleaved: v = 2 chunks each). Every stage spends
 time per microbatch in forward and in backward (``--compute-ms``; each chunk of an interleaved
 rank gets half, so a rank's work per microbatch is the same). The time is a wait, not arithmetic:
 two ranks spinning on this 2-core machine would distort the schedule with core contention, which
-is not what this measures. Bubble fraction = 1 - (compute per step) / (step time), taken on the
-slowest rank; theory (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m + p-1) for interleaved 1F1B.
+is not what this measures. Bubble fraction = idle time / step time, where a rank's busy time is the
+sum of its forward and backward spans in the pipeline's trace events (``PARAMPLANE_TRACE``) and
+everything else in the step (waiting for a neighbour, issuing transfers, the runtime's bookkeeping)
+is idle; the rank with the largest fraction is reported. ``bubble_nominal`` also charges the stages'
+sleep overshoot (about 0.1 ms per sleep here) to the bubble: 1 - nominal compute / step time.
+Theory (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m + p-1) for interleaved 1F1B.
 Also the measured peak of live activation sets on the first stage. One JSON line per configuration.
 """
 
@@ -17,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -58,21 +63,26 @@ def worker(args: argparse.Namespace) -> None:
                 chunks = [Wait(args.compute_ms / 1000 / v) for _ in range(v)]
                 pipe = pp.Pipeline(chunks if v > 1 else chunks[0], world.group, schedule, m, MSELoss())
                 x = np.zeros((m, 8))
-                times = []
+                times, busy = [], []
+                tracer = world.group.tracer
                 for _ in range(args.steps + 1):
                     world.group.barrier()
+                    seen = len(tracer.events)
                     t = time.perf_counter()
                     pipe.step(x if pipe.is_first else None, x if pipe.is_last else None)
                     times.append(time.perf_counter() - t)
-                step = float(np.median(times[1:]))
-                compute = m * 2 * args.compute_ms / 1000
+                    spans = [e for e in tracer.events[seen:] if e["cat"] == "compute"]
+                    assert len(spans) == 2 * m * v, f"expected {2 * m * v} compute spans, got {len(spans)}"
+                    busy.append(sum(e["dur"] for e in spans) / 1e6)
+                idle = [1.0 - b / t for b, t in zip(busy[1:], times[1:])]
                 rows.append(
                     {
                         "schedule": schedule,
                         "m": m,
                         "v": v,
-                        "step_s": step,
-                        "compute_s": compute,
+                        "step_s": float(np.median(times[1:])),
+                        "bubble": float(np.median(idle)),
+                        "compute_s": m * 2 * args.compute_ms / 1000,
                         "peak_activation_sets": pipe.memory_stats()["peak_activation_sets"],
                     }
                 )
@@ -101,13 +111,15 @@ def main(argv: list[str] | None = None) -> int:
         "--steps",
         str(args.steps),
     ]
-    per_rank = run_ranks(lambda _r: cmd, P, os.environ, what="pipeline benchmark")
+    with tempfile.TemporaryDirectory(prefix="paramplane-pipeline-trace-") as trace:
+        env = dict(os.environ, PARAMPLANE_TRACE=trace)
+        per_rank = run_ranks(lambda _r: cmd, P, env, what="pipeline benchmark")
     lines = []
     for rows in zip(*per_rank):
         step = max(r["step_s"] for r in rows)
         first = rows[0]
         m, v = first["m"], first["v"]
-        measured = 1.0 - first["compute_s"] / step
+        measured = max(r["bubble"] for r in rows)
         theory = (P - 1) / (v * m + P - 1) if v > 1 else (P - 1) / (m + P - 1)
         lines.append(
             json.dumps(
@@ -120,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                     "compute_ms": args.compute_ms,
                     "step_s": step,
                     "bubble_measured": measured,
+                    "bubble_nominal": 1.0 - first["compute_s"] / step,
                     "bubble_theory": theory,
                     "measured_over_theory": measured / theory,
                     "peak_activation_sets_first_stage": first["peak_activation_sets"],

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from paramplane.node.arrays import array_module, from_foreign, is_cupy
+from paramplane.node.arrays import array_module, from_foreign, is_cupy, to_host
 from paramplane.node.engine import GroupEngine, check_array
 from paramplane.work import Work
 
@@ -85,12 +85,10 @@ class ProcessGroup:
         return f"<ProcessGroup {self.name} rank {self.rank}/{self.size} ranks {self.ranks}>"
 
     # -- issuing ---------------------------------------------------------------------------------
-    def _issue(
-        self, name: str, x: Any, body: Callable[[int], Any], async_op: bool, *, p2p: bool = False
-    ) -> Any:
+    def _issue(self, name: str, x: Any, body: Callable[[int], Any], async_op: bool) -> Any:
         """Run ``body(seq)`` in issue order on the group's engine (inline, or as a ``Work``)."""
         e = self._e
-        transport = "grpc" if p2p else e.transport_for(x, name)
+        transport = e.transport_for(x, name)
         if is_cupy(x):
             # The op may run on the group's worker thread: give it the caller's device and stream.
             from paramplane.node.transports.nccl import capture_stream, on_stream
@@ -101,7 +99,7 @@ class ProcessGroup:
                 with on_stream(x, stream):
                     return inner(seq)
 
-        fut = e.run(name, body, nbytes=int(x.nbytes), transport=transport, async_op=async_op, p2p=p2p)
+        fut = e.run(name, body, nbytes=int(x.nbytes), transport=transport, async_op=async_op)
         if async_op:
             return Work(fut, f"{name} on group '{self.name}'")
         return fut.result()
@@ -271,16 +269,14 @@ class ProcessGroup:
             raise ValueError(f"{what}={peer} is this rank itself")
 
     def send(self, x: Any, dst: int, *, async_op: bool = False) -> Any:
-        """Send ``x`` to group rank ``dst`` (matched by a ``recv`` there, in order)."""
+        """Send ``x`` to group rank ``dst`` (matched by a ``recv`` there, in order).
+
+        With ``async_op`` do not modify ``x`` until the ``Work`` is done (a device array is copied to host first).
+        """
         x, _ = from_foreign(x)
         check_array(x, writable=False)
         self._check_peer(dst, "dst")
-        e = self._e
-
-        def body(_seq: int) -> None:
-            e.send(e.p2p_spec(x, e.rank, dst), x, dst)
-
-        return self._issue("send", x, body, async_op, p2p=True)
+        return self._p2p_result("send", self._e.p2p("send", to_host(x), dst), async_op)
 
     def recv(self, x: Any, src: int, *, async_op: bool = False) -> Any:
         """Fill ``x`` with what group rank ``src`` sends (same shape and dtype); returns ``x``."""
@@ -288,13 +284,52 @@ class ProcessGroup:
         x, _ = from_foreign(x)
         check_array(x)
         self._check_peer(src, "src")
-        e = self._e
+        if not is_cupy(x):
+            return self._p2p_result("recv", self._e.p2p("recv", x, src, caller), async_op)
+        fut = self._e.p2p("recv", np.empty(x.shape, x.dtype), src)
 
-        def body(_seq: int) -> Any:
-            e.recv(e.p2p_spec(x, src, e.rank), x, src)
+        def write_back(got: np.ndarray) -> Any:
+            x[...] = array_module(x).asarray(got)
             return caller
 
-        return self._issue("recv", x, body, async_op, p2p=True)
+        return self._p2p_result("recv", fut, async_op, (x, write_back))
+
+    def recv_array(self, src: int, *, like: Any = None, async_op: bool = False) -> Any:
+        """Receive the next array ``src`` sends, in the dtype and shape it sent (its header carries them).
+
+        The result is a new numpy array, or a cupy array on the current device when ``like`` is one.
+        """
+        self._check_peer(src, "src")
+        fut = self._e.p2p("recv", None, src)
+        if like is None or not is_cupy(like):
+            return self._p2p_result("recv", fut, async_op)
+        return self._p2p_result("recv", fut, async_op, (like, array_module(like).asarray))
+
+    def _p2p_result(
+        self,
+        name: str,
+        fut: concurrent.futures.Future[Any],
+        async_op: bool,
+        device: tuple[Any, Callable[[Any], Any]] | None = None,
+    ) -> Any:
+        """The caller's value of a point-to-point op, or its ``Work``. ``device``: (a device array, the copy of
+        the received host array to the device), which runs on the caller's stream (on the group's receive
+        actor when asynchronous)."""
+        if device is None:
+            return Work(fut, f"{name} on group '{self.name}'") if async_op else fut.result()
+        like, finish = device
+        if not async_op:
+            return finish(fut.result())
+        from paramplane.node.transports.nccl import capture_stream, on_stream
+
+        stream = capture_stream()
+
+        def body(_seq: int) -> Any:
+            got = fut.result()
+            with on_stream(like, stream):
+                return finish(got)
+
+        return Work(self._e.recv_actor.submit(body, async_op=True), f"{name} on group '{self.name}'")
 
     # -- asyncio forms ---------------------------------------------------------------------------
     @staticmethod
@@ -328,3 +363,6 @@ class ProcessGroup:
 
     async def recv_async(self, x: Any, src: int) -> Any:
         return await self._await(self.recv(x, src, async_op=True))
+
+    async def recv_array_async(self, src: int, *, like: Any = None) -> Any:
+        return await self._await(self.recv_array(src, like=like, async_op=True))

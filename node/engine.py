@@ -10,6 +10,7 @@ the group stays failed: later ops raise the same error at once.
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
@@ -76,6 +77,18 @@ class _Staged:
             self.x[...] = array_module(self.x).asarray(self.arr)
 
 
+def _settled(result: Any = None, exc: BaseException | None = None) -> concurrent.futures.Future[Any]:
+    fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+    return fut
+
+
+_SENT = _settled()  # every send that left at once shares this (done futures never change)
+
+
 class GroupEngine:
     """The collectives of one group of global ``ranks`` as seen by rank ``ctx.rank``."""
 
@@ -89,9 +102,7 @@ class GroupEngine:
         self.size = len(self.ranks)
         self.timeout_s = timeout_s
         self.actor = OpActor(name)
-        # Sends and receives run on actors of their own: messages pair up by their per-direction number,
-        # so a receive posted early never holds back this rank's sends (which its peer may be waiting for).
-        self.send_actor = OpActor(f"{name}/send")
+        # Finishes asynchronous receives of device arrays (the copy from host) on the caller's stream.
         self.recv_actor = OpActor(f"{name}/recv")
         self.failure: PlaneError | None = None
         self.transports = TransportFactory(ctx, name, self.ranks, timeout_s)
@@ -123,7 +134,6 @@ class GroupEngine:
         nbytes: int,
         transport: str,
         async_op: bool,
-        p2p: bool = False,
     ) -> concurrent.futures.Future[T]:
         """Issue ``body(seq)`` in order; failures are recorded so the group stays failed."""
 
@@ -133,11 +143,7 @@ class GroupEngine:
             try:
                 return body(seq)
             except PlaneError as exc:
-                cause = self.ctx.cause_of_peer_lost(exc) if isinstance(exc, PeerLost) else exc
-                self.failure = self.failure or cause
-                self.transports.abort()
-                if isinstance(exc, DeviceCommError):  # peers may wait inside NCCL kernels: tell every rank
-                    self.ctx.abort_world(exc)
+                cause = self._failed(exc)
                 if cause is not exc:
                     raise cause from exc
                 raise
@@ -145,12 +151,75 @@ class GroupEngine:
                 if self.ctx.tracer is not None:
                     self.ctx.tracer.record(name, self.name, seq, nbytes, start, time.monotonic(), transport)
 
-        actor = self.actor if not p2p else (self.send_actor if name == "send" else self.recv_actor)
-        return actor.submit(op, async_op=async_op)
+        return self.actor.submit(op, async_op=async_op)
+
+    def _failed(self, exc: PlaneError) -> PlaneError:
+        """Record an op's failure as the group's (the first one stays) and return what to raise. Blocking (a
+        lost peer's cause is asked of the coordinator): never on the loop."""
+        cause = self.ctx.cause_of_peer_lost(exc) if isinstance(exc, PeerLost) else exc
+        self.failure = self.failure or cause
+        self.transports.abort()
+        if isinstance(exc, DeviceCommError):  # peers may wait inside NCCL kernels: tell every rank
+            self.ctx.abort_world(exc)
+        return cause
+
+    def p2p(
+        self, name: str, x: np.ndarray | None, peer: int, result: Any = None
+    ) -> concurrent.futures.Future[Any]:
+        """Start a ``"send"`` of host array ``x`` to group rank ``peer``, or a ``"recv"`` from it into ``x`` (into a
+        new array of the sender's dtype and shape when ``x`` is None, which is then the future's value; else
+        ``result`` is).
+
+        Messages pair up in issue order per direction, on the runtime's loop with no thread of the group in
+        between (a pipeline's activations are latency bound). A failure is recorded as the group's.
+        """
+        try:
+            self.check()
+        except PlaneError as exc:
+            return _settled(exc=exc)
+        src, dst = (self.rank, peer) if name == "send" else (peer, self.rank)
+        started: dict[str, Any] = {}
+
+        # Called when the op's turn comes (on the loop, or here for a send that leaves at once), so message
+        # numbers follow the order on the wire.
+        def begin() -> OpSpec:
+            self.check()
+            started.update(spec=self.p2p_spec(x, src, dst), at=time.monotonic())
+            return started["spec"]
+
+        def trace(moved: Any) -> None:
+            if self.ctx.tracer is not None and started:
+                nbytes = int(moved.nbytes) if moved is not None else 0
+                seq = started["spec"].seq
+                self.ctx.tracer.record(name, self.name, seq, nbytes, started["at"], time.monotonic(), "grpc")
+
+        p2p = self.transports.p2p
+        inner: concurrent.futures.Future[Any] | None
+        if name == "send":
+            assert x is not None
+            inner = p2p.start_send(x.reshape(-1), peer, begin)
+            if inner is None:
+                trace(x)
+                return _SENT
+        else:
+            inner = p2p.start_recv(x.reshape(-1) if x is not None else None, peer, begin)
+        out: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def done(inner: concurrent.futures.Future[Any]) -> None:
+            exc = inner.exception()
+            trace(x if x is not None or exc is not None else inner.result())
+            if exc is None:
+                out.set_result(result if x is not None else inner.result())
+            elif isinstance(exc, PlaneError):
+                threading.Thread(target=lambda: out.set_exception(self._failed(exc)), daemon=True).start()
+            else:
+                out.set_exception(exc)
+
+        inner.add_done_callback(done)
+        return out
 
     def close(self) -> None:
         self.actor.close()
-        self.send_actor.close()
         self.recv_actor.close()
         self.transports.close()
 
@@ -213,28 +282,21 @@ class GroupEngine:
     def barrier(self, spec: OpSpec) -> None:
         self._comm(None, "barrier").barrier(spec, self.deadline())
 
-    def send(self, spec: OpSpec, x: Any, dst: int) -> None:
-        self.transports.p2p.send(spec, to_host(x).reshape(-1), dst, self.deadline())
-
-    def recv(self, spec: OpSpec, x: Any, src: int) -> None:
-        s = _Staged(x, self.transports.p2p, copy_in=False)
-        self.transports.p2p.recv(spec, s.flat, src, self.deadline())
-        s.write_back()
-
     # -- argument helpers ------------------------------------------------------------------------
     def spec(self, seq: int, op: str, x: Any, arg: str = "") -> OpSpec:
         return OpSpec(self.name, seq, op, dtype_name(x.dtype), tuple(int(d) for d in x.shape), arg)
 
     def p2p_spec(self, x: Any, src: int, dst: int) -> OpSpec:
-        """The spec of the next message from group rank ``src`` to ``dst`` (numbered per direction)."""
+        """The spec of the next message from group rank ``src`` to ``dst`` (numbered per direction); ``x`` None
+        for a receive that takes the sender's dtype and shape."""
         key = (src, dst)
         self._p2p_seq[key] = self._p2p_seq.get(key, 0) + 1
         return OpSpec(
             f"{self.name}/p2p",
             self._p2p_seq[key],
             "send/recv",
-            dtype_name(x.dtype),
-            tuple(x.shape),
+            dtype_name(x.dtype) if x is not None else "any",
+            tuple(x.shape) if x is not None else (),
             f"{src}->{dst}",
         )
 

@@ -25,6 +25,7 @@ import hmac
 import os
 import socket
 import struct
+import threading
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -206,6 +207,8 @@ class LaneStream:
         self.port = port
         self.sock: socket.socket | None = None
         self.lock = asyncio.Lock()
+        # Held while bytes go out, by the loop (a whole frame) or by a caller thread (``send_now``).
+        self.writing = threading.Lock()
         self.broken = False
         self.opened: asyncio.Future[None] | None = None
 
@@ -236,29 +239,65 @@ class LaneStream:
             raise
         self.sock = sock
 
+    def ready(self) -> bool:
+        """Open and whole (from any thread: a caller may then try ``send_now``)."""
+        opened = self.opened
+        return (
+            not self.broken
+            and self.sock is not None
+            and opened is not None
+            and opened.done()
+            and not opened.cancelled()
+            and opened.exception() is None
+        )
+
+    def send_now(self, header: bytes) -> bytes:
+        """Write a frame with no payload beyond its header from the calling thread, as far as the socket takes
+        it at once; returns what is left (empty when all went out), which must be ``send_raw`` next.
+
+        Only while no frame is queued on the loop for this lane (the caller's ordering guarantees it): a small
+        frame then leaves without waking the loop. Errors leave it unsent; the loop's write reports them.
+        """
+        data = _LEN.pack(len(header)) + header
+        if not self.writing.acquire(blocking=False):
+            return data
+        try:
+            if self.broken or self.sock is None:
+                return data
+            try:
+                return data[self.sock.send(data) :]
+            except OSError:  # BlockingIOError: nothing taken; a broken socket fails the loop's write
+                return data
+        finally:
+            self.writing.release()
+
     async def send_frame(self, messages: Iterable[Any]) -> None:
         """Write one frame whole (a header, then payload buffers), shielded from the caller's cancellation."""
+        it = iter(messages)
+        header = next(it)
+        await self.send_raw([_LEN.pack(len(header)) + header, *it])
+
+    async def send_raw(self, buffers: list[Any]) -> None:
+        """Write ``buffers`` as they are, in one piece (shielded), after what was queued before."""
         assert self.opened is not None
         if not self.opened.done():
             await asyncio.shield(self.opened)
         if self.opened.exception() is not None:
             raise self.opened.exception()  # type: ignore[misc]
-        task = asyncio.ensure_future(self._write_frame(messages))
+        task = asyncio.ensure_future(self._write(buffers))
         task.add_done_callback(_consume)
         await asyncio.shield(task)
 
-    async def _write_frame(self, messages: Iterable[Any]) -> None:
+    async def _write(self, buffers: list[Any]) -> None:
         loop = asyncio.get_running_loop()
         async with self.lock:
             if self.broken or self.sock is None:
                 raise TransportError(f"the lane to rank {self.dst} broke earlier; this group has failed")
             done = False
             try:
-                it = iter(messages)
-                header = next(it)
-                await loop.sock_sendall(self.sock, _LEN.pack(len(header)) + header)
-                for payload in it:
-                    await loop.sock_sendall(self.sock, payload)
+                with self.writing:
+                    for data in buffers:
+                        await loop.sock_sendall(self.sock, data)
                 done = True
             except OSError as exc:
                 raise PeerLost(

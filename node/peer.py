@@ -545,6 +545,14 @@ class PeerPlane:
             self._channels[dst] = ch
         return ch
 
+    def ready_lane(self, dst: int, key: str) -> LaneStream | None:
+        """``dst``'s open lane for ``key`` (from any thread), or None: not opened yet, a gRPC stream (TLS),
+        broken, failed, or the plane is closing."""
+        s = self._streams.get((dst, key))
+        if not isinstance(s, LaneStream) or self._closing or not s.ready() or self.failure(key) is not None:
+            return None
+        return s
+
     async def stream(self, dst: int, key: str) -> OutStream | LaneStream:
         """The outbound stream to ``dst`` for ``key``, opened on first use."""
         if self._closing:

@@ -10,7 +10,8 @@ divides once. Host comms (grpc, shm, hier, local) take numpy arrays; device comm
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import concurrent.futures
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
 from paramplane.node.spec import OpSpec
@@ -66,9 +67,17 @@ class Comm(Protocol):
 
 
 class PointToPoint(Protocol):
-    def send(self, spec: OpSpec, flat: Array, dst: int, deadline: float) -> None: ...
+    """Messages between two ranks of a group, paired in issue order per direction; each starts once the ones
+    before it in its direction are done, and ``begin()`` (called then) gives its spec."""
 
-    def recv(self, spec: OpSpec, flat: Array, src: int, deadline: float) -> None: ...
+    def start_send(
+        self, flat: Array, dst: int, begin: Callable[[], OpSpec]
+    ) -> concurrent.futures.Future[None] | None:
+        """None: sent already."""
+
+    def start_recv(
+        self, flat: Array | None, src: int, begin: Callable[[], OpSpec]
+    ) -> concurrent.futures.Future[Array]: ...
 
 
 class LocalComm:

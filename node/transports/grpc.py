@@ -10,17 +10,30 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
+import functools
 import itertools
+import math
+import threading
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 
 from paramplane.node.algorithms import ring
-from paramplane.node.algorithms.ring import Sink
-from paramplane.node.errors import CollectiveMismatch, CollectiveTimeout, PeerLost, PlaneError, TransportError
+from paramplane.node.algorithms.ring import Sink, copy_into
+from paramplane.node.arrays import DTYPES
+from paramplane.node.errors import (
+    CollectiveMismatch,
+    CollectiveTimeout,
+    PeerLost,
+    PlaneClosed,
+    PlaneError,
+    TransportError,
+)
 from paramplane.node.failures import failure_message
+from paramplane.node.lane import LaneStream
 from paramplane.node.loop import LoopThread
 from paramplane.node.peer import CHUNK_BYTES, ERROR_SUFFIX, PeerPlane
 from paramplane.node.spec import OpSpec
@@ -65,11 +78,14 @@ class GrpcChannel:
         except PeerLost as exc:
             raise self.fail(exc) from None
 
-    async def _send(self, idx: int, spec: OpSpec, step: int, payload: np.ndarray | None) -> None:
+    def header(
+        self, idx: int, spec: OpSpec, step: int, payload: np.ndarray | None
+    ) -> tuple[bytes, np.ndarray]:
+        """A frame's serialized header for ``payload`` to group index ``idx`` (carrying the payload itself up
+        to ``INLINE_BYTES``), and the payload's bytes."""
         data = payload.reshape(-1).view(np.uint8) if payload is not None else np.empty(0, np.uint8)
         nbytes = data.nbytes
         inline = nbytes <= INLINE_BYTES
-        num_chunks = 0 if inline else -(-nbytes // CHUNK_BYTES)
         header = peer_pb2.FrameHeader(
             group=spec.group,
             seq=spec.seq,
@@ -80,19 +96,38 @@ class GrpcChannel:
             dst=self.ranks[idx],
             step=step,
             nbytes=nbytes,
-            num_chunks=num_chunks,
+            num_chunks=0 if inline else -(-nbytes // CHUNK_BYTES),
             arg=spec.arg,
             inline_payload=data.tobytes() if inline and nbytes else b"",
         )
+        return header.SerializeToString(), data
+
+    async def _send(self, idx: int, spec: OpSpec, step: int, payload: np.ndarray | None) -> None:
+        header, data = self.header(idx, spec, step, payload)
+        nbytes = data.nbytes
+        num_chunks = 0 if nbytes <= INLINE_BYTES else -(-nbytes // CHUNK_BYTES)
         stream = await self.plane.stream(self.ranks[idx], self.key)
         failure = self.plane.failure(self.key)
         if failure is not None:
             raise failure
         view = memoryview(data)  # type: ignore[arg-type]  # a gRPC stream copies each chunk to bytes; a TCP lane sends it as is
         chunks = (view[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES] for i in range(num_chunks))
-        await stream.send_frame(itertools.chain([header.SerializeToString()], chunks))
+        await stream.send_frame(itertools.chain([header], chunks))
 
-    async def _recv(self, idx: int, spec: OpSpec, step: int, nbytes: int, sink: Sink) -> None:
+    async def recv_array(self, idx: int, spec: OpSpec, step: int) -> np.ndarray:
+        """Receive one frame into a new array of the dtype and shape its header carries (``spec``'s are
+        not compared); everything else is checked as ``recv`` checks it."""
+        try:
+            array = await self._recv(idx, spec, step, None, None)
+        except PeerLost as exc:
+            raise self.fail(exc) from None
+        assert array is not None
+        return array
+
+    async def _recv(
+        self, idx: int, spec: OpSpec, step: int, nbytes: int | None, sink: Sink | None
+    ) -> np.ndarray | None:
+        """With ``nbytes`` None: into a new array as the header describes it, which is returned."""
         src = self.ranks[idx]
         inbox = self.plane.inbox(src, self.key)
         header = await inbox.get()
@@ -101,7 +136,16 @@ class GrpcChannel:
                 TransportError(f"stream from rank {src} lost its framing (payload where a header was due)")
             )
         theirs = OpSpec(spec.group, header.seq, header.op, header.dtype, tuple(header.shape), header.arg)
-        text = spec.mismatch(self.me, src, theirs)
+        array = None
+        if nbytes is None:
+            text = spec.mismatch(
+                self.me, src, dataclasses.replace(theirs, dtype=spec.dtype, shape=spec.shape)
+            )
+            if text is None:
+                array = self._allocate(src, header)
+                nbytes, sink = array.nbytes, copy_into(array.reshape(-1), 0)
+        else:
+            text = spec.mismatch(self.me, src, theirs)
         if text is None and (header.step != step or header.nbytes != nbytes):
             text = (
                 f"collective mismatch in group '{spec.group}' at op #{spec.seq} {spec.describe()}: rank {src} "
@@ -110,6 +154,7 @@ class GrpcChannel:
             )
         if text is not None:
             raise self.fail(CollectiveMismatch(text))
+        assert nbytes is not None and sink is not None
         if header.num_chunks == 0:
             if len(header.inline_payload) != nbytes:
                 raise self.fail(
@@ -117,7 +162,7 @@ class GrpcChannel:
                 )
             if nbytes:
                 sink(0, header.inline_payload)
-            return
+            return array
         offset = 0
         for _ in range(header.num_chunks):
             chunk = await inbox.get()
@@ -127,6 +172,27 @@ class GrpcChannel:
             offset += len(chunk)
         if offset != nbytes:
             raise self.fail(TransportError(f"rank {src} sent {offset} of {nbytes} announced bytes"))
+        return array
+
+    def _allocate(self, src: int, header: peer_pb2.FrameHeader) -> np.ndarray:
+        """The array a header announces (dtype and shape), TransportError where they do not add up."""
+        dtype = DTYPES.get(header.dtype)
+        shape = tuple(header.shape)
+        if dtype is None or any(d < 0 for d in shape) or math.prod(shape) * dtype.itemsize != header.nbytes:
+            raise self.fail(
+                TransportError(
+                    f"rank {src} announced {header.nbytes} bytes of dtype {header.dtype!r} and shape {shape}, "
+                    "which do not match"
+                )
+            )
+        try:
+            return np.empty(shape, dtype)
+        except MemoryError:
+            raise self.fail(
+                TransportError(
+                    f"rank {src} sent an array of {header.nbytes} bytes, which does not fit in memory"
+                )
+            ) from None
 
     def fail(self, exc: PlaneError) -> PlaneError:
         """Fail this stream key here and, best effort, on every other rank of the group."""
@@ -148,6 +214,29 @@ class GrpcChannel:
             pass
 
 
+class _Line:
+    """Sends to one peer: how many are queued on the loop (a direct send may go only when none is)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()  # a future done already runs ``_done`` inside ``track``
+        self.pending = 0
+
+    def track(self, fut: concurrent.futures.Future[T]) -> concurrent.futures.Future[T]:
+        """Count ``fut`` as queued until it is done (call with ``lock`` held)."""
+        self.pending += 1
+        fut.add_done_callback(self._done)
+        return fut
+
+    def _done(self, _fut: concurrent.futures.Future[Any]) -> None:
+        with self.lock:
+            self.pending -= 1
+
+
+def _cancelled(out: concurrent.futures.Future[Any], task: asyncio.Future[None]) -> None:
+    if task.cancelled() and not out.done():
+        out.set_exception(PlaneClosed("the plane was shut down while the op was pending"))
+
+
 class GrpcTransport:
     """The ``Comm`` (and ``PointToPoint``) of one group over gRPC; host (numpy) arrays."""
 
@@ -163,6 +252,14 @@ class GrpcTransport:
         self.key = key
         self.timeout_s = timeout_s
         self._scratch: np.ndarray | None = None
+        self._tails: dict[Hashable, asyncio.Future[Any]] = {}
+        self._send_lines: dict[int, _Line] = {}
+
+    def _expired(self) -> CollectiveTimeout:
+        return CollectiveTimeout(
+            f"collective on group '{self.key}' did not finish within {self.timeout_s:g} s; a peer may be "
+            "slow or hung: raise PARAMPLANE_TIMEOUT if it is merely slow"
+        )
 
     def run(self, coro: Coroutine[Any, Any, T], deadline: float) -> T:
         """Run ``coro`` on the runtime's loop, bounded by ``deadline``; on expiry fail the key everywhere."""
@@ -172,13 +269,57 @@ class GrpcTransport:
         except concurrent.futures.TimeoutError:
             if fut.done():
                 raise  # the op's own CollectiveTimeout (a TimeoutError too)
-        exc = CollectiveTimeout(
-            f"collective on group '{self.key}' did not finish within {self.timeout_s:g} s; a peer may be "
-            "slow or hung: raise PARAMPLANE_TIMEOUT if it is merely slow"
-        )
+        exc = self._expired()
         self.loop.loop.call_soon_threadsafe(self.plane.fail_key, self.key, exc)
         fut.cancel()
         raise exc
+
+    def submit_in_order(
+        self, line: Hashable, make: Callable[[], Awaitable[T]]
+    ) -> concurrent.futures.Future[T]:
+        """Run ``make()`` on the loop once every op submitted before it on ``line`` has finished.
+
+        No thread waits in between: the caller gets a future at once and is woken by the loop itself.
+        Each op is bounded by the group's timeout from when it starts; on expiry the key fails on
+        every member, as in ``run``. From any thread but the loop's.
+        """
+        out: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def start() -> None:
+            task = asyncio.ensure_future(self._in_order(self._tails.get(line), make, out))
+            self._tails[line] = task
+            task.add_done_callback(functools.partial(_cancelled, out))
+
+        try:
+            self.loop.loop.call_soon_threadsafe(start)
+        except RuntimeError:  # the loop has stopped
+            out.set_exception(PlaneClosed("the plane was shut down"))
+        return out
+
+    async def _in_order(
+        self,
+        before: asyncio.Future[Any] | None,
+        make: Callable[[], Awaitable[T]],
+        out: concurrent.futures.Future[T],
+    ) -> None:
+        """Settles ``out`` itself, not from the task's done callback: the waiting caller wakes one loop
+        iteration sooner."""
+        if before is not None and not before.done():
+            await asyncio.wait([before])
+        try:
+            try:
+                async with asyncio.timeout(self.timeout_s) as scope:
+                    result = await make()
+            except TimeoutError:
+                if not scope.expired():
+                    raise  # the op's own CollectiveTimeout
+                exc = self._expired()
+                self.plane.fail_key(self.key, exc)
+                raise exc from None
+        except Exception as exc:
+            out.set_exception(exc)
+            return
+        out.set_result(result)
 
     def _work(self, flat: np.ndarray) -> np.ndarray:
         """A reusable copy of ``flat`` (ops of a group run one at a time, so one buffer serves them all)."""
@@ -218,11 +359,59 @@ class GrpcTransport:
     def barrier(self, spec: OpSpec, deadline: float) -> None:
         self.run(ring.barrier(self.channel, spec), deadline)
 
-    def send(self, spec: OpSpec, flat: np.ndarray, dst: int, deadline: float) -> None:
-        self.run(self.channel.send(dst, spec, 0, flat), deadline)
+    def start_send(
+        self, flat: np.ndarray, dst: int, begin: Callable[[], OpSpec]
+    ) -> concurrent.futures.Future[None] | None:
+        """Send ``flat`` to group rank ``dst`` after every send before it there; ``begin()`` gives the spec
+        when the send's turn comes.
 
-    def recv(self, spec: OpSpec, flat: np.ndarray, src: int, deadline: float) -> None:
-        self.run(self.channel.recv(src, spec, 0, flat.nbytes, ring.copy_into(flat, 0)), deadline)
+        A small message with nothing queued before it goes out from the calling thread at once (a
+        pipeline's critical path is made of these): None then, as it is sent. The rest is written by the
+        loop, in order.
+        """
+        line = self._send_lines.setdefault(dst, _Line())
+        with line.lock:
+            lane = self.plane.ready_lane(self.channel.ranks[dst], self.key) if line.pending == 0 else None
+            if lane is None or flat.nbytes > INLINE_BYTES:
+                return line.track(
+                    self.submit_in_order(("send", dst), functools.partial(self._send, flat, dst, begin))
+                )
+            try:
+                header, _ = self.channel.header(dst, begin(), 0, flat)
+            except PlaneError as exc:
+                failed: concurrent.futures.Future[None] = concurrent.futures.Future()
+                failed.set_exception(exc)
+                return failed
+            rest = lane.send_now(header)
+            if not rest:
+                return None
+            return line.track(
+                self.submit_in_order(("send", dst), functools.partial(self._send_rest, lane, rest))
+            )
+
+    async def _send(self, flat: np.ndarray, dst: int, begin: Callable[[], OpSpec]) -> None:
+        await self.channel.send(dst, begin(), 0, flat)
+
+    async def _send_rest(self, lane: LaneStream, rest: bytes) -> None:
+        try:
+            await lane.send_raw([rest])
+        except PeerLost as exc:
+            raise self.channel.fail(exc) from None
+
+    def start_recv(
+        self, flat: np.ndarray | None, src: int, begin: Callable[[], OpSpec]
+    ) -> concurrent.futures.Future[np.ndarray]:
+        """Receive from group rank ``src`` into ``flat`` (a new array shaped by the sender when None), after
+        every receive before it from there."""
+
+        async def recv() -> np.ndarray:
+            spec = begin()
+            if flat is None:
+                return await self.channel.recv_array(src, spec, 0)
+            await self.channel.recv(src, spec, 0, flat.nbytes, ring.copy_into(flat, 0))
+            return flat
+
+        return self.submit_in_order(("recv", src), recv)
 
     def abort(self) -> None:
         return None  # a failed key fails every later frame on it

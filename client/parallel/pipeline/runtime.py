@@ -8,9 +8,9 @@ Usage::
     opt.step()                        # gradients were accumulated in the stage modules
 
 The batch is split along axis 0 into equal microbatches. Activations and gradients cross stages on
-the pp group's send/recv lane; the first microbatch of each step on each edge also carries a small
-header (dtype and shape) that the others reuse, so shapes may change between steps and a
-disagreement is a CollectiveMismatch, not a hang.
+the pp group's send/recv lane; the first microbatch of each step on each edge is received in the
+dtype and shape its frame header carries and the others must match it, so shapes may change between
+steps and a disagreement within one is a CollectiveMismatch, not a hang.
 With ``dp_group`` the stage gradients are averaged over data-parallel replicas once, after the
 last microbatch (``mesh.group("dp")``; each replica steps on its share of the batch).
 With ``scale_grads`` (default) each microbatch's loss gradient is divided by the number of
@@ -23,6 +23,7 @@ schedule that ``validate`` accepts cannot deadlock for activations of that size 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,13 +32,10 @@ import numpy as np
 from paramplane.group import ProcessGroup
 from paramplane.nn.loss import Loss
 from paramplane.nn.module import Array, Module, Parameter
-from paramplane.node.arrays import DTYPES, array_module, dtype_name
+from paramplane.node.arrays import array_module
 from paramplane.node.errors import CollectiveMismatch
 from paramplane.parallel.pipeline import schedules
 from paramplane.work import Work
-
-_NAMES = list(DTYPES)
-_META = 8  # dtype, ndim, up to 6 dims
 
 
 class Pipeline:
@@ -82,6 +80,8 @@ class Pipeline:
         self._peak_bytes = 0
         self._shapes: dict[tuple[str, int], tuple[Any, tuple[int, ...]]] = {}
         self._sends: list[Work[Any]] = []
+        tracer = group.tracer
+        self._tracer = tracer if hasattr(tracer, "mark") else None
 
     # -- inspection ---------------------------------------------------------------------------------
     @property
@@ -110,49 +110,32 @@ class Pipeline:
         }
 
     # -- transfers ----------------------------------------------------------------------------------
-    def _send(self, x: Array, stage: int, microbatch: int) -> None:
-        """Send to ``stage``; microbatch 0 of a step also sends the dtype and shape (equal for all of them).
-
-        Sends are asynchronous (the next compute does not wait for the wire); ``_finish_sends`` waits for
-        them at the end of the step. The arrays sent are not touched again, so they need no copy.
-        """
-        dst = stage % self.group.size
+    def _send(self, x: Array, stage: int) -> None:
+        """Send to ``stage`` without waiting (the next compute does not wait for the wire); ``_finish_sends``
+        waits for them at the end of the step. The arrays sent are not touched again, so they need no copy."""
         x = array_module(x).ascontiguousarray(x)
-        if microbatch == 0:
-            if x.ndim > _META - 2:
-                raise ValueError(
-                    f"pipeline activations may have at most {_META - 2} dimensions, got {x.ndim}"
-                )
-            meta = np.zeros(_META, np.int64)
-            meta[:2] = _NAMES.index(dtype_name(x.dtype)), x.ndim
-            meta[2 : 2 + x.ndim] = x.shape
-            self._sends.append(self.group.send(meta, dst, async_op=True))
-        self._sends.append(self.group.send(x, dst, async_op=True))
+        self._sends.append(self.group.send(x, stage % self.group.size, async_op=True))
 
     def _finish_sends(self) -> None:
         sends, self._sends = self._sends, []
         for work in sends:
             work.wait()
 
-    def _recv(self, stage: int, microbatch: int, kind: str, like: Any) -> Array:
-        """Receive from ``stage``; a microbatch after the first reuses microbatch 0's dtype and shape, and a
-        sender whose array differs from it fails with CollectiveMismatch (the frame header names both)."""
+    def _post_recv(self, stage: int, microbatch: int, kind: str, like: Any) -> Work[Any]:
+        """Start receiving from ``stage``. Microbatch 0 of a step takes the dtype and shape its frame header
+        carries; later ones are received into arrays like it, so a sender whose array differs fails with
+        CollectiveMismatch (the frame header names both) instead of feeding the stage a wrong shape."""
         src = stage % self.group.size
         if microbatch == 0:
-            meta = np.empty(_META, np.int64)
-            self.group.recv(meta, src)
-            ndim = int(meta[1])
-            self._shapes[(kind, stage)] = (
-                DTYPES[_NAMES[int(meta[0])]],
-                tuple(int(d) for d in meta[2 : 2 + ndim]),
-            )
+            return self.group.recv_array(src, like=like, async_op=True)
         dtype, shape = self._shapes[(kind, stage)]
-        return self.group.recv(array_module(like).empty(shape, dtype), src)
+        return self.group.recv(array_module(like).empty(shape, dtype), src, async_op=True)
 
-    def _post_recv(self, stage: int, kind: str, like: Any) -> Work[Any]:
-        """Start receiving a later microbatch (its shape is microbatch 0's) while this rank computes."""
-        dtype, shape = self._shapes[(kind, stage)]
-        return self.group.recv(array_module(like).empty(shape, dtype), stage % self.group.size, async_op=True)
+    def _received(self, work: Work[Any], stage: int, microbatch: int, kind: str) -> Array:
+        got = work.wait()
+        if microbatch == 0:
+            self._shapes[(kind, stage)] = (got.dtype, tuple(got.shape))
+        return got
 
     # -- running ------------------------------------------------------------------------------------
     def _split(self, x: Array | None, what: str) -> list[Array] | None:
@@ -181,25 +164,24 @@ class Pipeline:
         p = self.group.size
         # Each receive is posted as soon as the one before it is in (in schedule order, so messages still
         # pair up per direction), so it arrives while this rank computes instead of on the critical path.
-        recv_at = [i for i, a in enumerate(self.actions) if a.kind in ("RECV_F", "RECV_B")]
-        after = dict(itertools.pairwise(recv_at))
+        recvs = [(i, a) for i, a in enumerate(self.actions) if a.kind in ("RECV_F", "RECV_B")]
         posted: dict[int, Work[Any]] = {}
+        if recvs:
+            i, a = recvs[0]
+            posted[i] = self._post_recv(_source(a), a.microbatch, a.kind[-1], like)
+        after = dict(itertools.pairwise(i for i, _ in recvs))
         for i, a in enumerate(self.actions):
             key = (a.stage, a.microbatch)
             module = self.modules[a.stage // p]
             if a.kind in ("RECV_F", "RECV_B"):
-                kind, src = ("F", a.stage - 1) if a.kind == "RECV_F" else ("B", a.stage + 1)
-                work = posted.pop(i, None)
-                received[(kind, *key)] = (
-                    work.wait() if work is not None else self._recv(src, a.microbatch, kind, like)
-                )
+                kind = a.kind[-1]
+                received[(kind, *key)] = self._received(posted.pop(i), _source(a), a.microbatch, kind)
                 nxt = after.get(i)
-                if nxt is not None and self.actions[nxt].microbatch > 0:
+                if nxt is not None:
                     b = self.actions[nxt]
-                    posted[nxt] = self._post_recv(
-                        b.stage - 1 if b.kind == "RECV_F" else b.stage + 1, b.kind[-1], like
-                    )
+                    posted[nxt] = self._post_recv(_source(b), b.microbatch, b.kind[-1], like)
             elif a.kind == "F":
+                start = time.monotonic()
                 inp = (
                     inputs[a.microbatch] if a.stage == 0 and inputs is not None else received.pop(("F", *key))
                 )
@@ -212,17 +194,20 @@ class Pipeline:
                 else:
                     outputs[key] = out
                 states[key] = module.take_forward_state()
+                self._mark(a, start)
                 self._note(states)
             elif a.kind == "SEND_F":
-                self._send(outputs.pop(key), a.stage + 1, a.microbatch)
+                self._send(outputs.pop(key), a.stage + 1)
             elif a.kind == "B":
+                start = time.monotonic()
                 grad = grads.pop(key) if key in grads else received.pop(("B", *key))
                 module.restore_forward_state(states.pop(key))
                 grad_in = module.backward(grad)
                 if a.stage > 0:
                     grads[key] = grad_in
+                self._mark(a, start)
             else:  # SEND_B
-                self._send(grads.pop(key), a.stage - 1, a.microbatch)
+                self._send(grads.pop(key), a.stage - 1)
         self._finish_sends()
         assert not states and not received, "schedule left work undone"
         if self.dp_group is not None and self.dp_group.size > 1:
@@ -254,21 +239,32 @@ class Pipeline:
         self._sends = []
         for mb in range(self.num_microbatches):
             for stage in range(self.group.rank, self.num_stages, p):
-                inp = (
-                    inputs[mb] if stage == 0 and inputs is not None else self._recv(stage - 1, mb, "F", like)
-                )
+                if stage == 0 and inputs is not None:
+                    inp = inputs[mb]
+                else:
+                    inp = self._received(self._post_recv(stage - 1, mb, "F", like), stage - 1, mb, "F")
                 out = self.modules[stage // p].forward(inp)
                 self.modules[stage // p].take_forward_state()  # no backward follows
                 if stage == last:
                     outs.append(out)
                 else:
-                    self._send(out, stage + 1, mb)
+                    self._send(out, stage + 1)
         self._finish_sends()
         return array_module(outs[0]).concatenate(outs) if outs else None
+
+    def _mark(self, action: schedules.Action, start: float) -> None:
+        """A traced compute span (``PARAMPLANE_TRACE``) per forward or backward: the schedule's timeline."""
+        if self._tracer is not None:
+            self._tracer.mark(f"{action}", start, time.monotonic(), stage=action.stage, mb=action.microbatch)
 
     def _note(self, states: dict[tuple[int, int], Any]) -> None:
         self._peak_sets = max(self._peak_sets, len(states))
         self._peak_bytes = max(self._peak_bytes, sum(_nbytes(s) for s in states.values()))
+
+
+def _source(action: schedules.Action) -> int:
+    """The stage a receive's message comes from."""
+    return action.stage - 1 if action.kind == "RECV_F" else action.stage + 1
 
 
 def _nbytes(obj: Any) -> int:

@@ -1,0 +1,21 @@
+"""Point-to-point send / recv in real 2-rank worlds (tests/workers/p2p.py): order, shapes, errors."""
+
+from __future__ import annotations
+
+from _world import run_world
+
+
+def test_messages_small_and_large_in_flight_arrive_in_order_with_their_shapes() -> None:
+    """Small messages leave from the caller's thread and large ones from the event loop; together, all in
+    flight, they still pair up in issue order, and recv_array takes each dtype and shape from the header."""
+    results = run_world(2, "p2p.py", args=["order"], timeout=120).check_ok()
+    assert results[1]["num_checks"] >= 3 * 3 * 8 + 1
+
+
+def test_timeout_and_mismatch_fail_promptly_and_bad_arguments_fail_nothing() -> None:
+    world = run_world(2, "p2p.py", args=["errors"], env={"PARAMPLANE_TIMEOUT": "2"}, timeout=90)
+    r0, r1 = world.check_ok()
+    assert r0["num_checks"] >= 7 and r1["num_checks"] >= 5
+    assert 1.5 <= r0["values"]["timeout_elapsed"] < 15
+    # The receiver's error frames reach the sender: it fails well before its own 2 s deadline could.
+    assert r0["values"]["mismatch_elapsed"] < 1.5

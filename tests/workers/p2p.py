@@ -1,0 +1,125 @@
+"""Rank worker for tests/test_p2p.py (2 ranks): point-to-point order, shapes from headers, and errors.
+
+- ``order``: small messages (sent at once from the caller's thread) and large ones (written by the
+  event loop) interleaved and all in flight, received in order; ``recv_array`` keeps each dtype and
+  shape; a two-way exchange of 8 MiB each way with both sends in flight does not deadlock.
+- ``errors`` (PARAMPLANE_TIMEOUT=2): a receive nobody sends to times out; a receive of the wrong shape is
+  a CollectiveMismatch on the receiver, and the sender's next message on that group fails with it too.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import numpy as np
+from _common import Report, run_rank
+
+import paramplane as pp
+
+KV_TIMEOUT = 30.0
+# (dtype, shape): tiny, 0-d, inline-sized and several chunk-sized messages, in an order that mixes them.
+MESSAGES: list[tuple[str, tuple[int, ...]]] = [
+    ("float32", (3,)),
+    ("float64", (300_000,)),  # 2.4 MB: the loop writes it (chunked)
+    ("int32", (2, 3, 4)),
+    ("float64", ()),
+    ("int64", (9_000,)),  # 72 KB: just over the inline limit
+    ("float32", (1, 8)),
+    ("uint8", (3 << 20,)),
+    ("float64", (5, 5)),
+]
+
+
+def message(i: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    size = int(np.prod(shape, dtype=np.int64))
+    return ((np.arange(size) * 7 + i) % 120).astype(dtype).reshape(shape)
+
+
+def order(world: pp.World, rep: Report) -> None:
+    g, me = world.group, world.rank
+    peer = 1 - me
+    for rnd in range(3):  # later rounds find the lane open: the direct path
+        if me == 0:
+            works = [g.send(message(i + rnd, d, s), peer, async_op=True) for i, (d, s) in enumerate(MESSAGES)]
+            for w in works:
+                w.wait(30)
+        else:
+            posted = [g.recv_array(peer, async_op=True) for _ in MESSAGES]
+            for i, ((d, s), w) in enumerate(zip(MESSAGES, posted)):
+                got = w.wait(30)
+                rep.equal(f"order: round {rnd} message {i} ({d}, {s})", got, message(i + rnd, d, s))
+        # The same messages into buffers the receiver allocated, received one by one as they come.
+        if me == 0:
+            for i, (d, s) in enumerate(MESSAGES):
+                g.send(message(i, d, s), peer)
+        else:
+            for i, (d, s) in enumerate(MESSAGES):
+                buf = np.empty(s, d)
+                rep.check(
+                    f"order: recv returns its buffer, round {rnd} message {i}", g.recv(buf, peer) is buf
+                )
+                rep.equal(f"order: recv into a buffer, round {rnd} message {i}", buf, message(i, d, s))
+
+    # Both ranks send 8 MiB with the send in flight, then receive: the sends must not wait for the receives.
+    mine = np.full(1 << 20, float(me))
+    work = g.send(mine, peer, async_op=True)
+    theirs = g.recv(np.empty(1 << 20), peer)
+    work.wait(30)
+    rep.equal("exchange: 8 MiB each way", theirs, np.full(1 << 20, float(peer)))
+
+
+def errors(world: pp.World, rep: Report) -> None:
+    me = world.rank
+    silent = world.new_group([0, 1])
+    mismatch = world.new_group([0, 1])
+    assert silent is not None and mismatch is not None
+
+    # Rank 1 never sends: rank 0's receive gives CollectiveTimeout after PARAMPLANE_TIMEOUT (2 s).
+    if me == 0:
+        start = time.monotonic()
+        rep.raises(
+            "timeout: recv with no sender", pp.CollectiveTimeout, lambda: silent.recv(np.empty(3), 1), "2 s"
+        )
+        rep.values["timeout_elapsed"] = time.monotonic() - start
+        rep.raises(
+            "timeout: the group stays failed", pp.CollectiveTimeout, lambda: silent.send(np.ones(2), 1)
+        )
+    world.barrier("after-timeout", timeout=KV_TIMEOUT)
+
+    # Rank 0 sends 3 floats where rank 1 receives 4: rank 1 names both shapes; rank 0's next receive on the
+    # group fails with the same mismatch (error frames), long before its timeout.
+    if me == 0:
+        mismatch.send(np.ones(3, np.float32), 1)
+        start = time.monotonic()
+        rep.raises("mismatch: sender learns it", pp.CollectiveMismatch, lambda: mismatch.recv(np.empty(1), 1))
+        rep.values["mismatch_elapsed"] = time.monotonic() - start
+    else:
+        rep.raises(
+            "mismatch: receiver",
+            pp.CollectiveMismatch,
+            lambda: mismatch.recv(np.empty(4, np.float32), 0),
+            "(3,)",
+            "(4,)",
+        )
+    # Argument errors come before any communication and fail nothing.
+    g = world.group
+    rep.raises("input: send to itself", ValueError, lambda: g.send(np.ones(2), me), "itself")
+    rep.raises("input: recv from a rank outside", ValueError, lambda: g.recv_array(5))
+    rep.raises("input: non-contiguous send", ValueError, lambda: g.send(np.ones(6)[::2], 1 - me))
+    x = np.full(2, float(me))
+    if me == 0:
+        g.send(x, 1)
+    else:
+        g.recv(x, 0)
+    rep.equal("input: group still in step", x, np.zeros(2))
+
+
+def main() -> None:
+    scenarios: dict[str, Any] = {"order": order, "errors": errors}
+    run_rank(scenarios[sys.argv[1]])
+
+
+if __name__ == "__main__":
+    main()
