@@ -46,6 +46,13 @@ def test_schedule_rules() -> None:
     swapped[1] = [a for a in swapped[1] if a.kind != "SEND_B"]
     with pytest.raises(ValueError, match="deadlocks"):
         schedules.validate(swapped, 2, 1)
+    # Receiving two gradients in another order than they are sent cannot deadlock, but messages pair up in
+    # order: stage 0 would take microbatch 1's gradient for microbatch 0's.
+    crossed = [schedules.build("gpipe", r, 2, 2) for r in range(2)]
+    recvs = [i for i, a in enumerate(crossed[0]) if a.kind == "RECV_B"]
+    crossed[0][recvs[0]], crossed[0][recvs[1]] = crossed[0][recvs[1]], crossed[0][recvs[0]]
+    with pytest.raises(ValueError, match="another order"):
+        schedules.validate(crossed, 2, 1)
 
 
 CASES = [

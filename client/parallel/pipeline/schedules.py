@@ -93,7 +93,8 @@ def check(schedule: str, num_ranks: int, num_microbatches: int, chunks: int) -> 
 
 
 def validate(lists: list[list[Action]], num_microbatches: int, chunks: int) -> None:
-    """ValueError unless every rank's list is complete, ordered, and the ranks together cannot deadlock."""
+    """ValueError unless every rank's list is complete, ordered, the ranks together cannot deadlock, and each
+    rank receives from each peer in the order the peer sends (messages pair up in order, not by name)."""
     p = len(lists)
     stages = p * chunks
     for rank, actions in enumerate(lists):
@@ -136,6 +137,32 @@ def validate(lists: list[list[Action]], num_microbatches: int, chunks: int) -> N
         if not moved:
             stuck = {r: str(lists[r][pos[r]]) for r in range(p) if pos[r] < len(lists[r])}
             raise ValueError(f"the schedule deadlocks: ranks wait at {stuck}")
+    # Messages between two ranks pair up in the order they are sent: each rank must receive from a peer in
+    # the order that peer sends to it, or a stage would take another microbatch's (same-shaped) array.
+    for src in range(p):
+        for dst in range(p):
+            outgoing = [_message(a) for a in lists[src] if a.kind.startswith("SEND") and _peer(a) % p == dst]
+            incoming = [_message(a) for a in lists[dst] if a.kind.startswith("RECV") and _peer(a) % p == src]
+            if src != dst and outgoing != incoming:
+                k = next(
+                    (i for i, (x, y) in enumerate(zip(outgoing, incoming)) if x != y),
+                    min(len(outgoing), len(incoming)),
+                )
+                raise ValueError(
+                    f"rank {dst} receives from rank {src} in another order or number than rank {src} sends: "
+                    f"message {k} is {outgoing[k : k + 1]} there but {incoming[k : k + 1]} here"
+                )
+
+
+def _peer(a: Action) -> int:
+    """The stage at the other end of a transfer."""
+    return a.stage + 1 if a.kind in ("SEND_F", "RECV_B") else a.stage - 1
+
+
+def _message(a: Action) -> tuple[str, int, int]:
+    """A transfer's message as (direction, sending stage, microbatch)."""
+    sender = a.stage if a.kind.startswith("SEND") else _peer(a)
+    return (a.kind[-1], sender, a.microbatch)
 
 
 def table(lists: list[list[Action]]) -> str:
