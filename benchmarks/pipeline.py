@@ -12,7 +12,9 @@ everything else in the step (waiting for a neighbour, issuing transfers, the run
 is idle; the rank with the largest fraction is reported. ``bubble_nominal`` also charges the stages'
 sleep overshoot (about 0.1 ms per sleep here) to the bubble: 1 - nominal compute / step time.
 Theory (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m + p-1) for interleaved 1F1B.
-Also the measured peak of live activation sets on the first stage. One JSON line per configuration.
+Also the measured peak of live activation sets on the first stage, and the one-way time of a small
+message measured in the same run (``p2p_one_way_ms``: each dependent transfer on a schedule's
+critical path adds about that much). One JSON line per configuration.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ def worker(args: argparse.Namespace) -> None:
 
     rows = []
     with pp.init() as world:
+        one_way = p2p_one_way_s(world.group)
         for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
             v = 2 if schedule == "interleaved_1f1b" else 1
             for m in [int(x) for x in args.microbatches.split(",")]:
@@ -84,9 +87,26 @@ def worker(args: argparse.Namespace) -> None:
                         "bubble": float(np.median(idle)),
                         "compute_s": m * 2 * args.compute_ms / 1000,
                         "peak_activation_sets": pipe.memory_stats()["peak_activation_sets"],
+                        "p2p_one_way_s": one_way,
                     }
                 )
     print(json.dumps(rows), flush=True)
+
+
+def p2p_one_way_s(group: Any, rounds: int = 300) -> float:
+    """Median one-way time of a small message between the two ranks (ping-pong): the latency each
+    dependent transfer of a schedule adds, measured in the same run as the schedules."""
+    x, peer, times = np.zeros((1, 8)), 1 - group.rank, []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        if group.rank == 0:
+            group.send(x, peer)
+            group.recv(x, peer)
+        else:
+            group.recv(x, peer)
+            group.send(x, peer)
+        times.append((time.perf_counter() - t) / 2)
+    return float(np.median(times))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                     "bubble_theory": theory,
                     "measured_over_theory": measured / theory,
                     "peak_activation_sets_first_stage": first["peak_activation_sets"],
+                    "p2p_one_way_ms": first["p2p_one_way_s"] * 1e3,
                 }
             )
         )

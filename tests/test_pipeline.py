@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from _world import run_example, run_world
@@ -112,3 +116,24 @@ def test_train_pipeline_example_runs_under_the_launcher() -> None:
 def test_pipeline_argument_errors_on_every_rank() -> None:
     world = run_world(2, "pipeline.py", args=["errors"], env={"PARAMPLANE_TIMEOUT": "30"}, timeout=90)
     assert all(r["num_checks"] == 4 for r in world.check_ok())
+
+
+def test_bubble_benchmark_measures_idle_from_the_traced_compute(tmp_path: Path) -> None:
+    """benchmarks/pipeline.py at a tiny size: one line per schedule, the bubble taken from the traced
+    forward/backward spans (never negative, below the nominal figure, which also charges sleep overshoot),
+    theory as documented, and the same run's p2p latency."""
+    out = tmp_path / "pipeline.jsonl"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "pipeline.py"
+    args = ["--compute-ms", "4", "--microbatches", "2,4", "--steps", "1", "--out", str(out)]
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {(r["schedule"], r["m"]) for r in rows} == {(s, m) for s in schedules.SCHEDULES for m in (2, 4)}
+    for r in rows:
+        theory = (r["p"] - 1) / (r["v"] * r["m"] + r["p"] - 1)
+        assert r["bubble_theory"] == pytest.approx(theory)
+        assert 0 < r["bubble_measured"] <= r["bubble_nominal"] + 0.02, r
+        assert r["measured_over_theory"] == pytest.approx(r["bubble_measured"] / theory)
+        assert 0 < r["p2p_one_way_ms"] < 50
+    peak = {r["schedule"]: r["peak_activation_sets_first_stage"] for r in rows if r["m"] == 4}
+    assert peak == {"gpipe": 4, "1f1b": 2, "interleaved_1f1b": 5}
