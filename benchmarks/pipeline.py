@@ -1,6 +1,6 @@
 """Pipeline bubble: measured idle fraction of a step against theory, per schedule and microbatch count.
 
-    python benchmarks/pipeline.py [--compute-ms 20] [--steps 3] [--out benchmarks/results/pipeline.jsonl]
+    python benchmarks/pipeline.py [--compute-ms 20] [--steps 5] [--out benchmarks/results/pipeline.jsonl]
 
 p = 2 ranks, one stage each (interleaved: v = 2 chunks each). Every stage spends a fixed, known
 time per microbatch in forward and in backward (``--compute-ms``; each chunk of an interleaved
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compute-ms", type=float, default=20.0)
     parser.add_argument("--microbatches", default="2,4,8,16")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
