@@ -62,6 +62,38 @@ def order(world: pp.World, rep: Report) -> None:
                 )
                 rep.equal(f"order: recv into a buffer, round {rnd} message {i}", buf, message(i, d, s))
 
+    # Small messages while the receiver reads nothing: the socket fills, so sends that would leave from the
+    # caller's thread find it full (or take only part of a frame) and the loop finishes them, in order.
+    from paramplane.node.lane import LaneStream
+
+    counts = {"direct": 0, "handed_to_loop": 0}
+    send_now = LaneStream.send_now
+
+    def counting(self: LaneStream, header: bytes) -> bytes:
+        rest = send_now(self, header)
+        counts["handed_to_loop" if rest else "direct"] += 1
+        return rest
+
+    LaneStream.send_now = counting  # type: ignore[method-assign]
+    num_full, size = 400, 60_000  # 24 MB: more than the socket buffers and the inbox hold
+    if me == 0:
+        works = [g.send(np.full(size, i % 251, np.uint8), peer, async_op=True) for i in range(num_full)]
+        world.kv.set("p2p/filled", b"1")
+        for w in works:
+            w.wait(60)
+        rep.values["send_now"] = counts
+        rep.check("full socket: some sends found it full", counts["handed_to_loop"] > 0, str(counts))
+        rep.check("full socket: some sends left at once", counts["direct"] > 0, str(counts))
+    else:
+        world.kv.get("p2p/filled", wait=True, timeout=KV_TIMEOUT)
+        bad = [
+            i
+            for i in range(num_full)
+            if not np.array_equal(g.recv(np.empty(size, np.uint8), peer), np.full(size, i % 251, np.uint8))
+        ]
+        rep.check("full socket: every message whole and in order", not bad, f"messages {bad[:5]} differ")
+    LaneStream.send_now = send_now  # type: ignore[method-assign]
+
     # Both ranks send 8 MiB with the send in flight, then receive: the sends must not wait for the receives.
     mine = np.full(1 << 20, float(me))
     work = g.send(mine, peer, async_op=True)
