@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from paramplane.node.algorithms import ring
-from paramplane.node.algorithms.ring import Sink, copy_into
+from paramplane.node.algorithms.ring import Sink
 from paramplane.node.arrays import DTYPES
 from paramplane.node.errors import (
     CollectiveMismatch,
@@ -96,7 +96,7 @@ class GrpcChannel:
             dst=self.ranks[idx],
             step=step,
             nbytes=nbytes,
-            num_chunks=0 if inline else -(-nbytes // CHUNK_BYTES),
+            num_chunks=_num_chunks(nbytes),
             arg=spec.arg,
             inline_payload=data.tobytes() if inline and nbytes else b"",
         )
@@ -104,8 +104,7 @@ class GrpcChannel:
 
     async def _send(self, idx: int, spec: OpSpec, step: int, payload: np.ndarray | None) -> None:
         header, data = self.header(idx, spec, step, payload)
-        nbytes = data.nbytes
-        num_chunks = 0 if nbytes <= INLINE_BYTES else -(-nbytes // CHUNK_BYTES)
+        num_chunks = _num_chunks(data.nbytes)
         stream = await self.plane.stream(self.ranks[idx], self.key)
         failure = self.plane.failure(self.key)
         if failure is not None:
@@ -143,7 +142,7 @@ class GrpcChannel:
             )
             if text is None:
                 array = self._allocate(src, header)
-                nbytes, sink = array.nbytes, copy_into(array.reshape(-1), 0)
+                nbytes, sink = array.nbytes, ring.copy_into(array.reshape(-1), 0)
         else:
             text = spec.mismatch(self.me, src, theirs)
         if text is None and (header.step != step or header.nbytes != nbytes):
@@ -212,6 +211,11 @@ class GrpcChannel:
             await asyncio.wait_for(stream.send_frame([frame]), 2.0)
         except BaseException:
             pass
+
+
+def _num_chunks(nbytes: int) -> int:
+    """Payload chunks after a frame's header: none when the payload rides inside it."""
+    return 0 if nbytes <= INLINE_BYTES else -(-nbytes // CHUNK_BYTES)
 
 
 class _Line:
