@@ -193,6 +193,11 @@ class LaneServer:
             self._sock = None
 
 
+def _framed(header: bytes) -> bytes:
+    """A frame header as it crosses the lane: its length, then its bytes."""
+    return _LEN.pack(len(header)) + header
+
+
 def _consume(task: asyncio.Future[Any]) -> None:
     if not task.cancelled():
         task.exception()
@@ -258,7 +263,7 @@ class LaneStream:
         Only while no frame is queued on the loop for this lane (the caller's ordering guarantees it): a small
         frame then leaves without waking the loop. Errors leave it unsent; the loop's write reports them.
         """
-        data = _LEN.pack(len(header)) + header
+        data = _framed(header)
         if not self.writing.acquire(blocking=False):
             return data
         try:
@@ -275,7 +280,7 @@ class LaneStream:
         """Write one frame whole (a header, then payload buffers), shielded from the caller's cancellation."""
         it = iter(messages)
         header = next(it)
-        await self.send_raw([_LEN.pack(len(header)) + header, *it])
+        await self.send_raw([_framed(header), *it])
 
     async def send_raw(self, buffers: list[Any]) -> None:
         """Write ``buffers`` as they are, in one piece (shielded), after what was queued before."""
