@@ -361,8 +361,6 @@ class FSDP(FSDPState):
             return
         self._round_open = True
         flat = unit.flatten_grads(self.reduce_dtype, self._xp)
-        self.memory.add("grads", flat.nbytes)  # measured while the layers' gradients are alive too
-        unit.drop_param_grads()
         self._launch_reduce(unit, flat)
 
     def _launch_reduce(self, unit: FlatUnit, flat: Array) -> None:
@@ -371,7 +369,10 @@ class FSDP(FSDPState):
                 f"FSDP: unit {unit.name!r} produced gradients twice in one step; call finish_gradient_sync() "
                 "(or optimizer.step() on an attached optimizer) between synchronised backwards"
             )
-        unit.extra["flat_bytes"] = flat.nbytes
+        release = unit.extra["flat_release"] = self.memory.hold(
+            "grads", flat.nbytes
+        )  # with the layers' grads
+        unit.drop_param_grads()
         if self.shard_group.size > 1:
             out = array_module(flat).empty(unit.shard_size, flat.dtype)
             unit.grad_shard = out
@@ -379,6 +380,7 @@ class FSDP(FSDPState):
             # unit's largest transient is freed the moment the reduce-scatter is done (not when this thread
             # next looks), and reduce-scatters still in flight do not pile up flat gradients.
             unit.grad_work = self.shard_group.reduce_scatter(flat, "sum", out=out, async_op=True)
+            unit.grad_work.future.add_done_callback(lambda _: release())
         else:
             unit.grad_shard = flat
         self._reduce_queue.append(unit)
@@ -386,7 +388,7 @@ class FSDP(FSDPState):
 
     def _drop_flat(self, unit: FlatUnit) -> None:
         """The unit's flat gradient is gone (reduce-scattered, or the step's work dropped)."""
-        self.memory.add("grads", -unit.extra.pop("flat_bytes", 0))
+        unit.extra.pop("flat_release", lambda: None)()
 
     def _pump_replicate(self, *, block: bool) -> None:
         """Start the replicate all-reduce of finished reduce-scatters, in unit launch order."""
@@ -419,9 +421,7 @@ class FSDP(FSDPState):
                 if unit not in self._reduce_queue and unit.has_param_grads():
                     self._post_backward(unit)  # torch: some of its parameters got no gradient this backward
                 elif unit not in self._reduce_queue:
-                    zeros = self._xp.zeros(unit.padded, self.reduce_dtype)
-                    self.memory.add("grads", zeros.nbytes)
-                    self._launch_reduce(unit, zeros)
+                    self._launch_reduce(unit, self._xp.zeros(unit.padded, self.reduce_dtype))
             self._pump_replicate(block=True)
             scale = 1.0 / self.group.size
             for unit in self._reduce_queue:

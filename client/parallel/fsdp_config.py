@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -71,20 +72,40 @@ class MemoryTracker:
 
     def __init__(self, measure: Callable[[], dict[str, int]]) -> None:
         self._measure = measure
+        self._lock = threading.Lock()  # completion callbacks release transient bytes from other threads
         self.transient: dict[str, int] = dict.fromkeys(MEMORY_KINDS, 0)
         self.current: dict[str, int] = dict.fromkeys(MEMORY_KINDS, 0)
         self.peak: dict[str, int] = dict.fromkeys(MEMORY_KINDS, 0)
         self.peak_total = 0
 
     def add(self, kind: str, nbytes: int) -> None:
-        self.transient[kind] += int(nbytes)
-        assert self.transient[kind] >= 0, (kind, self.transient[kind])
+        with self._lock:
+            self.transient[kind] += int(nbytes)
+            assert self.transient[kind] >= 0, (kind, self.transient[kind])
         self.update()
+
+    def hold(self, kind: str, nbytes: int) -> Callable[[], None]:
+        """Count ``nbytes`` of ``kind`` now; the returned callable uncounts them, once, from any thread.
+
+        For a buffer a collective frees when it completes: its completion callback releases the count
+        then, not when the training thread next looks (the peak would count it too long).
+        """
+        self.add(kind, nbytes)
+        held = [int(nbytes)]
+
+        def release() -> None:
+            with self._lock:
+                n, held[0] = held[0], 0
+                self.transient[kind] -= n
+
+        return release
 
     def update(self) -> None:
         lasting = self._measure()
+        with self._lock:
+            transient = dict(self.transient)
         for kind in MEMORY_KINDS:
-            self.current[kind] = self.transient[kind] + lasting.get(kind, 0)
+            self.current[kind] = transient[kind] + lasting.get(kind, 0)
             self.peak[kind] = max(self.peak[kind], self.current[kind])
         self.peak_total = max(self.peak_total, sum(self.current.values()))
 
