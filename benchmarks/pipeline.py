@@ -9,9 +9,14 @@ two ranks spinning on this 2-core machine would distort the schedule with core c
 is not what this measures. Bubble fraction = idle time / step time, where a rank's busy time is the
 sum of its forward and backward spans in the pipeline's trace events (``PARAMPLANE_TRACE``) and
 everything else in the step (waiting for a neighbour, issuing transfers, the runtime's bookkeeping)
-is idle; the rank with the largest fraction is reported. ``bubble_nominal`` also charges the stages'
-sleep overshoot (about 0.1 ms per sleep here) to the bubble: 1 - nominal compute / step time.
-Theory (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m + p-1) for interleaved 1F1B.
+is idle; per step the rank with the largest fraction counts, and the median over steps is reported.
+``bubble_nominal`` also charges the stages' sleep overshoot to the bubble: 1 - nominal compute / step
+time. Theory (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m + p-1) for interleaved 1F1B.
+A sleep here overshoots by 0.1-0.7 ms and now and then by several, and where a schedule leaves no
+slack a neighbour's overshoot is this rank's idle time; ``bubble_replay`` replays each step's
+measured spans through the schedule with free transfers (``schedules.simulate``), which is the
+bubble those stages would give with a perfect runtime, and ``runtime_ms_per_step`` is how much longer
+the real step took than that replay (transfers and the runtime's work around them).
 Also the measured peak of live activation sets on the first stage, and the one-way time of a small
 message measured in the same run (``p2p_one_way_ms``: each dependent transfer on a schedule's
 critical path adds about that much). One JSON line per configuration.
@@ -20,11 +25,13 @@ critical path adds about that much). One JSON line per configuration.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +73,7 @@ def worker(args: argparse.Namespace) -> None:
                 chunks = [Wait(args.compute_ms / 1000 / v) for _ in range(v)]
                 pipe = pp.Pipeline(chunks if v > 1 else chunks[0], world.group, schedule, m, MSELoss())
                 x = np.zeros((m, 8))
-                times, busy = [], []
+                times, spans = [], []
                 tracer = world.group.tracer
                 for _ in range(args.steps + 1):
                     world.group.barrier()
@@ -74,17 +81,16 @@ def worker(args: argparse.Namespace) -> None:
                     t = time.perf_counter()
                     pipe.step(x if pipe.is_first else None, x if pipe.is_last else None)
                     times.append(time.perf_counter() - t)
-                    spans = [e for e in tracer.events[seen:] if e["cat"] == "compute"]
-                    assert len(spans) == 2 * m * v, f"expected {2 * m * v} compute spans, got {len(spans)}"
-                    busy.append(sum(e["dur"] for e in spans) / 1e6)
-                idle = [1.0 - b / t for b, t in zip(busy[1:], times[1:])]
+                    mine = {e["name"]: e["dur"] / 1e6 for e in tracer.events[seen:] if e["cat"] == "compute"}
+                    assert len(mine) == 2 * m * v, f"expected {2 * m * v} compute spans, got {len(mine)}"
+                    spans.append(mine)
                 rows.append(
                     {
                         "schedule": schedule,
                         "m": m,
                         "v": v,
-                        "step_s": float(np.median(times[1:])),
-                        "bubble": float(np.median(idle)),
+                        "step_s": times[1:],
+                        "spans": spans[1:],
                         "compute_s": m * 2 * args.compute_ms / 1000,
                         "peak_activation_sets": pipe.memory_stats()["peak_activation_sets"],
                         "p2p_one_way_s": one_way,
@@ -107,6 +113,31 @@ def p2p_one_way_s(group: Any, rounds: int = 300) -> float:
             group.send(x, peer)
         times.append((time.perf_counter() - t) / 2)
     return float(np.median(times))
+
+
+def _bubbles(
+    schedule: str, m: int, v: int, rows: Sequence[dict[str, Any]]
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per step: the measured bubble (the rank with the largest idle fraction of its own step), the bubble
+    of a replay of the same compute spans with free transfers (``schedules.simulate``: what the stages'
+    own timing jitter costs), the slowest rank's step time, and the replay's."""
+    from paramplane.parallel.pipeline import schedules
+
+    lists = [schedules.build(schedule, r, P, m, v) for r in range(P)]
+    measured, replayed, steps, ideals = [], [], [], []
+    for i in range(len(rows[0]["step_s"])):
+        busy = [sum(r["spans"][i].values()) for r in rows]
+        measured.append(max(1.0 - b / r["step_s"][i] for b, r in zip(busy, rows)))
+        durations: dict[str, float] = {name: d for r in rows for name, d in r["spans"][i].items()}
+        ideal = max(schedules.simulate(lists, functools.partial(_span, durations)))
+        replayed.append(max(1.0 - b / ideal for b in busy))
+        steps.append(max(r["step_s"][i] for r in rows))
+        ideals.append(ideal)
+    return measured, replayed, steps, ideals
+
+
+def _span(durations: dict[str, float], action: Any) -> float:
+    return durations[str(action)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,10 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         per_rank = run_ranks(lambda _r: cmd, P, env, what="pipeline benchmark")
     lines = []
     for rows in zip(*per_rank):
-        step = max(r["step_s"] for r in rows)
         first = rows[0]
         m, v = first["m"], first["v"]
-        measured = max(r["bubble"] for r in rows)
+        bubble, replayed, steps, ideal = _bubbles(first["schedule"], m, v, rows)
+        measured, step = float(np.median(bubble)), float(np.median(steps))
         theory = (P - 1) / (v * m + P - 1) if v > 1 else (P - 1) / (m + P - 1)
         lines.append(
             json.dumps(
@@ -155,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
                     "bubble_nominal": 1.0 - first["compute_s"] / step,
                     "bubble_theory": theory,
                     "measured_over_theory": measured / theory,
+                    "bubble_replay": float(np.median(replayed)),
+                    "replay_over_theory": float(np.median(replayed)) / theory,
+                    "runtime_ms_per_step": float(np.median([s - i for s, i in zip(steps, ideal)])) * 1e3,
                     "peak_activation_sets_first_stage": first["peak_activation_sets"],
                     "p2p_one_way_ms": first["p2p_one_way_s"] * 1e3,
                 }

@@ -285,7 +285,9 @@ class ProcessGroup:
         check_array(x)
         self._check_peer(src, "src")
         if not is_cupy(x):
-            return self._p2p_result("recv", self._e.p2p("recv", x, src, caller), async_op)
+            return self._p2p_result(
+                "recv", self._e.p2p("recv", x, src, caller, blocking=not async_op), async_op
+            )
         fut = self._e.p2p("recv", np.empty(x.shape, x.dtype), src)
 
         def write_back(got: np.ndarray) -> Any:
@@ -300,7 +302,7 @@ class ProcessGroup:
         The result is a new numpy array, or a cupy array on the current device when ``like`` is one.
         """
         self._check_peer(src, "src")
-        fut = self._e.p2p("recv", None, src)
+        fut = self._e.p2p("recv", None, src, blocking=not async_op)
         if like is None or not is_cupy(like):
             return self._p2p_result("recv", fut, async_op)
         return self._p2p_result("recv", fut, async_op, (like, array_module(like).asarray))

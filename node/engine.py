@@ -164,14 +164,15 @@ class GroupEngine:
         return cause
 
     def p2p(
-        self, name: str, x: np.ndarray | None, peer: int, result: Any = None
+        self, name: str, x: np.ndarray | None, peer: int, result: Any = None, *, blocking: bool = False
     ) -> concurrent.futures.Future[Any]:
         """Start a ``"send"`` of host array ``x`` to group rank ``peer``, or a ``"recv"`` from it into ``x`` (into a
         new array of the sender's dtype and shape when ``x`` is None, which is then the future's value; else
         ``result`` is).
 
         Messages pair up in issue order per direction, on the runtime's loop with no thread of the group in
-        between (a pipeline's activations are latency bound). A failure is recorded as the group's.
+        between (a pipeline's activations are latency bound); a ``blocking`` receive with none queued before
+        it waits on the calling thread and returns a done future. A failure is recorded as the group's.
         """
         try:
             self.check()
@@ -202,7 +203,17 @@ class GroupEngine:
                 trace(x)
                 return _SENT
         else:
-            inner = p2p.start_recv(x.reshape(-1) if x is not None else None, peer, begin)
+            flat = x.reshape(-1) if x is not None else None
+            if blocking:
+                try:
+                    got = p2p.recv_now(flat, peer, begin)
+                except PlaneError as exc:
+                    trace(x)
+                    return _settled(exc=self._failed(exc))
+                if got is not None:
+                    trace(got)
+                    return _settled(result if x is not None else got)
+            inner = p2p.start_recv(flat, peer, begin)
         out: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
         def done(inner: concurrent.futures.Future[Any]) -> None:

@@ -361,6 +361,10 @@ class PeerPlane:
                 inbox.fail(failure)
         return inbox
 
+    def existing_inbox(self, src: int, key: str) -> Inbox | None:
+        """The inbox of (``src``, ``key``) if one was made (from any thread; ``inbox`` makes them, on the loop)."""
+        return self._inboxes.get((src, key))
+
     async def _hello(self, request: peer_pb2.HelloRequest, context: Any) -> peer_pb2.HelloResponse:
         port = self._lane.port if self._lane is not None else 0
         return peer_pb2.HelloResponse(rank=self.rank, job_id=self.job_id, lane_port=port)

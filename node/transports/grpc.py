@@ -16,7 +16,7 @@ import itertools
 import math
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Hashable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -33,6 +33,7 @@ from paramplane.node.errors import (
     TransportError,
 )
 from paramplane.node.failures import failure_message
+from paramplane.node.inbox import Inbox
 from paramplane.node.lane import LaneStream
 from paramplane.node.loop import LoopThread
 from paramplane.node.peer import CHUNK_BYTES, ERROR_SUFFIX, PeerPlane
@@ -127,13 +128,58 @@ class GrpcChannel:
         self, idx: int, spec: OpSpec, step: int, nbytes: int | None, sink: Sink | None
     ) -> np.ndarray | None:
         """With ``nbytes`` None: into a new array as the header describes it, which is returned."""
+        inbox = self.plane.inbox(self.ranks[idx], self.key)
+        frame = self._frame(idx, spec, step, nbytes, sink)
+        next(frame)
+        while True:
+            item = await inbox.get()
+            try:
+                frame.send(item)
+            except StopIteration as done:
+                return done.value
+            except PlaneError as exc:
+                raise self.fail(exc) from None
+
+    def recv_blocking(
+        self,
+        inbox: Inbox,
+        idx: int,
+        spec: OpSpec,
+        flat: np.ndarray | None,
+        timeout: float,
+        fail_soon: Callable[[PlaneError], None],
+    ) -> np.ndarray:
+        """``recv`` (``flat`` None: ``recv_array``) on the calling thread, which ``inbox`` wakes itself; no
+        coroutine may read it meanwhile. A failure this receive finds is passed to ``fail_soon`` (to fail
+        the key on the loop) and raised; TimeoutError after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        sink = ring.copy_into(flat, 0) if flat is not None else None
+        frame = self._frame(idx, spec, 0, flat.nbytes if flat is not None else None, sink)
+        next(frame)
+        while True:
+            try:
+                item = inbox.get_blocking(deadline - time.monotonic())
+            except PeerLost as exc:
+                fail_soon(exc)
+                raise
+            try:
+                frame.send(item)
+            except StopIteration as done:
+                return flat if flat is not None else done.value
+            except PlaneError as exc:
+                fail_soon(exc)
+                raise
+
+    def _frame(
+        self, idx: int, spec: OpSpec, step: int, nbytes: int | None, sink: Sink | None
+    ) -> Generator[None, Any, np.ndarray | None]:
+        """Checks one incoming frame's items, sent in one by one, against ``spec`` and feeds its payload to
+        ``sink``; returns the new array when ``nbytes`` is None. Raises the PlaneError the key must fail
+        with (the caller fails it)."""
         src = self.ranks[idx]
-        inbox = self.plane.inbox(src, self.key)
-        header = await inbox.get()
+        header = yield
         if not isinstance(header, peer_pb2.FrameHeader):
-            raise self.fail(
-                TransportError(f"stream from rank {src} lost its framing (payload where a header was due)")
-            )
+            raise TransportError(f"stream from rank {src} lost its framing (payload where a header was due)")
         theirs = OpSpec(spec.group, header.seq, header.op, header.dtype, tuple(header.shape), header.arg)
         array = None
         if nbytes is None:
@@ -152,45 +198,39 @@ class GrpcChannel:
                 f"with {nbytes} bytes"
             )
         if text is not None:
-            raise self.fail(CollectiveMismatch(text))
+            raise CollectiveMismatch(text)
         assert nbytes is not None and sink is not None
         if header.num_chunks == 0:
             if len(header.inline_payload) != nbytes:
-                raise self.fail(
-                    TransportError(f"rank {src} sent {len(header.inline_payload)} of {nbytes} bytes")
-                )
+                raise TransportError(f"rank {src} sent {len(header.inline_payload)} of {nbytes} bytes")
             if nbytes:
                 sink(0, header.inline_payload)
             return array
         offset = 0
         for _ in range(header.num_chunks):
-            chunk = await inbox.get()
+            chunk = yield
             if not isinstance(chunk, (bytes, memoryview)) or offset + len(chunk) > nbytes:
-                raise self.fail(TransportError(f"rank {src} sent more payload than its header announced"))
+                raise TransportError(f"rank {src} sent more payload than its header announced")
             sink(offset, chunk)
             offset += len(chunk)
         if offset != nbytes:
-            raise self.fail(TransportError(f"rank {src} sent {offset} of {nbytes} announced bytes"))
+            raise TransportError(f"rank {src} sent {offset} of {nbytes} announced bytes")
         return array
 
     def _allocate(self, src: int, header: peer_pb2.FrameHeader) -> np.ndarray:
-        """The array a header announces (dtype and shape), TransportError where they do not add up."""
+        """The array a header announces (dtype and shape); TransportError where they do not add up."""
         dtype = DTYPES.get(header.dtype)
         shape = tuple(header.shape)
         if dtype is None or any(d < 0 for d in shape) or math.prod(shape) * dtype.itemsize != header.nbytes:
-            raise self.fail(
-                TransportError(
-                    f"rank {src} announced {header.nbytes} bytes of dtype {header.dtype!r} and shape {shape}, "
-                    "which do not match"
-                )
+            raise TransportError(
+                f"rank {src} announced {header.nbytes} bytes of dtype {header.dtype!r} and shape {shape}, "
+                "which do not match"
             )
         try:
             return np.empty(shape, dtype)
         except MemoryError:
-            raise self.fail(
-                TransportError(
-                    f"rank {src} sent an array of {header.nbytes} bytes, which does not fit in memory"
-                )
+            raise TransportError(
+                f"rank {src} sent an array of {header.nbytes} bytes, which does not fit in memory"
             ) from None
 
     def fail(self, exc: PlaneError) -> PlaneError:
@@ -258,6 +298,7 @@ class GrpcTransport:
         self._scratch: np.ndarray | None = None
         self._tails: dict[Hashable, asyncio.Future[Any]] = {}
         self._send_lines: dict[int, _Line] = {}
+        self._recv_lines: dict[int, _Line] = {}
 
     def _expired(self) -> CollectiveTimeout:
         return CollectiveTimeout(
@@ -415,7 +456,35 @@ class GrpcTransport:
             await self.channel.recv(src, spec, 0, flat.nbytes, ring.copy_into(flat, 0))
             return flat
 
-        return self.submit_in_order(("recv", src), recv)
+        line = self._recv_lines.setdefault(src, _Line())
+        with line.lock:
+            return line.track(self.submit_in_order(("recv", src), recv))
+
+    def recv_now(self, flat: np.ndarray | None, src: int, begin: Callable[[], OpSpec]) -> np.ndarray | None:
+        """``start_recv`` and wait, on the calling thread, when no receive from ``src`` is queued on the loop:
+        the thread takes the frame from the inbox itself (a blocking receive then wakes one thread when its
+        message comes, and none when it came first). None, with ``begin`` not called, where it cannot."""
+        inbox = self.plane.existing_inbox(self.channel.ranks[src], self.key)
+        if inbox is None:
+            return None  # nothing came from there yet: the loop makes the inbox
+        line = self._recv_lines.setdefault(src, _Line())
+        with line.lock:
+            if line.pending:
+                return None
+            spec = begin()
+            try:
+                return self.channel.recv_blocking(inbox, src, spec, flat, self.timeout_s, self._fail_soon)
+            except TimeoutError:
+                exc = self._expired()
+                self.loop.loop.call_soon_threadsafe(self.plane.fail_key, self.key, exc)
+                raise exc from None
+
+    def _fail_soon(self, exc: PlaneError) -> None:
+        """Fail the key with ``exc`` here and on the other members, from a thread other than the loop's."""
+        try:
+            self.loop.loop.call_soon_threadsafe(self.channel.fail, exc)
+        except RuntimeError:  # the loop has stopped: nothing left to tell
+            pass
 
     def abort(self) -> None:
         return None  # a failed key fails every later frame on it

@@ -3,8 +3,11 @@
 - ``order``: small messages (sent at once from the caller's thread) and large ones (written by the
   event loop) interleaved and all in flight, received in order; ``recv_array`` keeps each dtype and
   shape; a two-way exchange of 8 MiB each way with both sends in flight does not deadlock.
+  A blocking receive with none queued before it takes its frame on the caller's thread (counted, so the
+  checks know that path ran); one behind an asynchronous receive still pairs up in issue order.
 - ``errors`` (PARAMPLANE_TIMEOUT=2): a receive nobody sends to times out; a receive of the wrong shape is
-  a CollectiveMismatch on the receiver, and the sender's next message on that group fails with it too.
+  a CollectiveMismatch on the receiver, and the sender's next message on that group fails with it too;
+  both on a fresh group and on one that already carried a message (the caller's-thread path).
 """
 
 from __future__ import annotations
@@ -37,9 +40,30 @@ def message(i: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     return ((np.arange(size) * 7 + i) % 120).astype(dtype).reshape(shape)
 
 
+def count_direct_receives() -> dict[str, int]:
+    """Counts blocking receives that took their frame on the caller's thread (``GrpcTransport.recv_now``)."""
+    from paramplane.node.transports.grpc import GrpcTransport
+
+    counts = {"direct": 0, "direct_raised": 0, "loop": 0}
+    recv_now = GrpcTransport.recv_now
+
+    def counting(self: GrpcTransport, *args: Any) -> Any:
+        try:
+            got = recv_now(self, *args)
+        except Exception:
+            counts["direct_raised"] += 1
+            raise
+        counts["loop" if got is None else "direct"] += 1
+        return got
+
+    GrpcTransport.recv_now = counting  # type: ignore[method-assign]
+    return counts
+
+
 def order(world: pp.World, rep: Report) -> None:
     g, me = world.group, world.rank
     peer = 1 - me
+    receives = count_direct_receives()
     for rnd in range(3):  # later rounds find the lane open: the direct path
         if me == 0:
             works = [g.send(message(i + rnd, d, s), peer, async_op=True) for i, (d, s) in enumerate(MESSAGES)]
@@ -61,6 +85,22 @@ def order(world: pp.World, rep: Report) -> None:
                     f"order: recv returns its buffer, round {rnd} message {i}", g.recv(buf, peer) is buf
                 )
                 rep.equal(f"order: recv into a buffer, round {rnd} message {i}", buf, message(i, d, s))
+    if me == 1:
+        rep.check(
+            "order: blocking receives taken on the caller's thread", receives["direct"] >= 8, str(receives)
+        )
+
+    # A blocking receive behind an asynchronous one waits its turn: the first message is the async one's.
+    if me == 0:
+        world.kv.get("p2p/posted", wait=True, timeout=KV_TIMEOUT)
+        g.send(np.full(4, 1.0), peer)
+        g.send(np.full(4, 2.0), peer)
+    else:
+        first = g.recv_array(peer, async_op=True)
+        world.kv.set("p2p/posted", b"1")
+        second = g.recv(np.empty(4), peer)
+        rep.equal("order: async then blocking receive, first", first.wait(30), np.full(4, 1.0))
+        rep.equal("order: async then blocking receive, second", second, np.full(4, 2.0))
 
     # Small messages while the receiver reads nothing: the socket fills, so sends that would leave from the
     # caller's thread find it full (or take only part of a frame) and the loop finishes them, in order.
@@ -135,6 +175,44 @@ def errors(world: pp.World, rep: Report) -> None:
             "(3,)",
             "(4,)",
         )
+    # The same two failures on groups that already carried a message, so the blocking receive waits on the
+    # caller's thread for its frame.
+    silent2 = world.new_group([0, 1])
+    mismatch2 = world.new_group([0, 1])
+    assert silent2 is not None and mismatch2 is not None
+    receives = count_direct_receives()
+    for warm, src in ((silent2, 1), (mismatch2, 0)):  # one message where the failing receive will be
+        if me == src:
+            warm.send(np.ones(2), 1 - src)
+        else:
+            warm.recv(np.empty(2), src)
+    if me == 0:
+        mismatch2.send(np.ones(3, np.float32), 1)
+        start = time.monotonic()
+        rep.raises(
+            "direct mismatch: sender learns it", pp.CollectiveMismatch, lambda: mismatch2.recv(np.empty(1), 1)
+        )
+        rep.values["direct_mismatch_elapsed"] = time.monotonic() - start
+    else:
+        rep.raises(
+            "direct mismatch: receiver",
+            pp.CollectiveMismatch,
+            lambda: mismatch2.recv(np.empty(4, np.float32), 0),
+            "(3,)",
+            "(4,)",
+        )
+    if me == 0:
+        start = time.monotonic()
+        rep.raises("direct timeout", pp.CollectiveTimeout, lambda: silent2.recv(np.empty(3), 1), "2 s")
+        rep.values["direct_timeout_elapsed"] = time.monotonic() - start
+    world.barrier("after-direct-timeout", timeout=KV_TIMEOUT)
+    rep.check(
+        "direct: the failing receive waited on the caller's thread",
+        receives["direct_raised"] >= 1,
+        str(receives),
+    )
+    rep.values["direct_receives"] = dict(receives)
+
     # Argument errors come before any communication and fail nothing.
     g = world.group
     rep.raises("input: send to itself", ValueError, lambda: g.send(np.ones(2), me), "itself")

@@ -22,7 +22,6 @@ schedule that ``validate`` accepts cannot deadlock for activations of that size 
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -121,21 +120,20 @@ class Pipeline:
         for work in sends:
             work.wait()
 
-    def _post_recv(self, stage: int, microbatch: int, kind: str, like: Any) -> Work[Any]:
-        """Start receiving from ``stage``. Microbatch 0 of a step takes the dtype and shape its frame header
-        carries; later ones are received into arrays like it, so a sender whose array differs fails with
-        CollectiveMismatch (the frame header names both) instead of feeding the stage a wrong shape."""
+    def _recv(self, stage: int, microbatch: int, kind: str, like: Any) -> Array:
+        """Receive from ``stage``. Microbatch 0 of a step takes the dtype and shape its frame header carries;
+        later ones are received into arrays like it, so a sender whose array differs fails with
+        CollectiveMismatch (the frame header names both) instead of feeding the stage a wrong shape.
+        Messages that came while this rank computed wait in the data plane's inbox, so a receive issued
+        only now costs no latency."""
         src = stage % self.group.size
         if microbatch == 0:
-            return self.group.recv_array(src, like=like, async_op=True)
-        dtype, shape = self._shapes[(kind, stage)]
-        return self.group.recv(array_module(like).empty(shape, dtype), src, async_op=True)
-
-    def _received(self, work: Work[Any], stage: int, microbatch: int, kind: str) -> Array:
-        got = work.wait()
-        if microbatch == 0:
+            got: Array = self.group.recv_array(src, like=like)
             self._shapes[(kind, stage)] = (got.dtype, tuple(got.shape))
-        return got
+            return got
+        dtype, shape = self._shapes[(kind, stage)]
+        out: Array = self.group.recv(array_module(like).empty(shape, dtype), src)
+        return out
 
     # -- running ------------------------------------------------------------------------------------
     def _split(self, x: Array | None, what: str) -> list[Array] | None:
@@ -162,24 +160,12 @@ class Pipeline:
         self._peak_sets = self._peak_bytes = 0
         self._sends = []  # a step that raised left its sends behind; the group has failed anyway
         p = self.group.size
-        # Each receive is posted as soon as the one before it is in (in schedule order, so messages still
-        # pair up per direction), so it arrives while this rank computes instead of on the critical path.
-        recvs = [(i, a) for i, a in enumerate(self.actions) if a.kind in ("RECV_F", "RECV_B")]
-        posted: dict[int, Work[Any]] = {}
-        if recvs:
-            i, a = recvs[0]
-            posted[i] = self._post_recv(_source(a), a.microbatch, a.kind[-1], like)
-        after = dict(itertools.pairwise(i for i, _ in recvs))
-        for i, a in enumerate(self.actions):
+        for a in self.actions:
             key = (a.stage, a.microbatch)
             module = self.modules[a.stage // p]
             if a.kind in ("RECV_F", "RECV_B"):
                 kind = a.kind[-1]
-                received[(kind, *key)] = self._received(posted.pop(i), _source(a), a.microbatch, kind)
-                nxt = after.get(i)
-                if nxt is not None:
-                    b = self.actions[nxt]
-                    posted[nxt] = self._post_recv(_source(b), b.microbatch, b.kind[-1], like)
+                received[(kind, *key)] = self._recv(_source(a), a.microbatch, kind, like)
             elif a.kind == "F":
                 start = time.monotonic()
                 inp = (
@@ -242,7 +228,7 @@ class Pipeline:
                 if stage == 0 and inputs is not None:
                     inp = inputs[mb]
                 else:
-                    inp = self._received(self._post_recv(stage - 1, mb, "F", like), stage - 1, mb, "F")
+                    inp = self._recv(stage - 1, mb, "F", like)
                 out = self.modules[stage // p].forward(inp)
                 self.modules[stage // p].take_forward_state()  # no backward follows
                 if stage == last:

@@ -10,6 +10,7 @@ wait; ``validate`` runs every rank's list against that rule and finds any deadlo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -116,27 +117,7 @@ def validate(lists: list[list[Action]], num_microbatches: int, chunks: int) -> N
         missing = want - {d for d in done if d[0] in ("F", "B")}
         if missing:
             raise ValueError(f"rank {rank} never runs {sorted(missing)[:4]}")
-    # Run all lists: a send completes at once, a receive waits for its send; stages run in order per microbatch.
-    sent: set[tuple[str, int, int]] = set()
-    pos = [0] * p
-    while any(pos[r] < len(lists[r]) for r in range(p)):
-        moved = False
-        for r in range(p):
-            while pos[r] < len(lists[r]):
-                a = lists[r][pos[r]]
-                if a.kind == "RECV_F" and ("F", a.stage - 1, a.microbatch) not in sent:
-                    break
-                if a.kind == "RECV_B" and ("B", a.stage + 1, a.microbatch) not in sent:
-                    break
-                if a.kind == "SEND_F":
-                    sent.add(("F", a.stage, a.microbatch))
-                elif a.kind == "SEND_B":
-                    sent.add(("B", a.stage, a.microbatch))
-                pos[r] += 1
-                moved = True
-        if not moved:
-            stuck = {r: str(lists[r][pos[r]]) for r in range(p) if pos[r] < len(lists[r])}
-            raise ValueError(f"the schedule deadlocks: ranks wait at {stuck}")
+    simulate(lists, lambda _a: 0.0)  # raises where the ranks would deadlock
     # Messages between two ranks pair up in the order they are sent: each rank must receive from a peer in
     # the order that peer sends to it, or a stage would take another microbatch's (same-shaped) array.
     for src in range(p):
@@ -152,6 +133,39 @@ def validate(lists: list[list[Action]], num_microbatches: int, chunks: int) -> N
                     f"rank {dst} receives from rank {src} in another order or number than rank {src} sends: "
                     f"message {k} is {outgoing[k : k + 1]} there but {incoming[k : k + 1]} here"
                 )
+
+
+def simulate(lists: list[list[Action]], duration: Callable[[Action], float]) -> list[float]:
+    """Run every rank's list on a clock: ``F``/``B`` take ``duration(action)``, a send arrives at once, a
+    receive waits for its send. Returns each rank's finishing time; ValueError where the ranks deadlock.
+
+    With measured compute times this is the step a runtime with free transfers would take: the
+    pipeline benchmark tells its stages' own jitter apart from the cost of moving activations with it.
+    """
+    p = len(lists)
+    clock = [0.0] * p
+    arrived: dict[tuple[str, int, int], float] = {}
+    pos = [0] * p
+    while any(pos[r] < len(lists[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            while pos[r] < len(lists[r]):
+                a = lists[r][pos[r]]
+                if a.kind in ("RECV_F", "RECV_B"):
+                    sent = arrived.get(_message(a))
+                    if sent is None:
+                        break
+                    clock[r] = max(clock[r], sent)
+                elif a.kind in ("SEND_F", "SEND_B"):
+                    arrived[_message(a)] = clock[r]
+                else:
+                    clock[r] += duration(a)
+                pos[r] += 1
+                moved = True
+        if not moved:
+            stuck = {r: str(lists[r][pos[r]]) for r in range(p) if pos[r] < len(lists[r])}
+            raise ValueError(f"the schedule deadlocks: ranks wait at {stuck}")
+    return clock
 
 
 def _peer(a: Action) -> int:
