@@ -312,15 +312,17 @@ class LaneStream:
                 if not done:
                     self.broken = True
 
-    async def finish(self) -> None:
-        """After the end-of-stream frame: close for writing and wait until the peer has read everything."""
+    async def finish(self, *, wait: bool = True) -> None:
+        """After the end-of-stream frame: close for writing and (``wait``) wait until the peer has read
+        everything; otherwise the kernel still delivers what is written."""
         sock = self.sock
         if sock is None:
             return
         loop = asyncio.get_running_loop()
         try:
             sock.shutdown(socket.SHUT_WR)
-            await _recv_exact(loop, sock, memoryview(bytearray(1)))  # returns at the peer's close
+            if wait:
+                await _recv_exact(loop, sock, memoryview(bytearray(1)))  # returns at the peer's close
         except (OSError, PlaneError):
             pass
         finally:

@@ -11,6 +11,7 @@ raw payload chunks. Only headers are parsed; nothing is unpickled.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from paramplane.node.direct_lane import DirectLane, DirectLanes
 from paramplane.node.errors import (
     PeerLost,
     PlaneClosed,
@@ -193,6 +195,7 @@ class PeerPlane:
         self._channels: dict[int, Any] = {}
         self._streams: dict[tuple[int, str], OutStream | LaneStream] = {}
         self._inboxes: dict[tuple[int, str], Inbox] = {}
+        self.direct = DirectLanes()
         self._stream_members: dict[str, frozenset[int]] = {}
         self._failures: dict[str, PlaneError] = {}
         self._global_failure: PlaneError | None = None
@@ -240,9 +243,10 @@ class PeerPlane:
         self._addresses = dict(addresses)
         self._configured.set()
 
-    def register_stream_key(self, key: str, members: frozenset[int]) -> None:
+    def register_stream_key(self, key: str, members: frozenset[int], *, direct: bool = False) -> None:
         """Declare which ranks talk on ``key``: only they may open streams for it here, and a lost peer
-        fails exactly the keys it belongs to. Callable from any thread; it takes effect on the loop."""
+        fails exactly the keys it belongs to. With ``direct`` its lanes are parked for receiving threads to
+        read (``node/direct_lane.py``). Callable from any thread; it takes effect on the loop."""
         loop = self._loop
         if loop is not None and not loop.is_closed():
             try:
@@ -250,11 +254,13 @@ class PeerPlane:
             except RuntimeError:
                 running = None
             if running is not loop:
-                loop.call_soon_threadsafe(self._register, key, members)
+                loop.call_soon_threadsafe(self._register, key, members, direct)
                 return
-        self._register(key, members)
+        self._register(key, members, direct)
 
-    def _register(self, key: str, members: frozenset[int]) -> None:
+    def _register(self, key: str, members: frozenset[int], direct: bool = False) -> None:
+        if direct:
+            self.direct.keys.add(key)
         self._stream_members[key] = members
         if self._global_failure is not None:
             self._failures.setdefault(key, self._global_failure)
@@ -282,6 +288,8 @@ class PeerPlane:
         """Finish every outbound stream (delivering what was written), then stop the server."""
         self._closing = True
         streams = list(self._streams.values())
+        # A parked lane is read only while a receive runs: its peer closes it at its own shutdown.
+        parked = {id(s) for (_, key), s in self._streams.items() if key in self.direct.keys}
         self._streams.clear()
 
         eos = peer_pb2.FrameHeader(src=self.rank, end_of_stream=True).SerializeToString()
@@ -291,7 +299,7 @@ class PeerPlane:
                 if not s.broken:
                     await s.send_frame([eos])
                 if isinstance(s, LaneStream):
-                    await s.finish()
+                    await s.finish(wait=id(s) not in parked)
                 else:
                     await s.call.done_writing()
                     await s.call
@@ -337,6 +345,7 @@ class PeerPlane:
         for (src, k), inbox in self._inboxes.items():
             if k == key:
                 inbox.fail(first, drain=src == lost)
+        self.direct.fail_key(key, first, lost)
 
     def fail_all(self, exc: PlaneError) -> None:
         if self._global_failure is None:
@@ -360,6 +369,10 @@ class PeerPlane:
             if failure is not None:
                 inbox.fail(failure)
         return inbox
+
+    def is_direct(self, key: str) -> bool:
+        """Whether frames on ``key`` come on lanes its receiving threads read (not through an inbox)."""
+        return self._lane is not None and key in self.direct.keys
 
     def existing_inbox(self, src: int, key: str) -> Inbox | None:
         """The inbox of (``src``, ``key``) if one was made (from any thread; ``inbox`` makes them, on the loop)."""
@@ -476,6 +489,9 @@ class PeerPlane:
     async def _lane_serve(self, src: int, key: str, errors_only: bool, reader: LaneReader) -> None:
         if errors_only:
             key = key[: -len(ERROR_SUFFIX)]
+        elif key in self.direct.keys:
+            await self._park(src, key, reader)
+            return
         inbox = self.inbox(src, key)
         clean = False
         discard = False  # the key failed here: keep reading (the sender must not see a broken lane), drop
@@ -511,6 +527,42 @@ class PeerPlane:
             pass  # the sender died or the network failed: not clean, see below
         finally:
             self._stream_ended(src, inbox, clean, "data lane")
+
+    async def _park(self, src: int, key: str, reader: LaneReader) -> None:
+        """Hand a point-to-point lane to its receiving threads until shutdown closes it."""
+        lane = DirectLane(
+            reader.sock,
+            src,
+            key,
+            chunk_bytes=CHUNK_BYTES,
+            max_header_bytes=MAX_MESSAGE_BYTES,
+            parse=_parse_header,
+            report=functools.partial(self._direct_report, src, key),
+        )
+        self.direct.park(lane, self.failure(key))
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self.direct.unpark(lane, PlaneClosed("the plane was shut down"))
+
+    def _direct_report(self, src: int, key: str, kind: str, what: Any) -> None:
+        """What a parked lane's reader found, for the plane to act on (from the reader's thread)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._on_direct_report, src, key, kind, what)
+        except RuntimeError:
+            pass  # the loop stopped meanwhile
+
+    def _on_direct_report(self, src: int, key: str, kind: str, what: Any) -> None:
+        if kind == "header":
+            self._on_header(src, key, what, False)
+        elif kind == "lost":
+            if not self._closing and src not in self._departed:
+                self.peer_lost(src, what)
+        else:
+            self.fail_key(key, what)
 
     async def _peer_lane_port(self, dst: int) -> int:
         """``dst``'s lane port (0: none), asked once over gRPC."""

@@ -55,7 +55,7 @@ def test_world_over_tls(tmp_path: Path, self_signed_cert: tuple[Path, Path]) -> 
         assert p.returncode == 0, outputs[r][-3000:]
         result = json.loads((tmp_path / f"rank-{r}.json").read_text())
         assert result["failures"] == [], result["failures"]
-        assert result["num_checks"] >= 2
+        assert result["num_checks"] >= 8
 
 
 def test_partial_tls_settings_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:

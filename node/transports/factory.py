@@ -72,7 +72,9 @@ class TransportFactory:
         self.same_host = ctx.topology.same_host(self.ranks)
         self._hier_split = ctx.topology.hierarchy(self.ranks) if ctx.transport == "auto" else None
         self.grpc = GrpcTransport(ctx.plane, ctx.loop, name, self.ranks, ctx.rank, timeout_s)
-        self.p2p = GrpcTransport(ctx.plane, ctx.loop, f"{name}/p2p", self.ranks, ctx.rank, timeout_s)
+        self.p2p = GrpcTransport(
+            ctx.plane, ctx.loop, f"{name}/p2p", self.ranks, ctx.rank, timeout_s, direct=True
+        )
         self._local = LocalComm()
         self._shm: ShmComm | None = None
         self._hier: HierarchicalComm | None = None

@@ -33,7 +33,6 @@ from paramplane.node.errors import (
     TransportError,
 )
 from paramplane.node.failures import failure_message
-from paramplane.node.inbox import Inbox
 from paramplane.node.lane import LaneStream
 from paramplane.node.loop import LoopThread
 from paramplane.node.peer import CHUNK_BYTES, ERROR_SUFFIX, PeerPlane
@@ -50,7 +49,9 @@ class GrpcChannel:
     """Framed messages between one group's members on one stream key of the peer plane
     (a ``FrameChannel`` for the algorithms in ``node/algorithms/ring.py``)."""
 
-    def __init__(self, plane: PeerPlane, key: str, ranks: Sequence[int], me: int) -> None:
+    def __init__(
+        self, plane: PeerPlane, key: str, ranks: Sequence[int], me: int, *, direct: bool = False
+    ) -> None:
         self.plane = plane
         self.key = key
         self.ranks = list(ranks)
@@ -58,7 +59,7 @@ class GrpcChannel:
         self.index = self.ranks.index(me)
         self.n = len(self.ranks)
         self._background: set[asyncio.Future[None]] = set()
-        plane.register_stream_key(key, frozenset(self.ranks))
+        plane.register_stream_key(key, frozenset(self.ranks), direct=direct)
 
     # -- frames ----------------------------------------------------------------------------------
     async def send(self, idx: int, spec: OpSpec, step: int, payload: np.ndarray | None) -> None:
@@ -142,23 +143,24 @@ class GrpcChannel:
 
     def recv_blocking(
         self,
-        inbox: Inbox,
+        take: Callable[[float], Any],
         idx: int,
         spec: OpSpec,
         flat: np.ndarray | None,
         timeout: float,
         fail_soon: Callable[[PlaneError], None],
     ) -> np.ndarray:
-        """``recv`` (``flat`` None: ``recv_array``) on the calling thread, which ``inbox`` wakes itself; no
-        coroutine may read it meanwhile. A failure this receive finds is passed to ``fail_soon`` (to fail
-        the key on the loop) and raised; TimeoutError after ``timeout`` seconds."""
+        """``recv`` (``flat`` None: ``recv_array``) on the calling thread, which reads the frame's items with
+        ``take(timeout)`` (an inbox's ``get_blocking`` or a parked lane's ``next_item``); nothing else may
+        read them meanwhile. A failure this receive finds is passed to ``fail_soon`` (to fail the key on
+        the loop) and raised; TimeoutError after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         sink = ring.copy_into(flat, 0) if flat is not None else None
         frame = self._frame(idx, spec, 0, flat.nbytes if flat is not None else None, sink)
         next(frame)
         while True:
             try:
-                item = inbox.get_blocking(deadline - time.monotonic())
+                item = take(deadline - time.monotonic())
             except PeerLost as exc:
                 fail_soon(exc)
                 raise
@@ -288,9 +290,17 @@ class GrpcTransport:
     device = False
 
     def __init__(
-        self, plane: PeerPlane, loop: LoopThread, key: str, ranks: Sequence[int], me: int, timeout_s: float
+        self,
+        plane: PeerPlane,
+        loop: LoopThread,
+        key: str,
+        ranks: Sequence[int],
+        me: int,
+        timeout_s: float,
+        *,
+        direct: bool = False,
     ) -> None:
-        self.channel = GrpcChannel(plane, key, ranks, me)
+        self.channel = GrpcChannel(plane, key, ranks, me, direct=direct)
         self.plane = plane
         self.loop = loop
         self.key = key
@@ -451,6 +461,13 @@ class GrpcTransport:
 
         async def recv() -> np.ndarray:
             spec = begin()
+            if self.plane.is_direct(self.key):
+                failure = self.plane.failure(self.key)
+                if failure is not None:
+                    raise failure
+                lane = await self.plane.direct.wait(self.channel.ranks[src], self.key)
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(None, self._read, lane.next_item, flat, src, spec)
             if flat is None:
                 return await self.channel.recv_array(src, spec, 0)
             await self.channel.recv(src, spec, 0, flat.nbytes, ring.copy_into(flat, 0))
@@ -464,20 +481,32 @@ class GrpcTransport:
         """``start_recv`` and wait, on the calling thread, when no receive from ``src`` is queued on the loop:
         the thread takes the frame from the inbox itself (a blocking receive then wakes one thread when its
         message comes, and none when it came first). None, with ``begin`` not called, where it cannot."""
-        inbox = self.plane.existing_inbox(self.channel.ranks[src], self.key)
-        if inbox is None:
-            return None  # nothing came from there yet: the loop makes the inbox
+        rank = self.channel.ranks[src]
+        take: Callable[[float], Any] | None
+        if self.plane.is_direct(self.key):
+            lane = self.plane.direct.get(rank, self.key)
+            take = lane.next_item if lane is not None else None
+        else:
+            inbox = self.plane.existing_inbox(rank, self.key)
+            take = inbox.get_blocking if inbox is not None else None
+        if take is None:
+            return None  # nothing came from there yet: the loop waits for the lane or makes the inbox
         line = self._recv_lines.setdefault(src, _Line())
         with line.lock:
             if line.pending:
                 return None
-            spec = begin()
-            try:
-                return self.channel.recv_blocking(inbox, src, spec, flat, self.timeout_s, self._fail_soon)
-            except TimeoutError:
-                exc = self._expired()
-                self.loop.loop.call_soon_threadsafe(self.plane.fail_key, self.key, exc)
-                raise exc from None
+            return self._read(take, flat, src, begin())
+
+    def _read(
+        self, take: Callable[[float], Any], flat: np.ndarray | None, src: int, spec: OpSpec
+    ) -> np.ndarray:
+        """A receive on this thread (see ``GrpcChannel.recv_blocking``), bounded by the group's timeout."""
+        try:
+            return self.channel.recv_blocking(take, src, spec, flat, self.timeout_s, self._fail_soon)
+        except TimeoutError:
+            exc = self._expired()
+            self.loop.loop.call_soon_threadsafe(self.plane.fail_key, self.key, exc)
+            raise exc from None
 
     def _fail_soon(self, exc: PlaneError) -> None:
         """Fail the key with ``exc`` here and on the other members, from a thread other than the loop's."""

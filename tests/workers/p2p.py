@@ -181,7 +181,9 @@ def errors(world: pp.World, rep: Report) -> None:
     mismatch2 = world.new_group([0, 1])
     assert silent2 is not None and mismatch2 is not None
     receives = count_direct_receives()
-    for warm, src in ((silent2, 1), (mismatch2, 0)):  # one message where the failing receive will be
+    # One message each way the failing receives will wait: rank 0's receive on mismatch2 then waits on the
+    # socket too, and is woken by the failure rank 1's error frame brings.
+    for warm, src in ((silent2, 1), (mismatch2, 0), (mismatch2, 1)):
         if me == src:
             warm.send(np.ones(2), 1 - src)
         else:
