@@ -126,6 +126,11 @@ def test_an_activation_that_changes_shape_mid_step_is_a_mismatch_on_both_stages(
     assert all(r["num_checks"] == 1 for r in world.check_ok())
 
 
+def test_activations_larger_than_the_socket_and_inbox_buffers_flow() -> None:
+    world = run_world(2, "pipeline.py", args=["large"], env={"PARAMPLANE_TIMEOUT": "60"}, timeout=120)
+    assert all(r["num_checks"] == 1 for r in world.check_ok())
+
+
 def test_pipeline_times_data_parallel_trains_like_one_process() -> None:
     world = run_world(4, "pipeline.py", args=["dp_pp"], env={"PARAMPLANE_TIMEOUT": "60"}, timeout=180)
     assert all(r["num_checks"] >= 2 for r in world.check_ok())

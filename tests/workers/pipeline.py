@@ -1,6 +1,7 @@
 """Pipeline scenarios: every schedule equals the unpipelined model on the whole batch.
 
-Usage: ``pipeline.py SCHEDULE MICROBATCHES CHUNKS REDUCTION`` or ``pipeline.py kill``.
+Usage: ``pipeline.py SCHEDULE MICROBATCHES CHUNKS REDUCTION``, or ``pipeline.py SCENARIO`` (errors,
+bad_shape, kill, dp_pp, large).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Report, run_rank
 
 import paramplane as pp
-from paramplane.nn import GELU, CrossEntropyLoss, Linear, Module, Sequential
+from paramplane.nn import GELU, CrossEntropyLoss, Linear, Module, MSELoss, Sequential
 
 IN, HIDDEN, CLASSES, PER_MB = 6, 8, 3, 2
 
@@ -90,6 +91,44 @@ def kill(world: Any, rep: Report) -> None:
         lambda: pipe.step(x if g.rank == 0 else None, y if g.rank == 1 else None),
         "rank 1",
     )
+
+
+class Scale(Module):
+    """Multiplies by ``factor``; remembers the gradients its backward received."""
+
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+        self.grads: list[Any] = []
+
+    def forward(self, x: Any) -> Any:
+        self._save(mark=True)
+        return x * self.factor
+
+    def backward(self, grad: Any) -> Any:
+        self._take_saved()
+        self.grads.append(grad)
+        return grad * self.factor
+
+
+def large(world: Any, rep: Report) -> None:
+    """GPipe with 24 MiB activations per microbatch: all four microbatches' activations (96 MiB) are in flight
+    before the last stage reads one, and gradients as many the other way; nothing waits for buffer space."""
+    g, m, width = world.group, 4, 3 << 20
+    module = Scale(2.0 if g.rank == 0 else 3.0)
+    pipe = pp.Pipeline(module, g, "gpipe", m, MSELoss())
+    x, target = np.ones((m, width)), np.full((m, width), 5.0)
+    losses = pipe.step(x if g.rank == 0 else None, target if g.rank == 1 else None)
+    if g.rank == 1:
+        rep.check("large: losses", losses == [1.0] * m, str(losses))  # (2 * 3 * 1 - 5) ** 2
+    else:
+        # d mean((6x - 5)^2) / d(stage 0 output) = 3 * 2 * (6 - 5) / width, divided by the 4 microbatches.
+        want = np.full((1, width), 3 * 2 * 1.0 / width / m)
+        rep.check(
+            "large: every gradient reached stage 0 whole",
+            len(module.grads) == m and all(np.allclose(got, want, rtol=1e-12) for got in module.grads),
+            f"{len(module.grads)} gradients",
+        )
 
 
 def bad_shape(world: Any, rep: Report) -> None:
@@ -183,6 +222,9 @@ def main() -> None:
         return
     if sys.argv[1] == "bad_shape":
         run_rank(bad_shape)
+        return
+    if sys.argv[1] == "large":
+        run_rank(large)
         return
     if sys.argv[1] == "kill":
         run_rank(kill)

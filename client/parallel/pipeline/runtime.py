@@ -16,8 +16,9 @@ last microbatch (``mesh.group("dp")``; each replica steps on its share of the ba
 With ``scale_grads`` (default) each microbatch's loss gradient is divided by the number of
 microbatches: a ``"mean"`` loss then gives the gradient of the mean loss over the whole batch.
 For a ``"sum"`` loss pass ``scale_grads=False`` to get the gradient of the sum over the batch.
-Sends are buffered by the data plane (up to the stream window, about 16 MiB per peer), so a
-schedule that ``validate`` accepts cannot deadlock for activations of that size or less.
+Sends never wait for the receiver (what the socket does not take, the sender's event loop finishes
+in order) and a receive reads its frame when the stage needs it, so a schedule that ``validate``
+accepts cannot deadlock, whatever the size of the activations.
 """
 
 from __future__ import annotations
