@@ -278,6 +278,11 @@ class _Line:
             self.pending -= 1
 
 
+def _line_of(lines: dict[int, _Line], peer: int) -> _Line:
+    """``peer``'s line, made on first use (not a new lock per call, as ``setdefault`` alone would)."""
+    return lines.get(peer) or lines.setdefault(peer, _Line())
+
+
 def _cancelled(out: concurrent.futures.Future[Any], task: asyncio.Future[None]) -> None:
     if task.cancelled() and not out.done():
         out.set_exception(PlaneClosed("the plane was shut down while the op was pending"))
@@ -424,7 +429,7 @@ class GrpcTransport:
         pipeline's critical path is made of these): None then, as it is sent. The rest is written by the
         loop, in order.
         """
-        line = self._send_lines.setdefault(dst, _Line())
+        line = _line_of(self._send_lines, dst)
         with line.lock:
             lane = self.plane.ready_lane(self.channel.ranks[dst], self.key) if line.pending == 0 else None
             if lane is None or flat.nbytes > INLINE_BYTES:
@@ -473,7 +478,7 @@ class GrpcTransport:
             await self.channel.recv(src, spec, 0, flat.nbytes, ring.copy_into(flat, 0))
             return flat
 
-        line = self._recv_lines.setdefault(src, _Line())
+        line = _line_of(self._recv_lines, src)
         with line.lock:
             return line.track(self.submit_in_order(("recv", src), recv))
 
@@ -491,7 +496,7 @@ class GrpcTransport:
             take = inbox.get_blocking if inbox is not None else None
         if take is None:
             return None  # nothing came from there yet: the loop waits for the lane or makes the inbox
-        line = self._recv_lines.setdefault(src, _Line())
+        line = _line_of(self._recv_lines, src)
         with line.lock:
             if line.pending:
                 return None
