@@ -278,6 +278,35 @@ class _Line:
             self.pending -= 1
 
 
+async def _on_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a thread of its own that never holds up the interpreter's exit (an executor's
+    would be joined there, and a read waits up to the group's timeout unless the lane fails)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if fut.done():
+            return  # the awaiting op was cancelled or timed out
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    def run() -> None:
+        result, exc = None, None
+        try:
+            result = fn(*args)
+        except BaseException as e:
+            exc = e
+        try:
+            loop.call_soon_threadsafe(settle, result, exc)
+        except RuntimeError:
+            pass  # the loop has stopped
+
+    threading.Thread(target=run, name="paramplane-p2p-recv", daemon=True).start()
+    return await fut
+
+
 def _line_of(lines: dict[int, _Line], peer: int) -> _Line:
     """``peer``'s line, made on first use (not a new lock per call, as ``setdefault`` alone would)."""
     return lines.get(peer) or lines.setdefault(peer, _Line())
@@ -471,8 +500,7 @@ class GrpcTransport:
                 if failure is not None:
                     raise failure
                 lane = await self.plane.direct.wait(self.channel.ranks[src], self.key)
-                loop = asyncio.get_running_loop()
-                return await loop.run_in_executor(None, self._read, lane.next_item, flat, src, spec)
+                return await _on_daemon_thread(self._read, lane.next_item, flat, src, spec)
             if flat is None:
                 return await self.channel.recv_array(src, spec, 0)
             await self.channel.recv(src, spec, 0, flat.nbytes, ring.copy_into(flat, 0))
