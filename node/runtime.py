@@ -260,12 +260,17 @@ class NodeRuntime:
         """What to report for a peer a transport found dead: the world's abort if the coordinator has one, else
         ``exc``. A rank that aborts the world (``world.abort(reason)``) and exits may be seen dead here before
         the abort's notice arrives; the coordinator has it already (the abort call returned before the exit),
-        so one heartbeat tells every rank the reason instead of a bare PeerLost. From any thread but the loop's.
+        so one heartbeat tells every rank the reason instead of a bare PeerLost. Likewise the coordinator's
+        verdict on that same rank (it made no progress, so the world aborted, and then it exited) is the cause,
+        not the exit the transport saw. From any thread but the loop's.
         """
         if not self.aborted.is_set() and not self._closed and self._coord is not None:
             with contextlib.suppress(PlaneError, TimeoutError, asyncio.TimeoutError):
                 self.run(self._beat(2.0), timeout=3.0)
-        return self.abort_error() if isinstance(self._abort_exc, WorldAborted) else exc
+        cause = self._abort_exc
+        if isinstance(cause, WorldAborted) or (isinstance(cause, PeerLost) and cause.rank == exc.rank):
+            return cause
+        return exc
 
     async def _abort_world(self, exc: PlaneError) -> None:
         self._abort(exc)
