@@ -80,13 +80,16 @@ def array_module(x: Any) -> ModuleType:
     return _registered(x) or np
 
 
+_NAMES = {dt: name for name, dt in DTYPES.items()}
+
+
 def dtype_name(dtype: Any) -> str:
     """The wire name of ``dtype``; ValueError for one the plane does not move."""
     dt = np.dtype(dtype)
-    for name, known in DTYPES.items():
-        if dt == known:
-            return name
-    raise ValueError(f"dtype {dt} is not supported; use one of {', '.join(DTYPES)}")
+    name = _NAMES.get(dt)
+    if name is None:
+        raise ValueError(f"dtype {dt} is not supported; use one of {', '.join(DTYPES)}")
+    return name
 
 
 def to_host(x: Any) -> np.ndarray[Any, Any]:
