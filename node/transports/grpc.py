@@ -512,8 +512,9 @@ class GrpcTransport:
 
     def recv_now(self, flat: np.ndarray | None, src: int, begin: Callable[[], OpSpec]) -> np.ndarray | None:
         """``start_recv`` and wait, on the calling thread, when no receive from ``src`` is queued on the loop:
-        the thread takes the frame from the inbox itself (a blocking receive then wakes one thread when its
-        message comes, and none when it came first). None, with ``begin`` not called, where it cannot."""
+        the thread reads the frame from the parked lane (or, with TLS, the inbox) itself, so a blocking
+        receive wakes one thread when its message comes, and none when it came first. None, with ``begin``
+        not called, where it cannot (nothing came from ``src`` yet, or receives are queued)."""
         rank = self.channel.ranks[src]
         take: Callable[[float], Any] | None
         if self.plane.is_direct(self.key):
