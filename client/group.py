@@ -15,8 +15,10 @@ from typing import Any
 import numpy as np
 
 from paramplane.node.arrays import array_module, from_foreign, is_cupy, to_host
-from paramplane.node.engine import GroupEngine, check_array
+from paramplane.node.engine import SENT, GroupEngine, check_array
 from paramplane.work import Work
+
+_SENT_WORK: Work[None] = Work(SENT, "send")  # every send that left at once (a done Work never changes)
 
 
 class ProcessGroup:
@@ -273,6 +275,12 @@ class ProcessGroup:
 
         With ``async_op`` do not modify ``x`` until the ``Work`` is done (a device array is copied to host first).
         """
+        if type(x) is np.ndarray and x.flags.c_contiguous:
+            fut = self._e.send_small(x, dst)  # a pipeline's messages: the short path (node/transports/p2p.py)
+            if fut is SENT:
+                return _SENT_WORK if async_op else None
+            if fut is not None:
+                return self._p2p_result("send", fut, async_op)
         x, _ = from_foreign(x)
         check_array(x, writable=False)
         self._check_peer(dst, "dst")
@@ -280,6 +288,10 @@ class ProcessGroup:
 
     def recv(self, x: Any, src: int, *, async_op: bool = False) -> Any:
         """Fill ``x`` with what group rank ``src`` sends (same shape and dtype); returns ``x``."""
+        if not async_op and type(x) is np.ndarray:
+            flags = x.flags
+            if flags.c_contiguous and flags.writeable and self._e.recv_small(x, src) is not None:
+                return x
         caller = x
         x, _ = from_foreign(x)
         check_array(x)
@@ -301,6 +313,10 @@ class ProcessGroup:
 
         The result is a new numpy array, or a cupy array on the current device when ``like`` is one.
         """
+        if not async_op and (like is None or type(like) is np.ndarray):
+            got = self._e.recv_small(None, src)
+            if got is not None:
+                return got
         self._check_peer(src, "src")
         fut = self._e.p2p("recv", None, src, blocking=not async_op)
         if like is None or not is_cupy(like):

@@ -86,7 +86,7 @@ def _settled(result: Any = None, exc: BaseException | None = None) -> concurrent
     return fut
 
 
-_SENT = _settled()  # every send that left at once shares this (done futures never change)
+SENT = _settled()  # every send that left at once shares this (done futures never change)
 
 
 class GroupEngine:
@@ -106,7 +106,6 @@ class GroupEngine:
         self.recv_actor = OpActor(f"{name}/recv")
         self.failure: PlaneError | None = None
         self.transports = TransportFactory(ctx, name, self.ranks, timeout_s)
-        self._p2p_seq: dict[tuple[int, int], int] = {}
 
     # -- ordering, failure, deadlines --------------------------------------------------------------
     def progress(self) -> tuple[int, int]:
@@ -183,9 +182,9 @@ class GroupEngine:
 
         # Called when the op's turn comes (on the loop, or here for a send that leaves at once), so message
         # numbers follow the order on the wire.
-        def begin() -> OpSpec:
+        def begin(seq: int) -> OpSpec:
             self.check()
-            started.update(spec=self.p2p_spec(x, src, dst), at=time.monotonic())
+            started.update(spec=self.p2p_spec(x, src, dst, seq), at=time.monotonic())
             return started["spec"]
 
         def trace(moved: Any) -> None:
@@ -201,7 +200,7 @@ class GroupEngine:
             inner = p2p.start_send(x.reshape(-1), peer, begin)
             if inner is None:
                 trace(x)
-                return _SENT
+                return SENT
         else:
             flat = x.reshape(-1) if x is not None else None
             if blocking:
@@ -214,6 +213,16 @@ class GroupEngine:
                     trace(got)
                     return _settled(result if x is not None else got)
             inner = p2p.start_recv(flat, peer, begin)
+        return self._settle(inner, trace, x, result)
+
+    def _settle(
+        self,
+        inner: concurrent.futures.Future[Any],
+        trace: Callable[[Any], None],
+        x: np.ndarray | None,
+        result: Any,
+    ) -> concurrent.futures.Future[Any]:
+        """The caller's future of a point-to-point op the loop finishes: traced, its failure the group's."""
         out: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
         def done(inner: concurrent.futures.Future[Any]) -> None:
@@ -228,6 +237,48 @@ class GroupEngine:
 
         inner.add_done_callback(done)
         return out
+
+    # The short paths of ``p2p`` for the messages a pipeline sends each step (see node/transports/p2p.py).
+    def send_small(self, x: np.ndarray, peer: int) -> concurrent.futures.Future[Any] | None:
+        """``p2p("send", x, peer)`` for a C-contiguous ``x`` of a dtype and shape sent to ``peer`` before, with
+        nothing queued there: sent from this thread (``SENT``, or the future of its rest); None where the
+        short path does not apply (``p2p`` then)."""
+        if self.failure is not None or self.ctx.aborted.is_set():
+            return None
+        tracer = self.ctx.tracer
+        start = time.monotonic() if tracer is not None else 0.0
+        sent = self.transports.p2p.send_small(x, peer)
+        if sent is None:
+            return None
+        seq, rest = sent
+
+        def trace(moved: Any) -> None:
+            if tracer is not None:
+                tracer.record("send", self.name, seq, int(moved.nbytes), start, time.monotonic(), "grpc")
+
+        if rest is None:
+            trace(x)
+            return SENT
+        return self._settle(rest, trace, x, None)
+
+    def recv_small(self, x: np.ndarray | None, peer: int) -> np.ndarray | None:
+        """A blocking ``p2p("recv", x, peer)``, into a C-contiguous, writable ``x`` of a dtype and shape received
+        from ``peer`` before or (``x`` None) into a new array, with nothing queued there: the array once it
+        holds the message; None where the short path does not apply (``p2p`` then). A failure is the
+        group's, and raised."""
+        if self.failure is not None or self.ctx.aborted.is_set():
+            return None
+        tracer = self.ctx.tracer
+        start = time.monotonic() if tracer is not None else 0.0
+        try:
+            got = self.transports.p2p.recv_small(x, peer, self.p2p_spec)
+        except PlaneError as exc:
+            raise self._failed(exc) from None
+        if got is None:
+            return None
+        if tracer is not None:
+            tracer.record("recv", self.name, got[0], int(got[1].nbytes), start, time.monotonic(), "grpc")
+        return got[1]
 
     def close(self) -> None:
         self.actor.close()
@@ -297,14 +348,12 @@ class GroupEngine:
     def spec(self, seq: int, op: str, x: Any, arg: str = "") -> OpSpec:
         return OpSpec(self.name, seq, op, dtype_name(x.dtype), tuple(int(d) for d in x.shape), arg)
 
-    def p2p_spec(self, x: Any, src: int, dst: int) -> OpSpec:
-        """The spec of the next message from group rank ``src`` to ``dst`` (numbered per direction); ``x`` None
+    def p2p_spec(self, x: Any, src: int, dst: int, seq: int) -> OpSpec:
+        """The spec of message ``seq`` from group rank ``src`` to ``dst`` (numbered per direction); ``x`` None
         for a receive that takes the sender's dtype and shape."""
-        key = (src, dst)
-        self._p2p_seq[key] = self._p2p_seq.get(key, 0) + 1
         return OpSpec(
             f"{self.name}/p2p",
-            self._p2p_seq[key],
+            seq,
             "send/recv",
             dtype_name(x.dtype) if x is not None else "any",
             tuple(x.shape) if x is not None else (),

@@ -601,6 +601,11 @@ class PeerPlane:
             self._channels[dst] = ch
         return ch
 
+    @property
+    def closing(self) -> bool:
+        """The plane is shutting down: its streams are finishing and take no more frames."""
+        return self._closing
+
     def ready_lane(self, dst: int, key: str) -> LaneStream | None:
         """``dst``'s open lane for ``key`` (from any thread), or None: not opened yet, a gRPC stream (TLS),
         broken, failed, or the plane is closing."""

@@ -68,15 +68,16 @@ class Comm(Protocol):
 
 class PointToPoint(Protocol):
     """Messages between two ranks of a group, paired in issue order per direction; each starts once the ones
-    before it in its direction are done, and ``begin()`` (called then) gives its spec."""
+    before it in its direction are done, and ``begin(seq)`` (called then, with the message's number in its
+    direction) gives its spec."""
 
     def start_send(
-        self, flat: Array, dst: int, begin: Callable[[], OpSpec]
+        self, flat: Array, dst: int, begin: Callable[[int], OpSpec]
     ) -> concurrent.futures.Future[None] | None:
         """None: sent already."""
 
     def start_recv(
-        self, flat: Array | None, src: int, begin: Callable[[], OpSpec]
+        self, flat: Array | None, src: int, begin: Callable[[int], OpSpec]
     ) -> concurrent.futures.Future[Array]: ...
 
 

@@ -23,6 +23,7 @@ from paramplane.node.topology import Topology
 from paramplane.node.transports.base import Comm, LocalComm, Transport, TransportPolicy
 from paramplane.node.transports.grpc import GrpcTransport
 from paramplane.node.transports.nccl import NCCL_OPS, nccl_moves
+from paramplane.node.transports.p2p import GrpcPointToPoint
 from paramplane.node.transports.shm import (
     SEGMENT_PREFIX,
     Segment,
@@ -72,7 +73,7 @@ class TransportFactory:
         self.same_host = ctx.topology.same_host(self.ranks)
         self._hier_split = ctx.topology.hierarchy(self.ranks) if ctx.transport == "auto" else None
         self.grpc = GrpcTransport(ctx.plane, ctx.loop, name, self.ranks, ctx.rank, timeout_s)
-        self.p2p = GrpcTransport(
+        self.p2p = GrpcPointToPoint(
             ctx.plane, ctx.loop, f"{name}/p2p", self.ranks, ctx.rank, timeout_s, direct=True
         )
         self._local = LocalComm()

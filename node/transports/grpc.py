@@ -11,12 +11,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import functools
 import itertools
 import math
-import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Hashable, Sequence
+from collections.abc import Callable, Coroutine, Generator, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -28,12 +26,10 @@ from paramplane.node.errors import (
     CollectiveMismatch,
     CollectiveTimeout,
     PeerLost,
-    PlaneClosed,
     PlaneError,
     TransportError,
 )
 from paramplane.node.failures import failure_message
-from paramplane.node.lane import LaneStream
 from paramplane.node.loop import LoopThread
 from paramplane.node.peer import CHUNK_BYTES, ERROR_SUFFIX, PeerPlane
 from paramplane.node.spec import OpSpec
@@ -104,6 +100,23 @@ class GrpcChannel:
         )
         return header.SerializeToString(), data
 
+    def template(
+        self, idx: int, spec: OpSpec, nbytes: int, *, incoming: bool = False
+    ) -> peer_pb2.FrameHeader:
+        """The header of a small message of ``spec`` to (``incoming``: from) group index ``idx``, without
+        its sequence number and payload."""
+        src, dst = (self.ranks[idx], self.me) if incoming else (self.me, self.ranks[idx])
+        return peer_pb2.FrameHeader(
+            group=spec.group,
+            op=spec.op,
+            dtype=spec.dtype,
+            shape=spec.shape,
+            src=src,
+            dst=dst,
+            nbytes=nbytes,
+            arg=spec.arg,
+        )
+
     async def _send(self, idx: int, spec: OpSpec, step: int, payload: np.ndarray | None) -> None:
         header, data = self.header(idx, spec, step, payload)
         num_chunks = _num_chunks(data.nbytes)
@@ -149,18 +162,21 @@ class GrpcChannel:
         flat: np.ndarray | None,
         timeout: float,
         fail_soon: Callable[[PlaneError], None],
+        first: Any = None,
     ) -> np.ndarray:
         """``recv`` (``flat`` None: ``recv_array``) on the calling thread, which reads the frame's items with
-        ``take(timeout)`` (an inbox's ``get_blocking`` or a parked lane's ``next_item``); nothing else may
-        read them meanwhile. A failure this receive finds is passed to ``fail_soon`` (to fail the key on
-        the loop) and raised; TimeoutError after ``timeout`` seconds."""
+        ``take(timeout)`` (an inbox's ``get_blocking`` or a parked lane's ``next_item``), after ``first``
+        when the caller took the header already; nothing else may read them meanwhile. A failure this
+        receive finds is passed to ``fail_soon`` (to fail the key on the loop) and raised; TimeoutError
+        after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         sink = ring.copy_into(flat, 0) if flat is not None else None
         frame = self._frame(idx, spec, 0, flat.nbytes if flat is not None else None, sink)
         next(frame)
         while True:
             try:
-                item = take(deadline - time.monotonic())
+                item = take(deadline - time.monotonic()) if first is None else first
+                first = None
             except PeerLost as exc:
                 fail_soon(exc)
                 raise
@@ -260,65 +276,8 @@ def _num_chunks(nbytes: int) -> int:
     return 0 if nbytes <= INLINE_BYTES else -(-nbytes // CHUNK_BYTES)
 
 
-class _Line:
-    """Sends to one peer: how many are queued on the loop (a direct send may go only when none is)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.RLock()  # a future done already runs ``_done`` inside ``track``
-        self.pending = 0
-
-    def track(self, fut: concurrent.futures.Future[T]) -> concurrent.futures.Future[T]:
-        """Count ``fut`` as queued until it is done (call with ``lock`` held)."""
-        self.pending += 1
-        fut.add_done_callback(self._done)
-        return fut
-
-    def _done(self, _fut: concurrent.futures.Future[Any]) -> None:
-        with self.lock:
-            self.pending -= 1
-
-
-async def _on_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` on a thread of its own that never holds up the interpreter's exit (an executor's
-    would be joined there, and a read waits up to the group's timeout unless the lane fails)."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: Any, exc: BaseException | None) -> None:
-        if fut.done():
-            return  # the awaiting op was cancelled or timed out
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(result)
-
-    def run() -> None:
-        result, exc = None, None
-        try:
-            result = fn(*args)
-        except BaseException as e:
-            exc = e
-        try:
-            loop.call_soon_threadsafe(settle, result, exc)
-        except RuntimeError:
-            pass  # the loop has stopped
-
-    threading.Thread(target=run, name="paramplane-p2p-recv", daemon=True).start()
-    return await fut
-
-
-def _line_of(lines: dict[int, _Line], peer: int) -> _Line:
-    """``peer``'s line, made on first use (not a new lock per call, as ``setdefault`` alone would)."""
-    return lines.get(peer) or lines.setdefault(peer, _Line())
-
-
-def _cancelled(out: concurrent.futures.Future[Any], task: asyncio.Future[None]) -> None:
-    if task.cancelled() and not out.done():
-        out.set_exception(PlaneClosed("the plane was shut down while the op was pending"))
-
-
 class GrpcTransport:
-    """The ``Comm`` (and ``PointToPoint``) of one group over gRPC; host (numpy) arrays."""
+    """The ``Comm`` of one group over gRPC; host (numpy) arrays (``GrpcPointToPoint`` adds send/recv)."""
 
     name: Transport = "grpc"
     device = False
@@ -340,9 +299,6 @@ class GrpcTransport:
         self.key = key
         self.timeout_s = timeout_s
         self._scratch: np.ndarray | None = None
-        self._tails: dict[Hashable, asyncio.Future[Any]] = {}
-        self._send_lines: dict[int, _Line] = {}
-        self._recv_lines: dict[int, _Line] = {}
 
     def _expired(self) -> CollectiveTimeout:
         return CollectiveTimeout(
@@ -362,53 +318,6 @@ class GrpcTransport:
         self.loop.loop.call_soon_threadsafe(self.plane.fail_key, self.key, exc)
         fut.cancel()
         raise exc
-
-    def submit_in_order(
-        self, line: Hashable, make: Callable[[], Awaitable[T]]
-    ) -> concurrent.futures.Future[T]:
-        """Run ``make()`` on the loop once every op submitted before it on ``line`` has finished.
-
-        No thread waits in between: the caller gets a future at once and is woken by the loop itself.
-        Each op is bounded by the group's timeout from when it starts; on expiry the key fails on
-        every member, as in ``run``. From any thread but the loop's.
-        """
-        out: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-        def start() -> None:
-            task = asyncio.ensure_future(self._in_order(self._tails.get(line), make, out))
-            self._tails[line] = task
-            task.add_done_callback(functools.partial(_cancelled, out))
-
-        try:
-            self.loop.loop.call_soon_threadsafe(start)
-        except RuntimeError:  # the loop has stopped
-            out.set_exception(PlaneClosed("the plane was shut down"))
-        return out
-
-    async def _in_order(
-        self,
-        before: asyncio.Future[Any] | None,
-        make: Callable[[], Awaitable[T]],
-        out: concurrent.futures.Future[T],
-    ) -> None:
-        """Settles ``out`` itself, not from the task's done callback: the waiting caller wakes one loop
-        iteration sooner."""
-        if before is not None and not before.done():
-            await asyncio.wait([before])
-        try:
-            try:
-                async with asyncio.timeout(self.timeout_s) as scope:
-                    result = await make()
-            except TimeoutError:
-                if not scope.expired():
-                    raise  # the op's own CollectiveTimeout
-                exc = self._expired()
-                self.plane.fail_key(self.key, exc)
-                raise exc from None
-        except Exception as exc:
-            out.set_exception(exc)
-            return
-        out.set_result(result)
 
     def _work(self, flat: np.ndarray) -> np.ndarray:
         """A reusable copy of ``flat`` (ops of a group run one at a time, so one buffer serves them all)."""
@@ -447,107 +356,6 @@ class GrpcTransport:
 
     def barrier(self, spec: OpSpec, deadline: float) -> None:
         self.run(ring.barrier(self.channel, spec), deadline)
-
-    def start_send(
-        self, flat: np.ndarray, dst: int, begin: Callable[[], OpSpec]
-    ) -> concurrent.futures.Future[None] | None:
-        """Send ``flat`` to group rank ``dst`` after every send before it there; ``begin()`` gives the spec
-        when the send's turn comes.
-
-        A small message with nothing queued before it goes out from the calling thread at once (a
-        pipeline's critical path is made of these): None then, as it is sent. The rest is written by the
-        loop, in order.
-        """
-        line = _line_of(self._send_lines, dst)
-        with line.lock:
-            lane = self.plane.ready_lane(self.channel.ranks[dst], self.key) if line.pending == 0 else None
-            if lane is None or flat.nbytes > INLINE_BYTES:
-                return line.track(
-                    self.submit_in_order(("send", dst), functools.partial(self._send, flat, dst, begin))
-                )
-            try:
-                header, _ = self.channel.header(dst, begin(), 0, flat)
-            except PlaneError as exc:
-                failed: concurrent.futures.Future[None] = concurrent.futures.Future()
-                failed.set_exception(exc)
-                return failed
-            rest = lane.send_now(header)
-            if not rest:
-                return None
-            return line.track(
-                self.submit_in_order(("send", dst), functools.partial(self._send_rest, lane, rest))
-            )
-
-    async def _send(self, flat: np.ndarray, dst: int, begin: Callable[[], OpSpec]) -> None:
-        await self.channel.send(dst, begin(), 0, flat)
-
-    async def _send_rest(self, lane: LaneStream, rest: bytes) -> None:
-        try:
-            await lane.send_raw([rest])
-        except PeerLost as exc:
-            raise self.channel.fail(exc) from None
-
-    def start_recv(
-        self, flat: np.ndarray | None, src: int, begin: Callable[[], OpSpec]
-    ) -> concurrent.futures.Future[np.ndarray]:
-        """Receive from group rank ``src`` into ``flat`` (a new array shaped by the sender when None), after
-        every receive before it from there."""
-
-        async def recv() -> np.ndarray:
-            spec = begin()
-            if self.plane.is_direct(self.key):
-                failure = self.plane.failure(self.key)
-                if failure is not None:
-                    raise failure
-                lane = await self.plane.direct.wait(self.channel.ranks[src], self.key)
-                return await _on_daemon_thread(self._read, lane.next_item, flat, src, spec)
-            if flat is None:
-                return await self.channel.recv_array(src, spec, 0)
-            await self.channel.recv(src, spec, 0, flat.nbytes, ring.copy_into(flat, 0))
-            return flat
-
-        line = _line_of(self._recv_lines, src)
-        with line.lock:
-            return line.track(self.submit_in_order(("recv", src), recv))
-
-    def recv_now(self, flat: np.ndarray | None, src: int, begin: Callable[[], OpSpec]) -> np.ndarray | None:
-        """``start_recv`` and wait, on the calling thread, when no receive from ``src`` is queued on the loop:
-        the thread reads the frame from the parked lane (or, with TLS, the inbox) itself, so a blocking
-        receive wakes one thread when its message comes, and none when it came first. None, with ``begin``
-        not called, where it cannot (nothing came from ``src`` yet, or receives are queued)."""
-        rank = self.channel.ranks[src]
-        take: Callable[[float], Any] | None
-        if self.plane.is_direct(self.key):
-            lane = self.plane.direct.get(rank, self.key)
-            take = lane.next_item if lane is not None else None
-        else:
-            inbox = self.plane.existing_inbox(rank, self.key)
-            take = inbox.get_blocking if inbox is not None else None
-        if take is None:
-            return None  # nothing came from there yet: the loop waits for the lane or makes the inbox
-        line = _line_of(self._recv_lines, src)
-        with line.lock:
-            if line.pending:
-                return None
-            return self._read(take, flat, src, begin())
-
-    def _read(
-        self, take: Callable[[float], Any], flat: np.ndarray | None, src: int, spec: OpSpec
-    ) -> np.ndarray:
-        """A receive on this thread (see ``GrpcChannel.recv_blocking``), bounded by the group's timeout."""
-        try:
-            return self.channel.recv_blocking(take, src, spec, flat, self.timeout_s, self._fail_soon)
-        except TimeoutError:
-            exc = self._expired()
-            self.loop.loop.call_soon_threadsafe(self.plane.fail_key, self.key, exc)
-            raise exc from None
-
-    def _fail_soon(self, exc: PlaneError) -> None:
-        """Fail the key with ``exc`` here and on the other members, from a thread other than the loop's."""
-        try:
-            self.loop.loop.call_soon_threadsafe(self.channel.fail, exc)
-        except RuntimeError:  # the loop has stopped: nothing left to tell
-            pass
 
     def abort(self) -> None:
         return None  # a failed key fails every later frame on it

@@ -41,13 +41,15 @@ def message(i: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def count_direct_receives() -> dict[str, int]:
-    """Counts blocking receives that took their frame on the caller's thread (``GrpcTransport.recv_now``)."""
-    from paramplane.node.transports.grpc import GrpcTransport
+    """Counts blocking receives that took their frame on the caller's thread: by the full checks
+    (``GrpcPointToPoint.recv_now``: ``direct``) or by the short path of a dtype and shape the line carried
+    before (``recv_small``: ``short``), and those that raised there."""
+    from paramplane.node.transports.p2p import GrpcPointToPoint
 
-    counts = {"direct": 0, "direct_raised": 0, "loop": 0}
-    recv_now = GrpcTransport.recv_now
+    counts = {"direct": 0, "direct_raised": 0, "short": 0, "short_raised": 0, "loop": 0}
+    recv_now, recv_small = GrpcPointToPoint.recv_now, GrpcPointToPoint.recv_small
 
-    def counting(self: GrpcTransport, *args: Any) -> Any:
+    def counting(self: GrpcPointToPoint, *args: Any) -> Any:
         try:
             got = recv_now(self, *args)
         except Exception:
@@ -56,7 +58,17 @@ def count_direct_receives() -> dict[str, int]:
         counts["loop" if got is None else "direct"] += 1
         return got
 
-    GrpcTransport.recv_now = counting  # type: ignore[method-assign]
+    def counting_small(self: GrpcPointToPoint, *args: Any) -> Any:
+        try:
+            got = recv_small(self, *args)
+        except Exception:
+            counts["short_raised"] += 1
+            raise
+        counts["short"] += got is not None
+        return got
+
+    GrpcPointToPoint.recv_now = counting  # type: ignore[method-assign]
+    GrpcPointToPoint.recv_small = counting_small  # type: ignore[method-assign]
     return counts
 
 
@@ -89,6 +101,8 @@ def order(world: pp.World, rep: Report) -> None:
         rep.check(
             "order: blocking receives taken on the caller's thread", receives["direct"] >= 8, str(receives)
         )
+        # Rounds 2 and 3 receive the small messages (4 of the 8) into dtypes and shapes round 1 carried.
+        rep.check("order: later small receives take the short path", receives["short"] >= 8, str(receives))
 
     # A blocking receive behind an asynchronous one waits its turn: the first message is the async one's.
     if me == 0:
@@ -182,12 +196,18 @@ def errors(world: pp.World, rep: Report) -> None:
     assert silent2 is not None and mismatch2 is not None
     receives = count_direct_receives()
     # One message each way the failing receives will wait: rank 0's receive on mismatch2 then waits on the
-    # socket too, and is woken by the failure rank 1's error frame brings.
-    for warm, src in ((silent2, 1), (mismatch2, 0), (mismatch2, 1)):
+    # socket too, and is woken by the failure rank 1's error frame brings. Rank 1's receive of 4 float32 and
+    # rank 0's of 2 float64 on silent2 are of a dtype and shape their line carried: the short path, whose
+    # header check must name the mismatch and whose wait must time out like the full path's.
+    for warm, src, like in (
+        (silent2, 1, np.ones(2)),
+        (mismatch2, 0, np.ones(4, np.float32)),
+        (mismatch2, 1, np.ones(2)),
+    ):
         if me == src:
-            warm.send(np.ones(2), 1 - src)
+            warm.send(like, 1 - src)
         else:
-            warm.recv(np.empty(2), src)
+            warm.recv(np.empty_like(like), src)
     if me == 0:
         mismatch2.send(np.ones(3, np.float32), 1)
         start = time.monotonic()
@@ -205,12 +225,17 @@ def errors(world: pp.World, rep: Report) -> None:
         )
     if me == 0:
         start = time.monotonic()
-        rep.raises("direct timeout", pp.CollectiveTimeout, lambda: silent2.recv(np.empty(3), 1), "2 s")
+        rep.raises("direct timeout", pp.CollectiveTimeout, lambda: silent2.recv(np.empty(2), 1), "2 s")
         rep.values["direct_timeout_elapsed"] = time.monotonic() - start
     world.barrier("after-direct-timeout", timeout=KV_TIMEOUT)
     rep.check(
         "direct: the failing receive waited on the caller's thread",
-        receives["direct_raised"] >= 1,
+        receives["direct_raised"] + receives["short_raised"] >= 1,
+        str(receives),
+    )
+    rep.check(
+        "direct: rank 1's mismatch and rank 0's timeout came by the short path",
+        receives["short_raised"] >= 1 and (me == 1 or receives["direct_raised"] >= 1),
         str(receives),
     )
     rep.values["direct_receives"] = dict(receives)
