@@ -30,7 +30,7 @@ class ChromeTracer:
     def __init__(self, folder: str | os.PathLike[str], max_events: int = MAX_EVENTS) -> None:
         self.folder = Path(folder)
         self.rank = -1
-        self._events: list[dict[str, Any]] = []
+        self._events: list[tuple[str, str, str, float, float, dict[str, Any]]] = []
         self._lock = threading.Lock()
         self._offset_us = (time.time() - time.monotonic()) * 1e6
         self._closed = False
@@ -56,26 +56,38 @@ class ChromeTracer:
         self._span(name, "compute", "compute", start, end, args)
 
     def _span(self, name: str, cat: str, track: str, start: float, end: float, args: dict[str, Any]) -> None:
-        event = {
-            "name": name,
-            "cat": cat,
-            "ph": "X",
-            "ts": start * 1e6 + self._offset_us,
-            "dur": max(0.0, (end - start) * 1e6),
-            "pid": self.rank,
-            "tid": track,
-            "args": args,
-        }
-        with self._lock:
-            if len(self._events) < self._max_events:
-                self._events.append(event)
-            else:
+        # A tuple now, the event's dict when read: a pipeline stage marks every compute, and whatever it does
+        # between two computes is idle time. ``list.append`` needs no lock; the bound may be passed by a
+        # few events when several threads record at once.
+        if len(self._events) < self._max_events:
+            self._events.append((name, cat, track, start, end, args))
+        else:
+            with self._lock:
                 self.dropped += 1
 
     @property
+    def num_events(self) -> int:
+        return len(self._events)
+
+    def events_since(self, first: int) -> list[dict[str, Any]]:
+        """The events recorded after the first ``first`` ones, as Trace Event Format dicts."""
+        return [
+            {
+                "name": name,
+                "cat": cat,
+                "ph": "X",
+                "ts": start * 1e6 + self._offset_us,
+                "dur": max(0.0, (end - start) * 1e6),
+                "pid": self.rank,
+                "tid": track,
+                "args": args,
+            }
+            for name, cat, track, start, end, args in self._events[first:]
+        ]
+
+    @property
     def events(self) -> list[dict[str, Any]]:
-        with self._lock:
-            return list(self._events)
+        return self.events_since(0)
 
     def close(self) -> None:
         if self._closed or self.rank < 0:

@@ -288,6 +288,10 @@ class Module:
 
     def take_forward_state(self) -> dict[str, dict[str, Any]]:
         """Move every forward cache of this module tree out (keyed by module path) and clear them."""
+        if not self.__dict__["_modules"]:  # a leaf (a pipeline calls this between every two computes)
+            saved = self.__dict__["_saved"]
+            object.__setattr__(self, "_saved", None)
+            return {"": saved} if saved is not None else {}
         state: dict[str, dict[str, Any]] = {}
         for path, mod in self.named_modules():
             saved = mod.__dict__["_saved"]
@@ -298,6 +302,9 @@ class Module:
 
     def restore_forward_state(self, state: dict[str, dict[str, Any]]) -> None:
         """Put back caches from :meth:`take_forward_state`, so the next backward uses them."""
+        if not self.__dict__["_modules"] and state.keys() <= {""}:
+            object.__setattr__(self, "_saved", state.get(""))
+            return
         modules = dict(self.named_modules())
         unknown = sorted(set(state) - set(modules))
         if unknown:
