@@ -41,6 +41,14 @@ from paramplane.benchmarks._jsonl import emit
 from paramplane.benchmarks._ranks import run_ranks
 
 P = 2
+# (schedule, chunks per rank, microbatch_group): interleaved 1F1B at its default groups of p microbatches, and
+# at groups of 2p (more slack for each transfer, more live activations on the first stage).
+CONFIGS: list[tuple[str, int, int | None]] = [
+    ("gpipe", 1, None),
+    ("1f1b", 1, None),
+    ("interleaved_1f1b", 2, None),
+    ("interleaved_1f1b", 2, 2 * P),
+]
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -65,23 +73,31 @@ def worker(args: argparse.Namespace) -> None:
     rows = []
     with pp.init() as world:
         one_way = p2p_one_way_s(world.group)
-        for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
-            v = 2 if schedule == "interleaved_1f1b" else 1
+        for schedule, v, group in CONFIGS:
             for m in [int(x) for x in args.microbatches.split(",")]:
-                if schedule != "gpipe" and m < P:
+                if (schedule != "gpipe" and m < P) or (group is not None and m % group):
                     continue
                 chunks = [Wait(args.compute_ms / 1000 / v) for _ in range(v)]
-                pipe = pp.Pipeline(chunks if v > 1 else chunks[0], world.group, schedule, m, MSELoss())
+                pipe = pp.Pipeline(
+                    chunks if v > 1 else chunks[0],
+                    world.group,
+                    schedule,
+                    m,
+                    MSELoss(),
+                    microbatch_group=group,
+                )
                 x = np.zeros((m, 8))
                 times, spans = [], []
                 tracer = world.group.tracer
                 for _ in range(args.steps + 1):
                     world.group.barrier()
-                    seen = len(tracer.events)
+                    seen = tracer.num_events
                     t = time.perf_counter()
                     pipe.step(x if pipe.is_first else None, x if pipe.is_last else None)
                     times.append(time.perf_counter() - t)
-                    mine = {e["name"]: e["dur"] / 1e6 for e in tracer.events[seen:] if e["cat"] == "compute"}
+                    mine = {
+                        e["name"]: e["dur"] / 1e6 for e in tracer.events_since(seen) if e["cat"] == "compute"
+                    }
                     assert len(mine) == 2 * m * v, f"expected {2 * m * v} compute spans, got {len(mine)}"
                     spans.append(mine)
                 rows.append(
@@ -89,6 +105,7 @@ def worker(args: argparse.Namespace) -> None:
                         "schedule": schedule,
                         "m": m,
                         "v": v,
+                        "microbatch_group": group,
                         "step_s": times[1:],
                         "spans": spans[1:],
                         "compute_s": m * 2 * args.compute_ms / 1000,
@@ -116,14 +133,14 @@ def p2p_one_way_s(group: Any, rounds: int = 300) -> float:
 
 
 def _bubbles(
-    schedule: str, m: int, v: int, rows: Sequence[dict[str, Any]]
+    schedule: str, m: int, v: int, group: int | None, rows: Sequence[dict[str, Any]]
 ) -> tuple[list[float], list[float], list[float], list[float]]:
     """Per step: the measured bubble (the rank with the largest idle fraction of its own step), the bubble
     of a replay of the same compute spans with free transfers (``schedules.simulate``: what the stages'
     own timing jitter costs), the slowest rank's step time, and the replay's."""
     from paramplane.parallel.pipeline import schedules
 
-    lists = [schedules.build(schedule, r, P, m, v) for r in range(P)]
+    lists = [schedules.build(schedule, r, P, m, v, group) for r in range(P)]
     measured, replayed, steps, ideals = [], [], [], []
     for i in range(len(rows[0]["step_s"])):
         busy = [sum(r["spans"][i].values()) for r in rows]
@@ -169,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     for rows in zip(*per_rank):
         first = rows[0]
         m, v = first["m"], first["v"]
-        bubble, replayed, steps, ideal = _bubbles(first["schedule"], m, v, rows)
+        bubble, replayed, steps, ideal = _bubbles(first["schedule"], m, v, first["microbatch_group"], rows)
         measured, step = float(np.median(bubble)), float(np.median(steps))
         theory = (P - 1) / (v * m + P - 1) if v > 1 else (P - 1) / (m + P - 1)
         lines.append(
@@ -177,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "bench": "pipeline",
                     "schedule": first["schedule"],
+                    "microbatch_group": first["microbatch_group"],
                     "p": P,
                     "m": m,
                     "v": v,

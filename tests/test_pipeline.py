@@ -20,12 +20,13 @@ def test_every_schedule_is_complete_ordered_and_deadlock_free(schedule: str) -> 
     for p in (1, 2, 3, 4):
         for m in (1, 2, 3, 4, 6, 8, 12):
             for v in (1, 2, 3) if schedule == "interleaved_1f1b" else (1,):
-                try:
-                    lists = [schedules.build(schedule, r, p, m, v) for r in range(p)]
-                except ValueError:
-                    continue
-                schedules.validate(lists, m, v)
-                checked += 1
+                for group in (None, 2 * p, m) if schedule == "interleaved_1f1b" else (None,):
+                    try:
+                        lists = [schedules.build(schedule, r, p, m, v, group) for r in range(p)]
+                    except ValueError:
+                        continue
+                    schedules.validate(lists, m, v)
+                    checked += 1
     assert checked >= 10
 
 
@@ -37,20 +38,23 @@ def test_schedules_reach_their_theoretical_bubble_with_free_transfers() -> None:
         for p in (2, 3, 4):
             for m in (4, 8, 12):
                 for v in (2, 3) if schedule == "interleaved_1f1b" else (1,):
-                    try:
-                        lists = [schedules.build(schedule, r, p, m, v) for r in range(p)]
-                    except ValueError:
-                        continue
-                    step = max(schedules.simulate(lists, lambda _a, v=v: 1.0 / v))
-                    bubble = 1.0 - 2 * m / step
-                    assert bubble == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12), (schedule, p, m, v)
-                    checked += 1
+                    # Larger microbatch groups (interleaved) leave the theoretical bubble as it is.
+                    for group in (None, 2 * p) if schedule == "interleaved_1f1b" else (None,):
+                        try:
+                            lists = [schedules.build(schedule, r, p, m, v, group) for r in range(p)]
+                        except ValueError:
+                            continue
+                        step = max(schedules.simulate(lists, lambda _a, v=v: 1.0 / v))
+                        bubble = 1.0 - 2 * m / step
+                        expected = (p - 1) / (v * m + p - 1)
+                        assert bubble == pytest.approx(expected, abs=1e-12), (schedule, p, m, v, group)
+                        checked += 1
     # A receive nobody sends is a deadlock, not a clock that stops.
     lonely = [schedules.build("gpipe", r, 2, 2) for r in range(2)]
     lonely[0] = [a for a in lonely[0] if a.kind != "SEND_F"]
     with pytest.raises(ValueError, match="deadlocks"):
         schedules.simulate(lonely, lambda _a: 1.0)
-    assert checked >= 25
+    assert checked >= 30
 
 
 def test_schedule_rules() -> None:
@@ -74,38 +78,51 @@ def test_schedule_rules() -> None:
     swapped[1] = [a for a in swapped[1] if a.kind != "SEND_B"]
     with pytest.raises(ValueError, match="deadlocks"):
         schedules.validate(swapped, 2, 1)
-    # Receiving two gradients in another order than they are sent cannot deadlock, but messages pair up in
-    # order: stage 0 would take microbatch 1's gradient for microbatch 0's.
+    # Receiving two gradients in another order than they are sent is fine: messages are taken by name (the
+    # pipeline's receiver threads file them), and interleaved 1F1B with larger microbatch groups does so.
     crossed = [schedules.build("gpipe", r, 2, 2) for r in range(2)]
     recvs = [i for i, a in enumerate(crossed[0]) if a.kind == "RECV_B"]
     crossed[0][recvs[0]], crossed[0][recvs[1]] = crossed[0][recvs[1]], crossed[0][recvs[0]]
-    with pytest.raises(ValueError, match="another order"):
-        schedules.validate(crossed, 2, 1)
+    schedules.validate(crossed, 2, 1)
+    # Microbatch groups: interleaved 1F1B's setting, at least p and dividing m; more warm-up forwards.
+    for bad in (1, 3, 5):
+        with pytest.raises(ValueError, match="microbatch_group"):
+            schedules.build("interleaved_1f1b", 0, 2, 8, 2, bad)
+    with pytest.raises(ValueError, match="setting of interleaved_1f1b"):
+        schedules.build("1f1b", 0, 2, 8, 1, 4)
+    warmups = []
+    for group in (2, 4, 8):
+        order = [
+            a.kind for a in schedules.build("interleaved_1f1b", 0, 2, 8, 2, group) if a.kind in ("F", "B")
+        ]
+        warmups.append(order.index("B"))
+    assert warmups == [2 + 2 + 1, 2 + 4 + 1, 2 + 8 + 1]  # warm-up forwards, then one forward before each B
 
 
 CASES = [
-    ("gpipe", 2, 4, 1, "mean"),
-    ("gpipe", 2, 8, 1, "sum"),
-    ("1f1b", 2, 4, 1, "mean"),
-    ("1f1b", 2, 8, 1, "sum"),
-    ("interleaved_1f1b", 2, 4, 2, "mean"),
-    ("interleaved_1f1b", 2, 8, 2, "sum"),
-    pytest.param("1f1b", 4, 4, 1, "mean", marks=pytest.mark.slow),
-    pytest.param("gpipe", 4, 8, 1, "sum", marks=pytest.mark.slow),
+    ("gpipe", 2, 4, 1, "mean", None),
+    ("gpipe", 2, 8, 1, "sum", None),
+    ("1f1b", 2, 4, 1, "mean", None),
+    ("1f1b", 2, 8, 1, "sum", None),
+    ("interleaved_1f1b", 2, 4, 2, "mean", None),
+    ("interleaved_1f1b", 2, 8, 2, "sum", None),
+    # Groups of 4 microbatches per chunk: rank 1 takes stage 2's gradients before activations sent earlier.
+    ("interleaved_1f1b", 2, 8, 2, "mean", 4),
+    # One rank holding every stage: values pass between its stages without transfers.
+    ("interleaved_1f1b", 1, 4, 2, "mean", None),
+    pytest.param("1f1b", 4, 4, 1, "mean", None, marks=pytest.mark.slow),
+    pytest.param("gpipe", 4, 8, 1, "sum", None, marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize(("schedule", "p", "m", "v", "reduction"), CASES)
-def test_pipeline_equals_one_process(schedule: str, p: int, m: int, v: int, reduction: str) -> None:
-    world = run_world(
-        p,
-        "pipeline.py",
-        args=[schedule, str(m), str(v), reduction],
-        env={"PARAMPLANE_TIMEOUT": "60"},
-        timeout=120,
-    )
+@pytest.mark.parametrize(("schedule", "p", "m", "v", "reduction", "group"), CASES)
+def test_pipeline_equals_one_process(
+    schedule: str, p: int, m: int, v: int, reduction: str, group: int | None
+) -> None:
+    args = [schedule, str(m), str(v), reduction] + ([str(group)] if group else [])
+    world = run_world(p, "pipeline.py", args=args, env={"PARAMPLANE_TIMEOUT": "60"}, timeout=120)
     results = world.check_ok()
-    assert all(r["num_checks"] >= 2 * v for r in results)
+    assert all(r["num_checks"] >= 2 * 2 * v for r in results)
     first = results[0]["values"]["memory"]
     if schedule == "gpipe":
         assert first["peak_activation_sets"] == m == first["gpipe_peak_activations"]
@@ -123,7 +140,7 @@ def test_a_dead_stage_is_named_not_hung() -> None:
 
 def test_an_activation_that_changes_shape_mid_step_is_a_mismatch_on_both_stages() -> None:
     world = run_world(2, "pipeline.py", args=["bad_shape"], env={"PARAMPLANE_TIMEOUT": "30"}, timeout=90)
-    assert all(r["num_checks"] == 1 for r in world.check_ok())
+    assert all(r["num_checks"] == 2 for r in world.check_ok())
 
 
 def test_activations_larger_than_the_socket_and_inbox_buffers_flow() -> None:
@@ -144,7 +161,7 @@ def test_train_pipeline_example_runs_under_the_launcher() -> None:
 
 def test_pipeline_argument_errors_on_every_rank() -> None:
     world = run_world(2, "pipeline.py", args=["errors"], env={"PARAMPLANE_TIMEOUT": "30"}, timeout=90)
-    assert all(r["num_checks"] == 4 for r in world.check_ok())
+    assert all(r["num_checks"] == 6 for r in world.check_ok())
 
 
 def test_bubble_benchmark_measures_idle_from_the_traced_compute(tmp_path: Path) -> None:
@@ -157,7 +174,8 @@ def test_bubble_benchmark_measures_idle_from_the_traced_compute(tmp_path: Path) 
     proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert {(r["schedule"], r["m"]) for r in rows} == {(s, m) for s in schedules.SCHEDULES for m in (2, 4)}
+    configs = {(s, None, m) for s in schedules.SCHEDULES for m in (2, 4)} | {("interleaved_1f1b", 4, 4)}
+    assert {(r["schedule"], r["microbatch_group"], r["m"]) for r in rows} == configs
     for r in rows:
         theory = (r["p"] - 1) / (r["v"] * r["m"] + r["p"] - 1)
         assert r["bubble_theory"] == pytest.approx(theory)
@@ -167,5 +185,14 @@ def test_bubble_benchmark_measures_idle_from_the_traced_compute(tmp_path: Path) 
         # The replay keeps the spans and drops the transfers: never slower than the real step.
         assert 0 <= r["bubble_replay"] <= r["bubble_measured"] + 0.02, r
         assert r["runtime_ms_per_step"] > -1.0, r
-    peak = {r["schedule"]: r["peak_activation_sets_first_stage"] for r in rows if r["m"] == 4}
-    assert peak == {"gpipe": 4, "1f1b": 2, "interleaved_1f1b": 5}
+    peak = {
+        (r["schedule"], r["microbatch_group"]): r["peak_activation_sets_first_stage"]
+        for r in rows
+        if r["m"] == 4
+    }
+    assert peak == {
+        ("gpipe", None): 4,
+        ("1f1b", None): 2,
+        ("interleaved_1f1b", None): 5,
+        ("interleaved_1f1b", 4): 7,
+    }

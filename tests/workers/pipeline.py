@@ -1,7 +1,7 @@
 """Pipeline scenarios: every schedule equals the unpipelined model on the whole batch.
 
-Usage: ``pipeline.py SCHEDULE MICROBATCHES CHUNKS REDUCTION``, or ``pipeline.py SCENARIO`` (errors,
-bad_shape, kill, dp_pp, large).
+Usage: ``pipeline.py SCHEDULE MICROBATCHES CHUNKS REDUCTION [MICROBATCH_GROUP]``, or ``pipeline.py SCENARIO``
+(errors, bad_shape, kill, dp_pp, large).
 """
 
 from __future__ import annotations
@@ -29,7 +29,11 @@ def stage_module(s: int, num_stages: int) -> Module:
     return Sequential(Linear(IN if s == 0 else HIDDEN, HIDDEN, dtype=np.float64, rng=rng), GELU())
 
 
-def equivalence(world: Any, rep: Report, schedule: str, m: int, v: int, reduction: str) -> None:
+def equivalence(
+    world: Any, rep: Report, schedule: str, m: int, v: int, reduction: str, group: int | None = None
+) -> None:
+    """Two steps, the second with microbatches of another size (activations change shape between steps):
+    each step's gradients and losses equal one process on the whole batch."""
     g = world.group
     p = g.size
     stages = p * v
@@ -42,29 +46,34 @@ def equivalence(world: Any, rep: Report, schedule: str, m: int, v: int, reductio
         m,
         CrossEntropyLoss(reduction),
         scale_grads=reduction == "mean",
+        microbatch_group=group,
     )
-    rng = np.random.default_rng(7)
-    x, y = rng.standard_normal((m * PER_MB, IN)), rng.integers(0, CLASSES, m * PER_MB)
-    losses = pipe.step(x if g.rank == 0 else None, y if pipe.is_last else None)
     ref = Sequential(*[stage_module(s, stages) for s in range(stages)])
-    crit = CrossEntropyLoss(reduction)
-    crit.forward(ref.forward(x), y)
-    ref.backward(crit.backward())
-    for s, module in zip(mine, modules):
-        for (name, got), (_, want) in zip(module.named_parameters(), ref[s].named_parameters()):
-            rep.equal(f"stage {s} {name} grad", got.grad, want.grad, rtol=1e-10)
-    if pipe.is_last:
-        assert losses is not None
-        per_mb = [
-            float(
-                CrossEntropyLoss(reduction).forward(
-                    ref.forward(x[i * PER_MB : (i + 1) * PER_MB]), y[i * PER_MB : (i + 1) * PER_MB]
+    for step, per_mb in enumerate((PER_MB, PER_MB + 1)):
+        rng = np.random.default_rng(7 + step)
+        x, y = rng.standard_normal((m * per_mb, IN)), rng.integers(0, CLASSES, m * per_mb)
+        for module in [*modules, ref]:
+            module.zero_grad()
+        losses = pipe.step(x if g.rank == 0 else None, y if pipe.is_last else None)
+        crit = CrossEntropyLoss(reduction)
+        crit.forward(ref.forward(x), y)
+        ref.backward(crit.backward())
+        for s, module in zip(mine, modules):
+            for (name, got), (_, want) in zip(module.named_parameters(), ref[s].named_parameters()):
+                rep.equal(f"step {step} stage {s} {name} grad", got.grad, want.grad, rtol=1e-10)
+        if pipe.is_last:
+            assert losses is not None
+            want_losses = [
+                float(
+                    CrossEntropyLoss(reduction).forward(
+                        ref.forward(x[i * per_mb : (i + 1) * per_mb]), y[i * per_mb : (i + 1) * per_mb]
+                    )
                 )
-            )
-            for i in range(m)
-        ]
-        rep.equal("losses", np.array(losses), np.array(per_mb), rtol=1e-12)
-    rep.values["memory"] = pipe.memory_stats()
+                for i in range(m)
+            ]
+            rep.equal(f"step {step} losses", np.array(losses), np.array(want_losses), rtol=1e-12)
+        if step == 0:
+            rep.values["memory"] = pipe.memory_stats()
     out = pipe.eval_step(x if g.rank == 0 else None)
     if pipe.is_last:
         rep.equal("eval output", out, ref.forward(x), rtol=1e-12)
@@ -153,6 +162,12 @@ def bad_shape(world: Any, rep: Report) -> None:
         lambda: pipe.step(x if g.rank == 0 else None, y if g.rank == 1 else None),
         "shape",
     )
+    rep.raises(
+        "the next step fails at once with the group's error",
+        pp.CollectiveMismatch,
+        lambda: pipe.step(x if g.rank == 0 else None, y if g.rank == 1 else None),
+        "shape",
+    )
 
 
 def dp_pp(world: Any, rep: Report) -> None:
@@ -204,6 +219,20 @@ def errors(world: Any, rep: Report) -> None:
         lambda: pp.Pipeline(module, g, "1f1b", 1, CrossEntropyLoss()),
         "at least as many microbatches",
     )
+    # A stage that raises ends the step with its error; the pipeline then refuses to run on out of step.
+    solo = world.new_group([g.rank])
+    boom = Scale(1.0)
+    object.__setattr__(boom, "forward", lambda x: (_ for _ in ()).throw(ArithmeticError("stage blew up")))
+    broken = pp.Pipeline(boom, solo, "gpipe", 2, MSELoss())
+    rep.raises(
+        "a stage's error", ArithmeticError, lambda: broken.step(np.ones((2, 1)), np.ones((2, 1))), "blew up"
+    )
+    rep.raises(
+        "then a clear refusal",
+        RuntimeError,
+        lambda: broken.step(np.ones((2, 1)), np.ones((2, 1))),
+        "earlier step of this pipeline failed",
+    )
     # Ranks that disagree on the number of stage chunks are told so on every rank (no hang).
     chunks = (
         [stage_module(g.rank, 4), stage_module(g.rank + 2, 4)] if g.rank == 0 else stage_module(g.rank, 4)
@@ -233,7 +262,8 @@ def main() -> None:
         run_rank(dp_pp)
         return
     schedule, m, v, reduction = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    run_rank(lambda world, rep: equivalence(world, rep, schedule, m, v, reduction))
+    group = int(sys.argv[5]) if len(sys.argv) > 5 else None
+    run_rank(lambda world, rep: equivalence(world, rep, schedule, m, v, reduction, group))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -33,9 +33,9 @@ from paramplane.group import ProcessGroup
 from paramplane.nn.loss import Loss
 from paramplane.nn.module import Array, Module, Parameter
 from paramplane.node.arrays import array_module
-from paramplane.node.errors import CollectiveMismatch
+from paramplane.node.errors import CollectiveMismatch, PlaneError
 from paramplane.parallel.pipeline import schedules
-from paramplane.work import Work
+from paramplane.parallel.pipeline.transfers import Message, Transfers
 
 
 class Pipeline:
@@ -50,13 +50,14 @@ class Pipeline:
         loss_fn: Loss | None = None,
         scale_grads: bool = True,
         dp_group: ProcessGroup | None = None,
+        microbatch_group: int | None = None,
     ) -> None:
         modules = [stage_modules] if isinstance(stage_modules, Module) else list(stage_modules)
         if not modules or not all(isinstance(m, Module) for m in modules):
             raise ValueError("stage_modules must be a Module or a non-empty list of Modules (one per chunk)")
         if not isinstance(group, ProcessGroup):
             raise ValueError(f"Pipeline needs a ProcessGroup, got {type(group).__name__}")
-        schedules.check(schedule, group.size, microbatches, len(modules))
+        schedules.check(schedule, group.size, microbatches, len(modules), microbatch_group)
         counts = group.all_gather(np.array([len(modules)], np.int64)).tolist()
         if len(set(counts)) != 1:
             raise CollectiveMismatch(
@@ -71,15 +72,23 @@ class Pipeline:
         self.scale_grads = scale_grads
         self.dp_group = dp_group
         self.num_stages = group.size * len(modules)
-        self.actions = schedules.build(schedule, group.rank, group.size, microbatches, len(modules))
         self._all = [
-            schedules.build(schedule, r, group.size, microbatches, len(modules)) for r in range(group.size)
+            schedules.build(schedule, r, group.size, microbatches, len(modules), microbatch_group)
+            for r in range(group.size)
         ]
+        self.actions = self._all[group.rank]
         schedules.validate(self._all, microbatches, len(modules))
+        forward_only = [
+            schedules.forward_only(r, group.size, microbatches, len(modules)) for r in range(group.size)
+        ]
+        self._plan = _compile(self.actions, modules, group.rank, group.size)
+        self._plan_forward_only = _compile(forward_only[group.rank], modules, group.rank, group.size)
+        self._incoming = _incoming(self._all, group.rank)
+        self._incoming_forward_only = _incoming(forward_only, group.rank)
         self._peak_sets = 0
         self._peak_bytes = 0
-        self._shapes: dict[tuple[str, int], tuple[Any, tuple[int, ...]]] = {}
-        self._sends: list[Work[Any]] = []
+        self._transfers = Transfers(group)
+        self._broken: BaseException | None = None
         tracer = group.tracer
         self._tracer = tracer if hasattr(tracer, "mark") else None
 
@@ -109,33 +118,6 @@ class Pipeline:
             "one_f_one_b_peak_activations": schedules.one_f_one_b_peak_activations(p, m, self.group.rank),
         }
 
-    # -- transfers ----------------------------------------------------------------------------------
-    def _send(self, x: Array, stage: int) -> None:
-        """Send to ``stage`` without waiting (the next compute does not wait for the wire); ``_finish_sends``
-        waits for them at the end of the step. The arrays sent are not touched again, so they need no copy."""
-        x = array_module(x).ascontiguousarray(x)
-        self._sends.append(self.group.send(x, stage % self.group.size, async_op=True))
-
-    def _finish_sends(self) -> None:
-        sends, self._sends = self._sends, []
-        for work in sends:
-            work.wait()
-
-    def _recv(self, stage: int, microbatch: int, kind: str, like: Any) -> Array:
-        """Receive from ``stage``. Microbatch 0 of a step takes the dtype and shape its frame header carries;
-        later ones are received into arrays like it, so a sender whose array differs fails with
-        CollectiveMismatch (the frame header names both) instead of feeding the stage a wrong shape.
-        Messages that came while this rank computed wait in the data plane's inbox, so a receive issued
-        only now costs no latency."""
-        src = stage % self.group.size
-        if microbatch == 0:
-            got: Array = self.group.recv_array(src, like=like)
-            self._shapes[(kind, stage)] = (got.dtype, tuple(got.shape))
-            return got
-        dtype, shape = self._shapes[(kind, stage)]
-        out: Array = self.group.recv(array_module(like).empty(shape, dtype), src)
-        return out
-
     # -- running ------------------------------------------------------------------------------------
     def _split(self, x: Array | None, what: str) -> list[Array] | None:
         if x is None:
@@ -153,53 +135,97 @@ class Pipeline:
             raise ValueError("the last pipeline stage needs step(..., target=...) and a loss_fn")
         inputs, targets = self._split(x, "x"), self._split(target, "target")
         like = x if x is not None else (target if target is not None else np.empty(0))
-        received: dict[tuple[str, int, int], Array] = {}
-        outputs: dict[tuple[int, int], Array] = {}
-        states: dict[tuple[int, int], Any] = {}
-        grads: dict[tuple[int, int], Array] = {}
         losses: dict[int, float] = {}
-        self._peak_sets = self._peak_bytes = 0
-        self._sends = []  # a step that raised left its sends behind; the group has failed anyway
-        p = self.group.size
-        for a in self.actions:
-            key = (a.stage, a.microbatch)
-            module = self.modules[a.stage // p]
-            if a.kind in ("RECV_F", "RECV_B"):
-                kind = a.kind[-1]
-                received[(kind, *key)] = self._recv(_source(a), a.microbatch, kind, like)
-            elif a.kind == "F":
-                start = time.monotonic()
-                inp = (
-                    inputs[a.microbatch] if a.stage == 0 and inputs is not None else received.pop(("F", *key))
-                )
-                out = module.forward(inp)
-                if a.stage == self.num_stages - 1:
-                    assert self.loss_fn is not None and targets is not None
-                    losses[a.microbatch] = float(self.loss_fn.forward(out, targets[a.microbatch]))
-                    scale = 1.0 / self.num_microbatches if self.scale_grads else 1.0
-                    grads[key] = self.loss_fn.backward(grad_scale=scale)
-                else:
-                    outputs[key] = out
-                states[key] = module.take_forward_state()
-                self._mark(a, start)
-                self._note(states)
-            elif a.kind == "SEND_F":
-                self._send(outputs.pop(key), a.stage + 1)
-            elif a.kind == "B":
-                start = time.monotonic()
-                grad = grads.pop(key) if key in grads else received.pop(("B", *key))
-                module.restore_forward_state(states.pop(key))
-                grad_in = module.backward(grad)
-                if a.stage > 0:
-                    grads[key] = grad_in
-                self._mark(a, start)
-            else:  # SEND_B
-                self._send(grads.pop(key), a.stage - 1)
-        self._finish_sends()
-        assert not states and not received, "schedule left work undone"
+        self._run(self._plan, inputs, targets, like, losses, train=True)
         if self.dp_group is not None and self.dp_group.size > 1:
             self._sync_data_parallel(self.dp_group)
         return [losses[i] for i in range(self.num_microbatches)] if self.is_last else None
+
+    def _run(
+        self,
+        plan: Sequence[_Op],
+        inputs: list[Array] | None,
+        targets: list[Array] | None,
+        like: Any,
+        losses: dict[int, float],
+        *,
+        train: bool,
+    ) -> dict[int, Array]:
+        """Run ``plan`` on this rank: the last stage's outputs by microbatch when it has no ``targets``, else
+        its losses in ``losses``; ``train`` keeps each forward's state for its backward. Any failure leaves
+        the pipeline broken: its neighbours' messages are out of step with it from then on.
+
+        Each result that another rank needs is handed to the sender right after its compute (the neighbour
+        may be waiting for it), before this rank's own bookkeeping."""
+        if isinstance(self._broken, PlaneError):
+            raise self._broken  # the group failed with it, and stays failed
+        if self._broken is not None:
+            raise RuntimeError(
+                f"an earlier step of this pipeline failed ({self._broken!r}); its stages' messages are out of "
+                "step now: fix the cause and build a new Pipeline on a new group"
+            ) from self._broken
+        transfers = self._transfers
+        transfers.begin(self._incoming if train else self._incoming_forward_only, like)
+        local: dict[
+            tuple[str, int, int], Array
+        ] = {}  # values between stages of this rank, and loss gradients
+        states: dict[tuple[int, int], Any] = {}
+        finals: dict[int, Array] = {}
+        last, tracer = self.num_stages - 1, self._tracer
+        scale = 1.0 / self.num_microbatches if self.scale_grads else 1.0
+        self._peak_sets = self._peak_bytes = 0
+        live_bytes = 0
+        try:
+            for op in plan:
+                stage, mb = op.stage, op.microbatch
+                if op.forward:
+                    if op.incoming is not None:
+                        inp = transfers.take(op.incoming)
+                    else:
+                        inp = inputs[mb] if stage == 0 and inputs is not None else local.pop(("F", stage, mb))
+                    start = time.monotonic()
+                    out = op.module.forward(inp)
+                    if op.dst is not None:
+                        transfers.send(out, op.dst)
+                    elif stage < last:
+                        local[("F", stage + 1, mb)] = out
+                    elif targets is not None:
+                        assert self.loss_fn is not None
+                        losses[mb] = float(self.loss_fn.forward(out, targets[mb]))
+                        local[("B", stage, mb)] = self.loss_fn.backward(grad_scale=scale)
+                    else:
+                        finals[mb] = out
+                    end = time.monotonic()
+                    state = op.module.take_forward_state()
+                    if train:
+                        states[(stage, mb)] = state
+                        live_bytes += _nbytes(state)
+                        self._peak_sets = max(self._peak_sets, len(states))
+                        self._peak_bytes = max(self._peak_bytes, live_bytes)
+                else:
+                    grad = (
+                        transfers.take(op.incoming)
+                        if op.incoming is not None
+                        else local.pop(("B", stage, mb))
+                    )
+                    state = states.pop((stage, mb))
+                    live_bytes -= _nbytes(state)
+                    start = time.monotonic()
+                    op.module.restore_forward_state(state)
+                    grad_in = op.module.backward(grad)
+                    if op.dst is not None:
+                        transfers.send(grad_in, op.dst)
+                    elif stage > 0:
+                        local[("B", stage - 1, mb)] = grad_in
+                    end = time.monotonic()
+                if tracer is not None:
+                    tracer.mark(op.name, start, end, stage=stage, mb=mb)
+            transfers.finish()
+        except BaseException as exc:
+            self._broken = exc
+            raise
+        assert not local and not states, "schedule left work undone"
+        return finals
 
     def _sync_data_parallel(self, dp: ProcessGroup) -> None:
         """Average the stage modules' gradients over ``dp``: one all-reduce of one flat buffer per dtype."""
@@ -219,46 +245,78 @@ class Pipeline:
         """Forward only, microbatch by microbatch; the concatenated outputs on the last stage."""
         if self.is_first and x is None:
             raise ValueError("the first pipeline stage needs the batch: eval_step(x)")
-        inputs = self._split(x, "x")
         like = x if x is not None else np.empty(0)
-        p, last = self.group.size, self.num_stages - 1
-        outs: list[Array] = []
-        self._sends = []
-        for mb in range(self.num_microbatches):
-            for stage in range(self.group.rank, self.num_stages, p):
-                if stage == 0 and inputs is not None:
-                    inp = inputs[mb]
-                else:
-                    inp = self._recv(stage - 1, mb, "F", like)
-                out = self.modules[stage // p].forward(inp)
-                self.modules[stage // p].take_forward_state()  # no backward follows
-                if stage == last:
-                    outs.append(out)
-                else:
-                    self._send(out, stage + 1)
-        self._finish_sends()
+        finals = self._run(self._plan_forward_only, self._split(x, "x"), None, like, {}, train=False)
+        outs = [finals[i] for i in sorted(finals)]
         return array_module(outs[0]).concatenate(outs) if outs else None
 
-    def _mark(self, action: schedules.Action, start: float) -> None:
-        """A traced compute span (``PARAMPLANE_TRACE``) per forward or backward: the schedule's timeline."""
-        if self._tracer is not None:
-            self._tracer.mark(f"{action}", start, time.monotonic(), stage=action.stage, mb=action.microbatch)
 
-    def _note(self, states: dict[tuple[int, int], Any]) -> None:
-        self._peak_sets = max(self._peak_sets, len(states))
-        self._peak_bytes = max(self._peak_bytes, sum(_nbytes(s) for s in states.values()))
+def _message(action: schedules.Action, num_ranks: int) -> Message:
+    """The message a send or receive action moves."""
+    sender = action.stage if action.kind.startswith("SEND") else schedules.peer_stage(action)
+    return Message(sender % num_ranks, action.kind[-1], sender, action.microbatch)
 
 
-def _source(action: schedules.Action) -> int:
-    """The stage a receive's message comes from."""
-    return action.stage - 1 if action.kind == "RECV_F" else action.stage + 1
+def _incoming(lists: list[list[schedules.Action]], rank: int) -> list[Message]:
+    """What ``rank`` receives from other ranks, in the order each sender sends it."""
+    p = len(lists)
+    return [
+        _message(a, p)
+        for src in range(p)
+        if src != rank
+        for a in lists[src]
+        if a.kind.startswith("SEND") and schedules.peer_stage(a) % p == rank
+    ]
+
+
+class _Op(NamedTuple):
+    """A forward or backward of one stage and microbatch, with its transfers: take ``incoming`` first (None:
+    the input is here), then send the result to group rank ``dst`` (None: it stays here)."""
+
+    forward: bool
+    stage: int
+    microbatch: int
+    module: Module
+    incoming: Message | None
+    dst: int | None
+    name: str
+
+
+def _compile(actions: Sequence[schedules.Action], modules: Sequence[Module], rank: int, p: int) -> list[_Op]:
+    """``actions`` as compute ops with their transfers fused in: each receive just before the compute it
+    feeds, each send right after the compute that makes it (receiving later or sending sooner than the
+    schedule says cannot deadlock: receiver threads take messages as they come, sends never wait)."""
+    mine = {(a.kind, a.stage, a.microbatch) for a in actions}
+    ops = []
+    for a in actions:
+        if a.kind not in ("F", "B"):
+            continue
+        forward = a.kind == "F"
+        recv = ("RECV_F" if forward else "RECV_B", a.stage, a.microbatch)
+        send = ("SEND_F" if forward else "SEND_B", a.stage, a.microbatch)
+        incoming = _message(schedules.Action(*recv), p) if recv in mine else None
+        target = (a.stage + 1 if forward else a.stage - 1) % p
+        ops.append(
+            _Op(
+                forward,
+                a.stage,
+                a.microbatch,
+                modules[a.stage // p],
+                incoming if incoming is not None and incoming.src != rank else None,
+                target if send in mine and target != rank else None,
+                str(a),
+            )
+        )
+    return ops
 
 
 def _nbytes(obj: Any) -> int:
-    if hasattr(obj, "nbytes") and hasattr(obj, "shape"):
-        return int(obj.nbytes)
-    if isinstance(obj, dict):
-        return sum(_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(v) for v in obj)
-    return 0
+    """Bytes of the arrays in a forward state (nested dicts, lists and tuples of them)."""
+    if type(obj) is dict:
+        obj = obj.values()
+    elif not isinstance(obj, (list, tuple)):
+        return int(obj.nbytes) if hasattr(obj, "nbytes") and hasattr(obj, "shape") else 0
+    total = 0
+    for v in obj:
+        total += _nbytes(v)
+    return total

@@ -1,0 +1,198 @@
+"""A pipeline's activations and gradients on threads of its own, off the training thread.
+
+Right after a stage computes, whatever the training thread does before its next compute is idle
+time of the pipeline, and a point-to-point send or receive through the group costs a few hundred
+microseconds there (the interpreter runs on caches the stage's compute just filled). So the
+training thread only hands each send to a sender thread, and takes each message it needs from
+what receiver threads (one per sending rank) received while it computed: each receives its
+sender's messages of the step in the order that rank sends them and files them by name, so a
+stage may take them in another order than they were sent. Every thread uses the group's own
+``send`` and ``recv``: headers, ordering and failures are the group's. The threads hold no
+reference to the pipeline and end when it is garbage collected.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from paramplane.group import ProcessGroup
+from paramplane.nn.module import Array
+from paramplane.node.arrays import array_module, is_device, to_host
+from paramplane.node.errors import CollectiveTimeout
+from paramplane.work import Work
+
+_STOP = object()  # ends a thread
+_END = object()  # ends a step's sends
+
+
+class Message(NamedTuple):
+    """One message of a step: from group rank ``src``, ``kind`` ``"F"`` (an activation) or ``"B"`` (a gradient)
+    of ``microbatch``, sent by stage ``stage``."""
+
+    src: int
+    kind: str
+    stage: int
+    microbatch: int
+
+
+class _Failed(NamedTuple):
+    exc: BaseException
+
+
+class _Mailbox:
+    """Where receiver threads file messages for the training thread.
+
+    While the training thread waits for a message, the receiver that files it then waits until it was
+    taken: otherwise that receiver would go straight on to its next receive, holding the interpreter's
+    lock while the training thread, just woken, needs it to go on with the pipeline."""
+
+    def __init__(self) -> None:
+        self.items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.awaited: Message | None = None
+        self.taken: queue.SimpleQueue[None] = queue.SimpleQueue()
+
+    def file(self, message: Message, value: Array) -> None:
+        """(A receiver thread.) Hand ``value`` over; if the training thread waits for it, until it took it."""
+        self.items.put((message, value))
+        if self.awaited == message:
+            try:
+                self.taken.get(timeout=1.0)
+            except queue.Empty:
+                pass  # it took another path (an error): go on
+
+
+class Transfers:
+    """The sender thread and the receiver threads of one pipeline over ``group``."""
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+        self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._sent: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._box = _Mailbox()
+        self._plans: dict[int, queue.SimpleQueue[Any]] = {}  # per sending rank, its receiver's work
+        self._early: dict[Message, Array] = {}  # received before the stage asked for them
+        self._like: Any = None
+        # Each receive waits at most the group's timeout, so a receiver files something within that.
+        self._bound = group.timeout + 5.0
+        _start(_send_loop, "send", group, self._outbox, self._sent)
+        weakref.finalize(self, _stop, self._outbox, self._plans)
+
+    def begin(self, incoming: Sequence[Message], like: Any) -> None:
+        """Start receiving a step's messages: ``incoming`` lists them in the order each sender sends them.
+        The first message of each (kind, stage) takes the dtype and shape its header carries, later ones must
+        match it (CollectiveMismatch otherwise). Messages arrive as host arrays and are taken on the device of
+        ``like``."""
+        self._like = like if is_device(like) else None
+        self._early.clear()
+        per_src: dict[int, list[Message]] = {}
+        for m in incoming:
+            per_src.setdefault(m.src, []).append(m)
+        for src, plan in per_src.items():
+            if src not in self._plans:
+                self._plans[src] = queue.SimpleQueue()
+                _start(_receive_loop, f"recv-{src}", self.group, self._plans[src], self._box)
+            self._plans[src].put(plan)
+
+    def send(self, x: Array, dst: int) -> None:
+        """Send ``x`` (not touched again by the caller) to group rank ``dst`` after every earlier send."""
+        if type(x) is not np.ndarray and is_device(x):
+            x = to_host(x)  # on the caller's stream, after the compute that made it
+        self._outbox.put((x, dst))
+
+    def take(self, message: Message) -> Array:
+        """``message`` (one of ``begin``'s) once it has come; raises a receive's error."""
+        got = self._early.pop(message, None)
+        box = self._box
+        while got is None:
+            try:
+                item = box.items.get(block=False)
+                waited = False
+            except queue.Empty:
+                box.awaited, waited = message, True
+                try:
+                    item = box.items.get(timeout=self._bound)
+                except queue.Empty:
+                    raise CollectiveTimeout(
+                        f"pipeline receive of {message} on group '{self.group.name}' not done after "
+                        f"{self._bound:.0f} s"
+                    ) from None
+                finally:
+                    box.awaited = None
+            if type(item) is _Failed:
+                raise item.exc
+            if item[0] == message:
+                got = item[1]
+                if waited:
+                    box.taken.put(None)  # its receiver waits for this (see _Mailbox)
+            else:
+                self._early[item[0]] = item[1]
+        if self._like is not None:
+            return array_module(self._like).asarray(got)
+        return got
+
+    def finish(self) -> None:
+        """Wait until every send of the step is done; raises the first send's error."""
+        self._outbox.put(_END)
+        try:
+            works = self._sent.get(timeout=self._bound)
+        except queue.Empty:
+            raise CollectiveTimeout(
+                f"pipeline sends on group '{self.group.name}' not handed over after {self._bound:.0f} s"
+            ) from None
+        if type(works) is _Failed:
+            raise works.exc
+        for work in works:
+            work.wait()
+
+
+def _start(target: Any, what: str, *args: Any) -> None:
+    threading.Thread(target=target, args=args, name=f"paramplane-pp-{what}", daemon=True).start()
+
+
+def _stop(outbox: queue.SimpleQueue[Any], plans: dict[int, queue.SimpleQueue[Any]]) -> None:
+    outbox.put(_STOP)
+    for plan in plans.values():
+        plan.put(_STOP)
+
+
+def _send_loop(group: ProcessGroup, outbox: queue.SimpleQueue[Any], sent: queue.SimpleQueue[Any]) -> None:
+    works: list[Work[Any]] = []
+    failure: _Failed | None = None
+    while True:
+        item = outbox.get()
+        if item is _STOP:
+            return
+        if item is _END:
+            sent.put(failure or works)
+            works, failure = [], None
+        elif failure is None:
+            try:
+                works.append(group.send(np.ascontiguousarray(item[0]), item[1], async_op=True))
+            except BaseException as exc:  # handed to the training thread at the step's end
+                failure = _Failed(exc)
+
+
+def _receive_loop(group: ProcessGroup, plans: queue.SimpleQueue[Any], box: _Mailbox) -> None:
+    while True:
+        plan = plans.get()
+        if plan is _STOP:
+            return
+        shapes: dict[tuple[str, int], tuple[Any, tuple[int, ...]]] = {}
+        for message in plan:
+            try:
+                known = shapes.get((message.kind, message.stage))
+                if known is None:
+                    got = group.recv_array(message.src)
+                    shapes[(message.kind, message.stage)] = (got.dtype, got.shape)
+                else:
+                    got = group.recv(np.empty(known[1], known[0]), message.src)
+            except BaseException as exc:
+                box.items.put(_Failed(exc))
+                break  # the group has failed: no later receive of this step can succeed
+            box.file(message, got)
