@@ -345,6 +345,8 @@ def _run_world(cfg: BenchConfig, impl: str, transport: str, world: int) -> list[
                     PARAMPLANE_WORLD_SIZE=str(world),
                     PARAMPLANE_TRANSPORT="grpc" if transport == "grpc-streams" else transport,
                     PARAMPLANE_TCP_LANE="0" if transport == "grpc-streams" else "1",
+                    # The grpc rows stand for the inter-host path: loopback TCP, not a same-machine socket.
+                    PARAMPLANE_UNIX_LANE="0",
                     PARAMPLANE_TIMEOUT=str(cfg.timeout_s),
                 )
             else:

@@ -190,10 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     base = _spawn("paramplane", 1, args, {})
     rows.append(_row("paramplane", "none", 1, base, args))
     for transport in ("shm", "grpc"):
-        res = _spawn("paramplane", 2, args, {"PARAMPLANE_TRANSPORT": transport})
+        # grpc stands for the inter-host path: loopback TCP lanes, not a same-machine Unix socket.
+        res = _spawn("paramplane", 2, args, {"PARAMPLANE_TRANSPORT": transport, "PARAMPLANE_UNIX_LANE": "0"})
         rows.append(_row("paramplane", transport, 2, res, args))
     # Gradient compression (DDP comm_dtype): half the bytes on the wire, where the wire is gRPC.
-    res = _spawn("paramplane", 2, args, {"PARAMPLANE_TRANSPORT": "grpc", "COMM_DTYPE": "bfloat16"})
+    res = _spawn(
+        "paramplane",
+        2,
+        args,
+        {"PARAMPLANE_TRANSPORT": "grpc", "PARAMPLANE_UNIX_LANE": "0", "COMM_DTYPE": "bfloat16"},
+    )
     rows.append(dict(_row("paramplane", "grpc", 2, res, args), comm_dtype="bfloat16"))
     try:
         import torch  # noqa: F401

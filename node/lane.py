@@ -23,8 +23,10 @@ import contextlib
 import hashlib
 import hmac
 import os
+import secrets
 import socket
 import struct
+import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -101,7 +103,9 @@ class LaneReader:
 
 
 class LaneServer:
-    """Accepts lane connections on ``bind_host`` (port 0: any free port)."""
+    """Accepts lane connections on ``bind_host`` (port 0: any free port) and, on Linux, on a name of its own
+    in the abstract Unix socket namespace: peers on the same machine (and network namespace) connect there,
+    which costs the kernel a fraction of a loopback TCP send (about 20 against 70 us here, cold)."""
 
     reader_shape: tuple[int, int] = (1 << 20, 16)
     """(chunk bytes, inbox depth) for readers; the peer plane sets its own."""
@@ -110,30 +114,40 @@ class LaneServer:
         self._token = token
         self._opener = opener
         self._serve = serve
-        self._sock: socket.socket | None = None
-        self._accepting: asyncio.Task[None] | None = None
+        self._socks: list[socket.socket] = []
+        self._accepting: list[asyncio.Task[None]] = []
         self._conns: set[asyncio.Task[None]] = set()
         self.port = 0
+        self.path = ""
 
-    async def start(self, bind_host: str) -> int:
+    async def start(self, bind_host: str, *, unix: bool = True) -> int:
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((bind_host, 0))
-        sock.listen(64)
-        sock.setblocking(False)
-        self._sock = sock
         self.port = int(sock.getsockname()[1])
-        self._accepting = asyncio.ensure_future(self._accept_loop())
+        self._listen(sock)
+        if unix and sys.platform.startswith("linux"):
+            local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            name = f"paramplane-lane-{secrets.token_hex(12)}"
+            local.bind("\0" + name)
+            self.path = name
+            self._listen(local)
         return self.port
 
-    async def _accept_loop(self) -> None:
+    def _listen(self, sock: socket.socket) -> None:
+        sock.listen(64)
+        sock.setblocking(False)
+        self._socks.append(sock)
+        self._accepting.append(asyncio.ensure_future(self._accept_loop(sock)))
+
+    async def _accept_loop(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
-        assert self._sock is not None
         while True:
-            conn, _ = await loop.sock_accept(self._sock)
+            conn, _ = await loop.sock_accept(sock)
             conn.setblocking(False)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if conn.family != socket.AF_UNIX:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             task = asyncio.ensure_future(self._handle(conn))
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
@@ -180,17 +194,18 @@ class LaneServer:
         return message.src, key, errors_only
 
     async def close(self) -> None:
-        if self._accepting is not None:
-            self._accepting.cancel()
+        for accepting in self._accepting:
+            accepting.cancel()
             with contextlib.suppress(BaseException):
-                await self._accepting
+                await accepting
+        self._accepting = []
         for task in list(self._conns):
             task.cancel()
         if self._conns:
             await asyncio.gather(*self._conns, return_exceptions=True)
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        for sock in self._socks:
+            sock.close()
+        self._socks = []
 
 
 def _framed(header: bytes) -> bytes:
@@ -206,10 +221,11 @@ def _consume(task: asyncio.Future[Any]) -> None:
 class LaneStream:
     """One outbound lane to a peer for one stream key (the lane's counterpart of ``OutStream``)."""
 
-    def __init__(self, dst: int, host: str, port: int) -> None:
+    def __init__(self, dst: int, host: str, port: int, path: str = "") -> None:
         self.dst = dst
         self.host = host
         self.port = port
+        self.path = path  # the peer's abstract Unix socket name: tried first (same machine), else TCP
         self.sock: socket.socket | None = None
         self.lock = asyncio.Lock()
         # Held while bytes go out, by the loop (a whole frame) or by a caller thread (``send_now``).
@@ -217,15 +233,33 @@ class LaneStream:
         self.broken = False
         self.opened: asyncio.Future[None] | None = None
 
-    async def connect(self, token: str | None, opening: bytes, timeout_s: float) -> None:
-        loop = asyncio.get_running_loop()
+    async def _dial(self, loop: asyncio.AbstractEventLoop) -> socket.socket:
+        """A connected socket: the peer's Unix socket name when it is reachable from here, else TCP."""
+        if self.path and sys.platform.startswith("linux"):
+            local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            local.setblocking(False)
+            try:
+                await loop.sock_connect(local, "\0" + self.path)
+                return local
+            except OSError:  # another machine or network namespace: no such name here
+                local.close()
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
+            await loop.sock_connect(sock, (self.host, self.port))
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    async def connect(self, token: str | None, opening: bytes, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        sock: socket.socket | None = None
+        try:
             async with asyncio.timeout(timeout_s):
-                await loop.sock_connect(sock, (self.host, self.port))
+                sock = await self._dial(loop)
                 nonce = bytearray(NONCE_BYTES)
                 if not await _recv_exact(loop, sock, memoryview(nonce)):
                     raise ConnectionResetError("the lane closed before its greeting")
@@ -235,7 +269,8 @@ class LaneStream:
                 if not await _recv_exact(loop, sock, memoryview(ok)) or ok[0] != 1:
                     raise ConnectionResetError("the lane refused the opening (job, rank or token)")
         except BaseException as exc:
-            sock.close()
+            if sock is not None:
+                sock.close()
             self.broken = True
             if isinstance(exc, (OSError, TimeoutError)):
                 raise PeerLost(

@@ -180,11 +180,13 @@ class PeerPlane:
         advertise_host: str | None = None,
         tls: TlsConfig | None = None,
         lane: bool = True,
+        unix_lane: bool = True,
     ) -> None:
         self._token = token
         self._lane_wanted = lane and tls is None
+        self._unix_lane = unix_lane
         self._lane: LaneServer | None = None
-        self._lane_ports: dict[int, asyncio.Future[int]] = {}
+        self._lane_ports: dict[int, asyncio.Future[tuple[int, str]]] = {}
         self._bind_host = bind_host
         self._advertise_host = advertise_host or bind_host
         self._tls = tls
@@ -233,7 +235,7 @@ class PeerPlane:
         if self._lane_wanted:
             self._lane = LaneServer(self._token, self._lane_open, self._lane_serve)
             self._lane.reader_shape = (CHUNK_BYTES, INBOX_DEPTH)
-            await self._lane.start(self._bind_host)
+            await self._lane.start(self._bind_host, unix=self._unix_lane)
         return f"{self._advertise_host}:{port}"
 
     def configure(self, rank: int, job_id: str, addresses: dict[int, str]) -> None:
@@ -379,8 +381,8 @@ class PeerPlane:
         return self._inboxes.get((src, key))
 
     async def _hello(self, request: peer_pb2.HelloRequest, context: Any) -> peer_pb2.HelloResponse:
-        port = self._lane.port if self._lane is not None else 0
-        return peer_pb2.HelloResponse(rank=self.rank, job_id=self.job_id, lane_port=port)
+        port, path = (self._lane.port, self._lane.path) if self._lane is not None else (0, "")
+        return peer_pb2.HelloResponse(rank=self.rank, job_id=self.job_id, lane_port=port, lane_path=path)
 
     async def _push(self, requests: AsyncIterator[bytes], context: Any) -> bytes:
         it = requests.__aiter__()
@@ -564,14 +566,14 @@ class PeerPlane:
         else:
             self.fail_key(key, what)
 
-    async def _peer_lane_port(self, dst: int) -> int:
-        """``dst``'s lane port (0: none), asked once over gRPC."""
+    async def _peer_lane_port(self, dst: int) -> tuple[int, str]:
+        """``dst``'s lane port (0: none) and Unix socket name ("": none), asked once over gRPC."""
         fut = self._lane_ports.get(dst)
         if fut is None:
             fut = self._lane_ports[dst] = asyncio.ensure_future(self._ask_lane_port(dst))
         return await asyncio.shield(fut)
 
-    async def _ask_lane_port(self, dst: int) -> int:
+    async def _ask_lane_port(self, dst: int) -> tuple[int, str]:
         hello = self._channel(dst).unary_unary(
             f"/{SERVICE}/Hello",
             request_serializer=peer_pb2.HelloRequest.SerializeToString,
@@ -586,7 +588,7 @@ class PeerPlane:
             )
         except grpc.aio.AioRpcError as exc:
             raise PeerLost(f"rank {dst} is unreachable: {exc.code().name} {exc.details()}", dst) from None
-        return int(reply.lane_port)
+        return int(reply.lane_port), str(reply.lane_path)
 
     # -- sending ---------------------------------------------------------------------------------
     def _channel(self, dst: int) -> Any:
@@ -623,11 +625,11 @@ class PeerPlane:
     async def _open(self, dst: int, key: str) -> OutStream | LaneStream:
         s = self._streams.get((dst, key))
         if s is None and self._lane is not None:
-            port = await self._peer_lane_port(dst)
+            port, path = await self._peer_lane_port(dst)
             s = self._streams.get((dst, key))  # another sender may have opened it meanwhile
             if s is None and port:
                 host, _ = parse_address(self._addresses[dst], f"rank {dst}'s address")
-                lane = LaneStream(dst, host, port)
+                lane = LaneStream(dst, host, port, path)
                 self._streams[(dst, key)] = lane
                 opening = peer_pb2.StreamOpen(src=self.rank, job_id=self.job_id, group=key)
                 lane.opened = asyncio.ensure_future(

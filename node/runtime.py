@@ -68,6 +68,9 @@ class RuntimeConfig:
     tcp_lane: bool = True
     """Carry data frames between ranks on raw TCP lanes (node/lane.py) instead of gRPC streams;
     off under TLS (lanes are plaintext) or with PARAMPLANE_TCP_LANE=0."""
+    unix_lane: bool = True
+    """Peers on the same machine (and network namespace) reach this rank's lane through an abstract Unix
+    socket (Linux) instead of loopback TCP; 0 keeps TCP (to measure the inter-host path on one machine)."""
     coordinator_root_cert: bytes | None = None
     """Root certificate to verify a TLS coordinator."""
     tracer: Tracer | None = None
@@ -103,6 +106,7 @@ ENV_OF = {
     "transport": "PARAMPLANE_TRANSPORT",
     "shm_slot_mb": "PARAMPLANE_SHM_SLOT_MB",
     "tcp_lane": "PARAMPLANE_TCP_LANE",
+    "unix_lane": "PARAMPLANE_UNIX_LANE",
 }
 """The PARAMPLANE_* variable that sets each plain RuntimeConfig field (``pp.init`` reads them, parsed by the
 field's type; its arguments win). token, tls, coordinator_root_cert and tracer come from files and folders
@@ -131,6 +135,7 @@ class NodeRuntime:
             advertise_host=config.advertise_host,
             tls=config.tls,
             lane=config.tcp_lane,
+            unix_lane=config.unix_lane,
         )
         self.transport: TransportPolicy = config.transport
         self.shm_slot_bytes = slot_bytes(config.shm_slot_mb)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cparamplane/protos/peer.proto\x12\rparamplane.v1\"\x1c\n\x0cHelloRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\"@\n\rHelloResponse\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x11\n\tlane_port\x18\x03 \x01(\x05\"8\n\nStreamOpen\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05group\x18\x03 \x01(\t\"\x8a\x02\n\x0b\x46rameHeader\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x03\x12\n\n\x02op\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\x0b\n\x03src\x18\x06 \x01(\x05\x12\x0b\n\x03\x64st\x18\x07 \x01(\x05\x12\x0c\n\x04step\x18\x08 \x01(\x05\x12\x0e\n\x06nbytes\x18\t \x01(\x03\x12\x12\n\nnum_chunks\x18\n \x01(\x05\x12\x0b\n\x03\x61rg\x18\x0b \x01(\t\x12\x16\n\x0einline_payload\x18\r \x01(\x0c\x12\x15\n\rend_of_stream\x18\x0e \x01(\x08\x12\'\n\x07\x66\x61ilure\x18\x0f \x01(\x0b\x32\x16.paramplane.v1.FailureJ\x04\x08\x0c\x10\r\"3\n\x07\x46\x61ilure\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t2J\n\x04Peer\x12\x42\n\x05Hello\x12\x1b.paramplane.v1.HelloRequest\x1a\x1c.paramplane.v1.HelloResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cparamplane/protos/peer.proto\x12\rparamplane.v1\"\x1c\n\x0cHelloRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\"S\n\rHelloResponse\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x11\n\tlane_port\x18\x03 \x01(\x05\x12\x11\n\tlane_path\x18\x04 \x01(\t\"8\n\nStreamOpen\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05group\x18\x03 \x01(\t\"\x8a\x02\n\x0b\x46rameHeader\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x03\x12\n\n\x02op\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\x0b\n\x03src\x18\x06 \x01(\x05\x12\x0b\n\x03\x64st\x18\x07 \x01(\x05\x12\x0c\n\x04step\x18\x08 \x01(\x05\x12\x0e\n\x06nbytes\x18\t \x01(\x03\x12\x12\n\nnum_chunks\x18\n \x01(\x05\x12\x0b\n\x03\x61rg\x18\x0b \x01(\t\x12\x16\n\x0einline_payload\x18\r \x01(\x0c\x12\x15\n\rend_of_stream\x18\x0e \x01(\x08\x12\'\n\x07\x66\x61ilure\x18\x0f \x01(\x0b\x32\x16.paramplane.v1.FailureJ\x04\x08\x0c\x10\r\"3\n\x07\x46\x61ilure\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t2J\n\x04Peer\x12\x42\n\x05Hello\x12\x1b.paramplane.v1.HelloRequest\x1a\x1c.paramplane.v1.HelloResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,13 +34,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HELLOREQUEST']._serialized_start=47
   _globals['_HELLOREQUEST']._serialized_end=75
   _globals['_HELLORESPONSE']._serialized_start=77
-  _globals['_HELLORESPONSE']._serialized_end=141
-  _globals['_STREAMOPEN']._serialized_start=143
-  _globals['_STREAMOPEN']._serialized_end=199
-  _globals['_FRAMEHEADER']._serialized_start=202
-  _globals['_FRAMEHEADER']._serialized_end=468
-  _globals['_FAILURE']._serialized_start=470
-  _globals['_FAILURE']._serialized_end=521
-  _globals['_PEER']._serialized_start=523
-  _globals['_PEER']._serialized_end=597
+  _globals['_HELLORESPONSE']._serialized_end=160
+  _globals['_STREAMOPEN']._serialized_start=162
+  _globals['_STREAMOPEN']._serialized_end=218
+  _globals['_FRAMEHEADER']._serialized_start=221
+  _globals['_FRAMEHEADER']._serialized_end=487
+  _globals['_FAILURE']._serialized_start=489
+  _globals['_FAILURE']._serialized_end=540
+  _globals['_PEER']._serialized_start=542
+  _globals['_PEER']._serialized_end=616
 # @@protoc_insertion_point(module_scope)

@@ -51,20 +51,26 @@ class HelloResponse(_message.Message):
     RANK_FIELD_NUMBER: _builtins.int
     JOB_ID_FIELD_NUMBER: _builtins.int
     LANE_PORT_FIELD_NUMBER: _builtins.int
+    LANE_PATH_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     job_id: _builtins.str
     lane_port: _builtins.int
     """Port of this rank's raw TCP data lane on its advertised host; 0: none (TLS, or disabled)."""
+    lane_path: _builtins.str
+    """The same lane's name in the abstract Unix socket namespace (Linux), for peers on the same machine and in
+    the same network namespace; "" when none. A peer that cannot connect to it uses the TCP port.
+    """
     def __init__(
         self,
         *,
         rank: _builtins.int = ...,
         job_id: _builtins.str = ...,
         lane_port: _builtins.int = ...,
+        lane_path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "lane_port", b"lane_port", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "lane_path", b"lane_path", "lane_port", b"lane_port", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

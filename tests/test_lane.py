@@ -1,4 +1,5 @@
-"""The raw TCP data lane: who may open one, what it carries, and what a bad sender gets."""
+"""The raw data lane (TCP, or a Unix socket on the same machine): who may open one, what it carries, and what a
+bad sender gets."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import asyncio
 import random
 import socket
 import struct
+import sys
 from typing import Any
 
 import grpc
@@ -130,16 +132,56 @@ async def test_garbage_and_oversized_openings_are_dropped_and_the_server_lives_o
         await server.close()
 
 
-async def _two_planes() -> tuple[PeerPlane, PeerPlane]:
-    a, b = PeerPlane(token=TOKEN), PeerPlane(token=TOKEN)
+linux_only = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="abstract Unix sockets are Linux's"
+)
+
+
+@linux_only
+async def test_a_lane_on_the_same_machine_takes_the_unix_socket_authenticated_alike() -> None:
+    server, rec = await _server()
+    try:
+        assert server.path.startswith("paramplane-lane-") and server.port > 0
+        lane = LaneStream(0, "127.0.0.1", server.port, server.path)
+        lane.opened = asyncio.ensure_future(lane.connect(TOKEN, _opening(), 5.0))
+        await bounded(lane.opened)
+        assert lane.sock is not None and lane.sock.family == socket.AF_UNIX
+        await bounded(lane.send_frame([peer_pb2.FrameHeader(group="g", seq=5).SerializeToString()]))
+        await bounded(lane.finish())
+        await bounded(rec.done.wait())
+        assert [peer_pb2.FrameHeader.FromString(h).seq for h in rec.headers] == [5]
+        stranger = LaneStream(0, "127.0.0.1", server.port, server.path)
+        with pytest.raises(PeerLost, match=r"refused|did not open"):
+            await bounded(stranger.connect("wrong-token", _opening(), 5.0))
+        assert rec.served == [(1, "g", False)]
+    finally:
+        await server.close()
+
+
+async def test_a_unix_name_not_reachable_from_here_falls_back_to_tcp() -> None:
+    """A peer on another machine (or network namespace) advertises a name this one does not have."""
+    server, rec = await _server()
+    try:
+        lane = LaneStream(0, "127.0.0.1", server.port, "paramplane-lane-on-another-machine")
+        await bounded(lane.connect(TOKEN, _opening(), 5.0))
+        assert lane.sock is not None and lane.sock.family == socket.AF_INET
+        assert rec.served == [(1, "g", False)]
+        lane.abandon()
+    finally:
+        await server.close()
+
+
+async def _two_planes(unix_lane: bool = True) -> tuple[PeerPlane, PeerPlane]:
+    a, b = PeerPlane(token=TOKEN, unix_lane=unix_lane), PeerPlane(token=TOKEN, unix_lane=unix_lane)
     addresses = {0: await a.start(), 1: await b.start()}
     a.configure(0, JOB, addresses)
     b.configure(1, JOB, addresses)
     return a, b
 
 
-async def test_frames_between_two_planes_travel_on_a_lane() -> None:
-    a, b = await _two_planes()
+@pytest.mark.parametrize("unix_lane", [True, False], ids=["unix", "tcp"])
+async def test_frames_between_two_planes_travel_on_a_lane(unix_lane: bool) -> None:
+    a, b = await _two_planes(unix_lane)
     try:
         sender, receiver = GrpcChannel(a, "g", [0, 1], 0), GrpcChannel(b, "g", [0, 1], 1)
         spec = OpSpec("g", 1, "send/recv", "float32", (600_000,))
@@ -152,7 +194,10 @@ async def test_frames_between_two_planes_travel_on_a_lane() -> None:
             )
         )
         assert np.array_equal(got, data)
-        assert isinstance(await a.stream(1, "g"), LaneStream)
+        lane = await a.stream(1, "g")
+        assert isinstance(lane, LaneStream) and lane.sock is not None
+        unix = unix_lane and sys.platform.startswith("linux")
+        assert lane.sock.family == (socket.AF_UNIX if unix else socket.AF_INET)
     finally:
         await a.close(0.5)
         await b.close(0.5)

@@ -16,9 +16,12 @@ last microbatch (``mesh.group("dp")``; each replica steps on its share of the ba
 With ``scale_grads`` (default) each microbatch's loss gradient is divided by the number of
 microbatches: a ``"mean"`` loss then gives the gradient of the mean loss over the whole batch.
 For a ``"sum"`` loss pass ``scale_grads=False`` to get the gradient of the sum over the batch.
-Sends never wait for the receiver (what the socket does not take, the sender's event loop finishes
-in order) and a receive reads its frame when the stage needs it, so a schedule that ``validate``
-accepts cannot deadlock, whatever the size of the activations.
+Interleaved 1F1B takes ``microbatch_group`` (default p): microbatches pass through each chunk in groups
+of that many; larger groups hide each transfer behind more compute and keep more activations alive.
+The training thread only computes: transfers run on threads of their own (``transfers.py``), which
+receive each neighbour's messages in the order it sends them and file them by name. Sends never wait
+for the receiver (what the socket does not take, the sender's event loop finishes in order), so a
+schedule that ``validate`` accepts cannot deadlock, whatever the size of the activations.
 """
 
 from __future__ import annotations
@@ -39,7 +42,15 @@ from paramplane.parallel.pipeline.transfers import Message, Transfers
 
 
 class Pipeline:
-    """This rank's part of a pipeline over ``group`` (see the module docstring)."""
+    """This rank's part of a pipeline over ``group`` (see the module docstring).
+
+    ``stage_modules``: this rank's stage, or its v chunks for ``interleaved_1f1b`` (stage ``s`` on rank
+    ``s % p``); ``schedule``: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``; ``loss_fn`` on the last
+    stage; ``scale_grads`` divides each microbatch's loss gradient by ``microbatches`` (right for a mean loss);
+    ``dp_group`` averages the stage gradients over data-parallel replicas after the step;
+    ``microbatch_group`` (interleaved 1F1B only, default p) is how many microbatches pass through a chunk
+    before the next chunk.
+    """
 
     def __init__(
         self,

@@ -173,7 +173,8 @@ def _send_loop(group: ProcessGroup, outbox: queue.SimpleQueue[Any], sent: queue.
             works, failure = [], None
         elif failure is None:
             try:
-                works.append(group.send(np.ascontiguousarray(item[0]), item[1], async_op=True))
+                x = item[0] if item[0].flags.c_contiguous else np.ascontiguousarray(item[0])
+                works.append(group.send(x, item[1], async_op=True))
             except BaseException as exc:  # handed to the training thread at the step's end
                 failure = _Failed(exc)
 
