@@ -195,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
                     "bench": "pipeline",
                     "schedule": first["schedule"],
                     "microbatch_group": first["microbatch_group"],
+                    # Ranks of one machine meet on Unix-socket lanes unless PARAMPLANE_UNIX_LANE=0 (TCP, the
+                    # inter-host path).
+                    "unix_lane": os.environ.get("PARAMPLANE_UNIX_LANE", "1") != "0",
                     "p": P,
                     "m": m,
                     "v": v,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -59,3 +59,33 @@ class LoopThread:
             pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
+
+
+async def on_daemon_thread(fn: Callable[..., T], *args: Any, name: str) -> T:
+    """``fn(*args)`` on a thread of its own that never holds up the interpreter's exit (an executor's would
+    be joined there): for blocking calls that may wait long and cannot be cancelled. Cancelling the await
+    leaves the call running; its result is then dropped."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if fut.done():
+            return  # the awaiting coroutine was cancelled or timed out
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    def run() -> None:
+        result, exc = None, None
+        try:
+            result = fn(*args)
+        except BaseException as e:
+            exc = e
+        try:
+            loop.call_soon_threadsafe(settle, result, exc)
+        except RuntimeError:
+            pass  # the loop has stopped
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return await fut

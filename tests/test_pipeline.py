@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from _world import run_example, run_world
 
+from paramplane.node.arrays import cupy_module
 from paramplane.parallel.pipeline import schedules
 
 
@@ -196,3 +197,12 @@ def test_bubble_benchmark_measures_idle_from_the_traced_compute(tmp_path: Path) 
         ("interleaved_1f1b", None): 5,
         ("interleaved_1f1b", 4): 7,
     }
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cupy_module() is None, reason="cupy finds no CUDA device")
+def test_pipeline_on_cupy_equals_one_process() -> None:
+    """1F1B and interleaved 1F1B (groups of 2 and 4) with stages on the GPU: activations cross through host
+    memory on the stage's stream, every gradient equals the numpy model's."""
+    world = run_world(2, "pipeline_gpu.py", env={"PARAMPLANE_TIMEOUT": "120"}, timeout=300)
+    assert all(r["num_checks"] >= 3 * 4 for r in world.check_ok())

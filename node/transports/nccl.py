@@ -22,6 +22,7 @@ from typing import Any
 
 from paramplane.node.arrays import dtype_name
 from paramplane.node.errors import CollectiveTimeout, DeviceCommError
+from paramplane.node.loop import on_daemon_thread
 from paramplane.node.spec import OpSpec
 from paramplane.node.topology import Topology
 from paramplane.node.transports.base import Bounds, Transport
@@ -161,34 +162,17 @@ class NcclComm:
             raw = await kv.kv_get(key, wait=True, timeout_s=timeout_s)
             assert raw is not None
             uid = unpack_unique_id(raw)
-        loop = asyncio.get_running_loop()
-        built: asyncio.Future[Any] = loop.create_future()
 
-        def settle(result: Any, error: BaseException | None) -> None:
-            if built.done():
-                return
-            if error is not None:
-                built.set_exception(error)
-            else:
-                built.set_result(result)
-
-        def build() -> None:
+        def build() -> Any:
             import cupy
 
-            comm, error = None, None
-            try:
-                with cupy.cuda.Device(device):
-                    comm = nccl.NcclCommunicator(len(ranks), uid, index)
-            except BaseException as exc:  # handed to the awaiting coroutine
-                error = exc
-            with contextlib.suppress(RuntimeError):  # the loop closed while NCCL waited
-                loop.call_soon_threadsafe(settle, comm, error)
+            with cupy.cuda.Device(device):
+                return nccl.NcclCommunicator(len(ranks), uid, index)
 
         # NCCL's init blocks until every member joins and cannot be cancelled: a daemon thread keeps a
         # member that never comes from holding this process open at exit.
-        threading.Thread(target=build, name=f"nccl-init-{name}", daemon=True).start()
         try:
-            comm = await asyncio.wait_for(asyncio.shield(built), timeout_s)
+            comm = await asyncio.wait_for(on_daemon_thread(build, name=f"nccl-init-{name}"), timeout_s)
         except TimeoutError:
             raise CollectiveTimeout(
                 f"NCCL communicator for group {name!r} not formed within {timeout_s:.0f} s: "

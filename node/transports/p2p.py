@@ -31,6 +31,7 @@ from paramplane.node.algorithms import ring
 from paramplane.node.arrays import DTYPES, dtype_name
 from paramplane.node.errors import PeerLost, PlaneClosed, PlaneError
 from paramplane.node.lane import LaneStream
+from paramplane.node.loop import on_daemon_thread
 from paramplane.node.spec import OpSpec
 from paramplane.node.transports.grpc import INLINE_BYTES, GrpcTransport
 from paramplane.protos import peer_pb2
@@ -261,7 +262,10 @@ class GrpcPointToPoint(GrpcTransport):
                 if failure is not None:
                     raise failure
                 lane = await self.plane.direct.wait(self.channel.ranks[src], self.key)
-                got = await _on_daemon_thread(self._read, lane.next_item, flat, src, spec)
+                # The read waits up to the group's timeout unless the lane fails.
+                got = await on_daemon_thread(
+                    self._read, lane.next_item, flat, src, spec, name="paramplane-p2p-recv"
+                )
                 self._remember(line, src, spec, got, flat)
                 return got
             if flat is None:
@@ -351,32 +355,3 @@ def _line_of(lines: dict[int, _Line], peer: int) -> _Line:
 def _cancelled(out: concurrent.futures.Future[Any], task: asyncio.Future[None]) -> None:
     if task.cancelled() and not out.done():
         out.set_exception(PlaneClosed("the plane was shut down while the op was pending"))
-
-
-async def _on_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` on a thread of its own that never holds up the interpreter's exit (an executor's
-    would be joined there, and a read waits up to the group's timeout unless the lane fails)."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: Any, exc: BaseException | None) -> None:
-        if fut.done():
-            return  # the awaiting op was cancelled or timed out
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(result)
-
-    def run() -> None:
-        result, exc = None, None
-        try:
-            result = fn(*args)
-        except BaseException as e:
-            exc = e
-        try:
-            loop.call_soon_threadsafe(settle, result, exc)
-        except RuntimeError:
-            pass  # the loop has stopped
-
-    threading.Thread(target=run, name="paramplane-p2p-recv", daemon=True).start()
-    return await fut

@@ -46,29 +46,24 @@ def count_direct_receives() -> dict[str, int]:
     before (``recv_small``: ``short``), and those that raised there."""
     from paramplane.node.transports.p2p import GrpcPointToPoint
 
-    counts = {"direct": 0, "direct_raised": 0, "short": 0, "short_raised": 0, "loop": 0}
-    recv_now, recv_small = GrpcPointToPoint.recv_now, GrpcPointToPoint.recv_small
+    counts = {"direct": 0, "direct_raised": 0, "short": 0, "short_raised": 0, "not_short": 0, "loop": 0}
 
-    def counting(self: GrpcPointToPoint, *args: Any) -> Any:
-        try:
-            got = recv_now(self, *args)
-        except Exception:
-            counts["direct_raised"] += 1
-            raise
-        counts["loop" if got is None else "direct"] += 1
-        return got
+    def counting(method: Any, path: str, none: str) -> Any:
+        """``method`` counting its calls under ``path`` (None returned: under ``none``), and raises."""
 
-    def counting_small(self: GrpcPointToPoint, *args: Any) -> Any:
-        try:
-            got = recv_small(self, *args)
-        except Exception:
-            counts["short_raised"] += 1
-            raise
-        counts["short"] += got is not None
-        return got
+        def counted(self: GrpcPointToPoint, *args: Any) -> Any:
+            try:
+                got = method(self, *args)
+            except Exception:
+                counts[f"{path}_raised"] += 1
+                raise
+            counts[none if got is None else path] += 1
+            return got
 
-    GrpcPointToPoint.recv_now = counting  # type: ignore[method-assign]
-    GrpcPointToPoint.recv_small = counting_small  # type: ignore[method-assign]
+        return counted
+
+    GrpcPointToPoint.recv_now = counting(GrpcPointToPoint.recv_now, "direct", "loop")  # type: ignore[method-assign]
+    GrpcPointToPoint.recv_small = counting(GrpcPointToPoint.recv_small, "short", "not_short")  # type: ignore[method-assign]
     return counts
 
 

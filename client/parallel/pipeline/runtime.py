@@ -138,6 +138,13 @@ class Pipeline:
             raise ValueError(f"{what} has {x.shape[0]} rows, which do not split into {m} equal microbatches")
         return [x[i * (x.shape[0] // m) : (i + 1) * (x.shape[0] // m)] for i in range(m)]
 
+    def _like(self, x: Array | None, target: Array | None) -> Any:
+        """An array on the device this rank's stages compute on (messages are taken there): a parameter's,
+        else the batch's or the target's (a stage without parameters), else the host."""
+        for p in self.parameters():
+            return p.data
+        return x if x is not None else (target if target is not None else np.empty(0))
+
     def step(self, x: Array | None = None, target: Array | None = None) -> list[float] | None:
         """One training step over the batch; per-microbatch losses on the last stage, None elsewhere."""
         if self.is_first and x is None:
@@ -145,7 +152,7 @@ class Pipeline:
         if self.is_last and (target is None or self.loss_fn is None):
             raise ValueError("the last pipeline stage needs step(..., target=...) and a loss_fn")
         inputs, targets = self._split(x, "x"), self._split(target, "target")
-        like = x if x is not None else (target if target is not None else np.empty(0))
+        like = self._like(x, target)
         losses: dict[int, float] = {}
         self._run(self._plan, inputs, targets, like, losses, train=True)
         if self.dp_group is not None and self.dp_group.size > 1:
@@ -256,7 +263,7 @@ class Pipeline:
         """Forward only, microbatch by microbatch; the concatenated outputs on the last stage."""
         if self.is_first and x is None:
             raise ValueError("the first pipeline stage needs the batch: eval_step(x)")
-        like = x if x is not None else np.empty(0)
+        like = self._like(x, None)
         finals = self._run(self._plan_forward_only, self._split(x, "x"), None, like, {}, train=False)
         outs = [finals[i] for i in sorted(finals)]
         return array_module(outs[0]).concatenate(outs) if outs else None

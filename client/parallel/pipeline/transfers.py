@@ -1,7 +1,7 @@
 """A pipeline's activations and gradients on threads of its own, off the training thread.
 
 Right after a stage computes, whatever the training thread does before its next compute is idle
-time of the pipeline, and a point-to-point send or receive through the group costs a few hundred
+time of the pipeline, and a point-to-point send or receive through the group costs over a hundred
 microseconds there (the interpreter runs on caches the stage's compute just filled). So the
 training thread only hands each send to a sender thread, and takes each message it needs from
 what receiver threads (one per sending rank) received while it computed: each receives its
@@ -80,7 +80,7 @@ class Transfers:
         self._like: Any = None
         # Each receive waits at most the group's timeout, so a receiver files something within that.
         self._bound = group.timeout + 5.0
-        _start(_send_loop, "send", group, self._outbox, self._sent)
+        _start(_send_loop, "send", group, self._outbox, self._sent, self._box)
         weakref.finalize(self, _stop, self._outbox, self._plans)
 
     def begin(self, incoming: Sequence[Message], like: Any) -> None:
@@ -106,7 +106,7 @@ class Transfers:
         self._outbox.put((x, dst))
 
     def take(self, message: Message) -> Array:
-        """``message`` (one of ``begin``'s) once it has come; raises a receive's error."""
+        """``message`` (one of ``begin``'s) once it has come; raises a receive's (or a failed send's) error."""
         got = self._early.pop(message, None)
         box = self._box
         while got is None:
@@ -161,7 +161,9 @@ def _stop(outbox: queue.SimpleQueue[Any], plans: dict[int, queue.SimpleQueue[Any
         plan.put(_STOP)
 
 
-def _send_loop(group: ProcessGroup, outbox: queue.SimpleQueue[Any], sent: queue.SimpleQueue[Any]) -> None:
+def _send_loop(
+    group: ProcessGroup, outbox: queue.SimpleQueue[Any], sent: queue.SimpleQueue[Any], box: _Mailbox
+) -> None:
     works: list[Work[Any]] = []
     failure: _Failed | None = None
     while True:
@@ -175,8 +177,9 @@ def _send_loop(group: ProcessGroup, outbox: queue.SimpleQueue[Any], sent: queue.
             try:
                 x = item[0] if item[0].flags.c_contiguous else np.ascontiguousarray(item[0])
                 works.append(group.send(x, item[1], async_op=True))
-            except BaseException as exc:  # handed to the training thread at the step's end
+            except BaseException as exc:  # raised by the training thread's next take, or at the step's end
                 failure = _Failed(exc)
+                box.items.put(failure)
 
 
 def _receive_loop(group: ProcessGroup, plans: queue.SimpleQueue[Any], box: _Mailbox) -> None:
