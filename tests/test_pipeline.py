@@ -154,6 +154,12 @@ def test_pipeline_times_data_parallel_trains_like_one_process() -> None:
     assert all(r["num_checks"] >= 2 for r in world.check_ok())
 
 
+def test_dp_times_pp_trains_the_digits_mlp_with_the_losses_of_ddp() -> None:
+    world = run_world(4, "pipeline.py", args=["digits_3d"], env={"PARAMPLANE_TIMEOUT": "60"}, timeout=240)
+    results = world.check_ok()
+    assert sum(r["num_checks"] for r in results) == 2 * 3  # the two last-stage ranks check the losses
+
+
 def test_train_pipeline_example_runs_under_the_launcher() -> None:
     out = run_example("train_pipeline.py", 2, "--epochs", "2")
     match = re.search(r"test accuracy: (\d\.\d+)", out)

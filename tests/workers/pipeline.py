@@ -1,7 +1,7 @@
 """Pipeline scenarios: every schedule equals the unpipelined model on the whole batch.
 
 Usage: ``pipeline.py SCHEDULE MICROBATCHES CHUNKS REDUCTION [MICROBATCH_GROUP]``, or ``pipeline.py SCENARIO``
-(errors, bad_shape, kill, dp_pp, large).
+(errors, bad_shape, kill, dp_pp, digits_3d, large).
 """
 
 from __future__ import annotations
@@ -198,6 +198,40 @@ def dp_pp(world: Any, rep: Report) -> None:
         rep.equal(f"stage {s} {name}", got.data, want.data, rtol=1e-10)
 
 
+def digits_3d(world: Any, rep: Report) -> None:
+    """dp 2 x pp 2 on 4 ranks trains the digits MLP of examples/train_ddp.py (split after its first ReLU) with
+    the per-step losses of DDP over the same 4 ranks: same initial weights, optimizer and batches."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    from train_ddp import build_model, load_data, train
+
+    from paramplane.optim import AdamW
+
+    batch, m, lr = 128, 4, 3e-3
+    ddp_losses = train(world, epochs=1, batch_size=batch, lr=lr, progress=False)["losses"]
+    mesh = pp.Mesh(world, dp=2, pp=2)
+    s, d = mesh.coordinate("pp"), mesh.coordinate("dp")
+    layers = list(build_model(0))  # DDP starts from rank 0's build_model(0) too
+    stage = Sequential(*(layers[:2] if s == 0 else layers[2:]))
+    pipe = pp.Pipeline(stage, mesh.group("pp"), "1f1b", m, CrossEntropyLoss(), dp_group=mesh.group("dp"))
+    opt = AdamW(stage.parameters(), lr=lr, weight_decay=1e-4)
+    x_train, y_train, _, _ = load_data(0)
+    order = np.random.default_rng(0).permutation(len(x_train))  # train()'s epoch 0 order
+    losses = []
+    for start in range(0, len(x_train) - batch + 1, batch):  # whole batches: each replica takes half
+        mine = order[start : start + batch][d * batch // 2 : (d + 1) * batch // 2]
+        out = pipe.step(x_train[mine] if pipe.is_first else None, y_train[mine] if pipe.is_last else None)
+        opt.step()
+        opt.zero_grad()
+        if out is not None:
+            losses.append(float(np.mean(out)))
+    if pipe.is_last:
+        mean = np.array(losses)
+        mesh.group("dp").all_reduce(mean, op="mean")  # the two replicas' halves: the global batch's mean
+        rep.check("3-D: every whole batch trained", len(losses) == len(x_train) // batch, str(len(losses)))
+        rep.equal("3-D: per-step losses equal DDP's", mean, np.array(ddp_losses[: len(losses)]), rtol=1e-4)
+        rep.check("3-D: the loss fell", mean[-1] < 0.9 * mean[0], f"{mean[0]:.3f} -> {mean[-1]:.3f}")
+
+
 def errors(world: Any, rep: Report) -> None:
     g = world.group
     module = stage_module(g.rank, 2)
@@ -260,6 +294,9 @@ def main() -> None:
         return
     if sys.argv[1] == "dp_pp":
         run_rank(dp_pp)
+        return
+    if sys.argv[1] == "digits_3d":
+        run_rank(digits_3d)
         return
     schedule, m, v, reduction = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     group = int(sys.argv[5]) if len(sys.argv) > 5 else None
