@@ -120,7 +120,8 @@ class Pipeline:
         return [p for m in self.modules for p in m.parameters()]
 
     def memory_stats(self) -> dict[str, Any]:
-        """Measured peak of live activation sets (and their bytes) in the last step, beside the formulas."""
+        """Measured peak of live activation sets (and their bytes, each stage's states sized once per step:
+        its microbatches share a shape) in the last step, beside the formulas."""
         p, m = self.group.size, self.num_microbatches
         return {
             "peak_activation_sets": self._peak_sets,
@@ -184,10 +185,10 @@ class Pipeline:
             ) from self._broken
         transfers = self._transfers
         transfers.begin(self._incoming if train else self._incoming_forward_only, like)
-        local: dict[
-            tuple[str, int, int], Array
-        ] = {}  # values between stages of this rank, and loss gradients
-        states: dict[tuple[int, int], Any] = {}
+        # Values between stages of this rank, and loss gradients; forward states with their bytes.
+        local: dict[tuple[str, int, int], Array] = {}
+        states: dict[tuple[int, int], tuple[Any, int]] = {}
+        state_bytes: dict[int, int] = {}  # per stage: its microbatches share a shape, so their states a size
         finals: dict[int, Array] = {}
         last, tracer = self.num_stages - 1, self._tracer
         scale = 1.0 / self.num_microbatches if self.scale_grads else 1.0
@@ -216,18 +217,23 @@ class Pipeline:
                     end = time.monotonic()
                     state = op.module.take_forward_state()
                     if train:
-                        states[(stage, mb)] = state
-                        live_bytes += _nbytes(state)
-                        self._peak_sets = max(self._peak_sets, len(states))
-                        self._peak_bytes = max(self._peak_bytes, live_bytes)
+                        nbytes = state_bytes.get(stage)
+                        if nbytes is None:
+                            nbytes = state_bytes[stage] = _nbytes(state)
+                        states[(stage, mb)] = (state, nbytes)
+                        live_bytes += nbytes
+                        if len(states) > self._peak_sets:
+                            self._peak_sets = len(states)
+                        if live_bytes > self._peak_bytes:
+                            self._peak_bytes = live_bytes
                 else:
                     grad = (
                         transfers.take(op.incoming)
                         if op.incoming is not None
                         else local.pop(("B", stage, mb))
                     )
-                    state = states.pop((stage, mb))
-                    live_bytes -= _nbytes(state)
+                    state, nbytes = states.pop((stage, mb))
+                    live_bytes -= nbytes
                     start = time.monotonic()
                     op.module.restore_forward_state(state)
                     grad_in = op.module.backward(grad)
