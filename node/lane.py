@@ -39,6 +39,7 @@ MAC_BYTES = 32
 MAX_OPENING_BYTES = 4096
 HANDSHAKE_TIMEOUT_S = 10.0
 _LEN = struct.Struct("!I")
+ABSTRACT_SOCKETS = sys.platform.startswith("linux")  # Unix socket names outside the filesystem
 
 # What the lane needs from the peer plane for each accepted connection.
 Opener = Callable[[peer_pb2.StreamOpen], Awaitable[str | None]]
@@ -127,7 +128,7 @@ class LaneServer:
         sock.bind((bind_host, 0))
         self.port = int(sock.getsockname()[1])
         self._listen(sock)
-        if unix and sys.platform.startswith("linux"):
+        if unix and ABSTRACT_SOCKETS:
             local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             name = f"paramplane-lane-{secrets.token_hex(12)}"
             local.bind("\0" + name)
@@ -235,7 +236,7 @@ class LaneStream:
 
     async def _dial(self, loop: asyncio.AbstractEventLoop) -> socket.socket:
         """A connected socket: the peer's Unix socket name when it is reachable from here, else TCP."""
-        if self.path and sys.platform.startswith("linux"):
+        if self.path and ABSTRACT_SOCKETS:
             local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             local.setblocking(False)
             try:

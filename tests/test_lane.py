@@ -7,7 +7,6 @@ import asyncio
 import random
 import socket
 import struct
-import sys
 from typing import Any
 
 import grpc
@@ -16,7 +15,7 @@ import pytest
 
 from paramplane.node.algorithms.ring import copy_into
 from paramplane.node.errors import PeerLost, TransportError
-from paramplane.node.lane import LaneReader, LaneServer, LaneStream, opening_mac
+from paramplane.node.lane import ABSTRACT_SOCKETS, LaneReader, LaneServer, LaneStream, opening_mac
 from paramplane.node.peer import PeerPlane
 from paramplane.node.spec import OpSpec
 from paramplane.node.transports.grpc import GrpcChannel
@@ -132,9 +131,7 @@ async def test_garbage_and_oversized_openings_are_dropped_and_the_server_lives_o
         await server.close()
 
 
-linux_only = pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="abstract Unix sockets are Linux's"
-)
+linux_only = pytest.mark.skipif(not ABSTRACT_SOCKETS, reason="abstract Unix sockets are Linux's")
 
 
 @linux_only
@@ -196,7 +193,7 @@ async def test_frames_between_two_planes_travel_on_a_lane(unix_lane: bool) -> No
         assert np.array_equal(got, data)
         lane = await a.stream(1, "g")
         assert isinstance(lane, LaneStream) and lane.sock is not None
-        unix = unix_lane and sys.platform.startswith("linux")
+        unix = unix_lane and ABSTRACT_SOCKETS
         assert lane.sock.family == (socket.AF_UNIX if unix else socket.AF_INET)
     finally:
         await a.close(0.5)

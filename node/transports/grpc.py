@@ -83,28 +83,18 @@ class GrpcChannel:
         to ``INLINE_BYTES``), and the payload's bytes."""
         data = payload.reshape(-1).view(np.uint8) if payload is not None else np.empty(0, np.uint8)
         nbytes = data.nbytes
-        inline = nbytes <= INLINE_BYTES
-        header = peer_pb2.FrameHeader(
-            group=spec.group,
-            seq=spec.seq,
-            op=spec.op,
-            dtype=spec.dtype,
-            shape=spec.shape,
-            src=self.me,
-            dst=self.ranks[idx],
-            step=step,
-            nbytes=nbytes,
-            num_chunks=_num_chunks(nbytes),
-            arg=spec.arg,
-            inline_payload=data.tobytes() if inline and nbytes else b"",
-        )
+        header = self.template(idx, spec, nbytes)
+        header.seq, header.step, header.num_chunks = spec.seq, step, _num_chunks(nbytes)
+        if 0 < nbytes <= INLINE_BYTES:
+            header.inline_payload = data.tobytes()
         return header.SerializeToString(), data
 
     def template(
         self, idx: int, spec: OpSpec, nbytes: int, *, incoming: bool = False
     ) -> peer_pb2.FrameHeader:
-        """The header of a small message of ``spec`` to (``incoming``: from) group index ``idx``, without
-        its sequence number and payload."""
+        """The header of a message of ``spec`` and ``nbytes`` to (``incoming``: from) group index ``idx``,
+        without its sequence number, step, chunk count and payload (``header`` adds them; the point-to-point
+        lines keep one per dtype and shape and set only seq and payload per message)."""
         src, dst = (self.ranks[idx], self.me) if incoming else (self.me, self.ranks[idx])
         return peer_pb2.FrameHeader(
             group=spec.group,

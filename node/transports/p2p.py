@@ -154,14 +154,8 @@ class GrpcPointToPoint(GrpcTransport):
         with line.lock:
             if line.pending or self.plane.closing or self.plane.failure(self.key) is not None:
                 return None
-            header.seq = seq = line.next_seq()
-            header.inline_payload = x.tobytes()
-            rest = lane.send_now(header.SerializeToString())
-            if not rest:
-                return seq, None
-            return seq, line.track(
-                self.submit_in_order(("send", dst), functools.partial(self._send_rest, lane, rest))
-            )
+            seq = line.next_seq()
+            return seq, self._send_inline(line, lane, header, seq, x, dst)
 
     def start_send(self, flat: np.ndarray, dst: int, begin: Begin) -> concurrent.futures.Future[None] | None:
         """Send ``flat`` to group rank ``dst`` after every send before it there; ``begin(seq)`` gives the spec
@@ -186,14 +180,19 @@ class GrpcPointToPoint(GrpcTransport):
                 return failed
             header = line.remember(flat.dtype, self.channel.template(dst, spec, flat.nbytes))
             line.lane = lane
-            header.seq = spec.seq
-            header.inline_payload = flat.tobytes()
-            rest = lane.send_now(header.SerializeToString())
-            if not rest:
-                return None
-            return line.track(
-                self.submit_in_order(("send", dst), functools.partial(self._send_rest, lane, rest))
-            )
+            return self._send_inline(line, lane, header, spec.seq, flat, dst)
+
+    def _send_inline(
+        self, line: _Line, lane: LaneStream, header: peer_pb2.FrameHeader, seq: int, x: np.ndarray, dst: int
+    ) -> concurrent.futures.Future[None] | None:
+        """Write message ``seq`` (``x`` inside ``header``) from this thread (``line.lock`` held): None when the
+        socket took it whole, else the future of its rest, which the loop writes before anything later."""
+        header.seq = seq
+        header.inline_payload = x.tobytes()
+        rest = lane.send_now(header.SerializeToString())
+        if not rest:
+            return None
+        return line.track(self.submit_in_order(("send", dst), functools.partial(self._send_rest, lane, rest)))
 
     async def _send(self, flat: np.ndarray, line: _Line, dst: int, begin: Begin) -> None:
         await self.channel.send(dst, begin(line.next_seq()), 0, flat)

@@ -277,20 +277,22 @@ class Pipeline:
 
 def _message(action: schedules.Action, num_ranks: int) -> Message:
     """The message a send or receive action moves."""
-    sender = action.stage if action.kind.startswith("SEND") else schedules.peer_stage(action)
-    return Message(sender % num_ranks, action.kind[-1], sender, action.microbatch)
+    kind, sender, microbatch = schedules.message(action)
+    return Message(sender % num_ranks, kind, sender, microbatch)
 
 
-def _incoming(lists: list[list[schedules.Action]], rank: int) -> list[Message]:
-    """What ``rank`` receives from other ranks, in the order each sender sends it."""
+def _incoming(lists: list[list[schedules.Action]], rank: int) -> dict[int, list[Message]]:
+    """What ``rank`` receives from each other rank, in the order that rank sends it."""
     p = len(lists)
-    return [
-        _message(a, p)
+    return {
+        src: [
+            _message(a, p)
+            for a in lists[src]
+            if a.kind.startswith("SEND") and schedules.peer_stage(a) % p == rank
+        ]
         for src in range(p)
         if src != rank
-        for a in lists[src]
-        if a.kind.startswith("SEND") and schedules.peer_stage(a) % p == rank
-    ]
+    }
 
 
 class _Op(NamedTuple):

@@ -61,14 +61,10 @@ def _compute_order(
 
 def forward_only(rank: int, num_ranks: int, num_microbatches: int, chunks: int = 1) -> list[Action]:
     """Rank ``rank``'s actions for inference: each microbatch through this rank's stages in turn."""
-    last = num_ranks * chunks - 1
-    actions: list[Action] = []
-    for mb in range(num_microbatches):
-        for s in range(rank, last + 1, num_ranks):
-            actions += [Action("RECV_F", s, mb)] if s > 0 else []
-            actions.append(Action("F", s, mb))
-            actions += [Action("SEND_F", s, mb)] if s < last else []
-    return actions
+    order = [
+        ("F", s, mb) for mb in range(num_microbatches) for s in range(rank, num_ranks * chunks, num_ranks)
+    ]
+    return _with_transfers(order, num_ranks * chunks - 1)
 
 
 def build(
@@ -86,9 +82,14 @@ def build(
     transfer between stages slack (its latency hides behind compute) and keeps more activations alive on the
     early stages; the bubble in theory is the same."""
     group = check(schedule, num_ranks, num_microbatches, chunks, microbatch_group)
-    last = num_ranks * chunks - 1
+    order = _compute_order(schedule, rank, num_ranks, num_microbatches, chunks, group)
+    return _with_transfers(order, num_ranks * chunks - 1)
+
+
+def _with_transfers(order: list[tuple[str, int, int]], last: int) -> list[Action]:
+    """A compute order with each compute's receive before it and its send after it (stages ``0 .. last``)."""
     actions: list[Action] = []
-    for kind, s, mb in _compute_order(schedule, rank, num_ranks, num_microbatches, chunks, group):
+    for kind, s, mb in order:
         if kind == "F":
             actions += [Action("RECV_F", s, mb)] if s > 0 else []
             actions.append(Action("F", s, mb))
@@ -175,12 +176,12 @@ def simulate(lists: list[list[Action]], duration: Callable[[Action], float]) -> 
             while pos[r] < len(lists[r]):
                 a = lists[r][pos[r]]
                 if a.kind in ("RECV_F", "RECV_B"):
-                    sent = arrived.get(_message(a))
+                    sent = arrived.get(message(a))
                     if sent is None:
                         break
                     clock[r] = max(clock[r], sent)
                 elif a.kind in ("SEND_F", "SEND_B"):
-                    arrived[_message(a)] = clock[r]
+                    arrived[message(a)] = clock[r]
                 else:
                     clock[r] += duration(a)
                 pos[r] += 1
@@ -196,8 +197,8 @@ def peer_stage(a: Action) -> int:
     return a.stage + 1 if a.kind in ("SEND_F", "RECV_B") else a.stage - 1
 
 
-def _message(a: Action) -> tuple[str, int, int]:
-    """A transfer's message as (direction, sending stage, microbatch)."""
+def message(a: Action) -> tuple[str, int, int]:
+    """A transfer's message as (direction ``"F"``/``"B"``, sending stage, microbatch)."""
     sender = a.stage if a.kind.startswith("SEND") else peer_stage(a)
     return (a.kind[-1], sender, a.microbatch)
 

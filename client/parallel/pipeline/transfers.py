@@ -16,7 +16,7 @@ from __future__ import annotations
 import queue
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -83,17 +83,16 @@ class Transfers:
         _start(_send_loop, "send", group, self._outbox, self._sent, self._box)
         weakref.finalize(self, _stop, self._outbox, self._plans)
 
-    def begin(self, incoming: Sequence[Message], like: Any) -> None:
-        """Start receiving a step's messages: ``incoming`` lists them in the order each sender sends them.
-        The first message of each (kind, stage) takes the dtype and shape its header carries, later ones must
-        match it (CollectiveMismatch otherwise). Messages arrive as host arrays and are taken on the device of
-        ``like``."""
+    def begin(self, incoming: Mapping[int, Sequence[Message]], like: Any) -> None:
+        """Start receiving a step's messages: ``incoming`` lists them per sending rank, in the order it sends
+        them. The first message of each (kind, stage) takes the dtype and shape its header carries, later ones
+        must match it (CollectiveMismatch otherwise). Messages arrive as host arrays and are taken on the
+        device of ``like``."""
         self._like = like if is_device(like) else None
         self._early.clear()
-        per_src: dict[int, list[Message]] = {}
-        for m in incoming:
-            per_src.setdefault(m.src, []).append(m)
-        for src, plan in per_src.items():
+        for src, plan in incoming.items():
+            if not plan:
+                continue
             if src not in self._plans:
                 self._plans[src] = queue.SimpleQueue()
                 _start(_receive_loop, f"recv-{src}", self.group, self._plans[src], self._box)
