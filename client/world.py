@@ -6,7 +6,9 @@ import atexit
 import contextlib
 import dataclasses
 import os
+import sys
 import typing
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,9 +193,9 @@ class World:
         limit = timeout or self._rt.config.timeout_s
         self._rt.run(self._rt.coord.barrier(label, timeout_s=limit))
 
-    def abort(self, reason: str) -> None:
+    def abort(self, reason: str, *, timeout: float = 30.0) -> None:
         """Abort the whole job: every rank's pending and later ops fail with WorldAborted."""
-        self._rt.run(self._rt.coord.abort(reason), timeout=30)
+        self._rt.run(self._rt.coord.abort(reason), timeout=timeout)
 
     def reform(self, *, timeout: float | None = None) -> World:
         """Re-form the world in this process after a failure (PeerLost, WorldAborted); returns ``self``.
@@ -246,10 +248,43 @@ class World:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if exc is not None:
+            self.abort_for(exc)
         self.shutdown()
+
+    def abort_for(self, exc: BaseException) -> None:
+        """The script ends with ``exc``: abort the world with it as the reason, so no peer waits for this rank
+        until its timeout (a rank that merely left may still be expected to send). Nothing for a
+        ``PlaneError`` (the plane's own failure, which the peers learn by themselves) or ``sys.exit(0)``.
+        Called on leaving ``with pp.init()`` by an exception, and for an uncaught one (``sys.excepthook``)."""
+        if isinstance(exc, PlaneError) or (isinstance(exc, SystemExit) and exc.code in (0, None)):
+            return
+        if self._rt.closed or self._rt.aborted.is_set():
+            return
+        what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        with contextlib.suppress(Exception):
+            self.abort(f"rank {self.rank} exited with {what[:_REASON_CHARS]}", timeout=10.0)
 
     def __repr__(self) -> str:
         return f"<World rank {self.rank}/{self.world_size} node {self.node_rank} local {self.local_rank}>"
+
+
+_REASON_CHARS = 400  # of an exception's text in an abort reason
+_LIVE: weakref.WeakSet[World] = weakref.WeakSet()
+_previous_excepthook = sys.excepthook
+
+
+def _abort_on_uncaught(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    for world in list(_LIVE):
+        world.abort_for(exc)
+    _previous_excepthook(exc_type, exc, tb)
+
+
+def _hook_uncaught() -> None:
+    global _previous_excepthook
+    if sys.excepthook is not _abort_on_uncaught:
+        _previous_excepthook = sys.excepthook
+        sys.excepthook = _abort_on_uncaught
 
 
 def init(
@@ -291,8 +326,11 @@ def init(
     runtime = NodeRuntime(config)
     runtime.start()
     world = World(runtime)
-    # A script that forgets shutdown() still says goodbye to its peers (they would see it as lost).
+    # A script that forgets shutdown() still says goodbye to its peers (they would see it as lost); one that
+    # dies of an uncaught exception aborts the world first (World.abort_for).
     atexit.register(world.shutdown)
+    _LIVE.add(world)
+    _hook_uncaught()
     if tracer is not None:
         tracer.open(world.rank, world.epoch)
     return world

@@ -299,6 +299,11 @@ class NodeRuntime:
             raise PlaneClosed("the runtime has not joined a world")
         return self._coord
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``shutdown()`` was called."""
+        return self._closed
+
     def abort_error(self) -> PlaneError:
         return self._abort_exc or PlaneClosed("the plane was shut down")
 

@@ -3,6 +3,7 @@ reaches every other rank with the reason. End to end: real processes, coordinato
 
 from __future__ import annotations
 
+import pytest
 from _world import run_world
 
 
@@ -60,3 +61,17 @@ def test_a_rank_that_stops_issuing_collectives_is_named() -> None:
         v = results[r]["values"]
         assert v["error"] == "PeerLost" and v["rank"] == 1 and "made no progress" in v["message"], v
         assert v["at"] - stalled_at < 2.0 + 15, v
+
+
+@pytest.mark.parametrize("how", ["with", "uncaught"])
+def test_a_rank_whose_script_raises_aborts_the_world_with_the_exception(how: str) -> None:
+    """Rank 1 dies of a ValueError (leaving ``with pp.init()``, or uncaught without it) while rank 0 waits for
+    its message: rank 0 fails with WorldAborted naming the exception, not after its 120 s group timeout (the
+    harness kills the ranks after 60 s)."""
+    world = run_world(2, "crash.py", args=[how], env={"PARAMPLANE_TIMEOUT": "120"}, timeout=60)
+    assert not world.timed_out, world.describe()
+    crashed = world.ranks[1]
+    assert crashed.returncode == 1 and "ValueError: bad batch at step 3" in crashed.output, world.describe()
+    waiting = world.ranks[0]
+    assert waiting.returncode == 0 and waiting.result is not None, world.describe()
+    assert waiting.result["failures"] == [] and waiting.result["num_checks"] == 1, world.describe()

@@ -1,0 +1,40 @@
+"""Rank 1's script dies of an exception while rank 0 waits for a message from it (argv[1]).
+
+with      the exception leaves ``with pp.init()``
+uncaught  the script called ``pp.init()`` without ``with``; the exception reaches ``sys.excepthook``
+
+Rank 0 must fail with WorldAborted naming the exception, long before its group timeout, rather than wait
+for a rank that is gone without being lost (it left the world on its way out).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import Report, run_rank
+
+import paramplane as pp
+
+
+def wait_for_rank_1(world: Any, rep: Report) -> None:
+    rep.raises(
+        "a crashed peer's exception reaches the rank waiting for it",
+        pp.WorldAborted,
+        lambda: world.group.recv_array(1),
+        "rank 1 exited with ValueError: bad batch at step 3",
+    )
+
+
+if __name__ == "__main__":
+    if os.environ["PARAMPLANE_RANK"] != "1":
+        run_rank(wait_for_rank_1)
+    elif sys.argv[1] == "with":
+        with pp.init():
+            raise ValueError("bad batch at step 3")
+    else:
+        world = pp.init()
+        raise ValueError("bad batch at step 3")
