@@ -20,13 +20,17 @@ class ErrorKind(enum.Enum):
 
 
 class StateError(Exception):
-    """A refused call. ``rank`` names the culprit of an abort; ``mismatch`` marks a barrier disagreement."""
+    """A refused call. ``rank`` names the culprit of an abort; ``mismatch`` marks a barrier disagreement;
+    ``left`` names a rank a barrier waited for that left the world (-1: none)."""
 
-    def __init__(self, kind: ErrorKind, message: str, *, rank: int = -1, mismatch: bool = False) -> None:
+    def __init__(
+        self, kind: ErrorKind, message: str, *, rank: int = -1, mismatch: bool = False, left: int = -1
+    ) -> None:
         super().__init__(message)
         self.kind = kind
         self.rank = rank
         self.mismatch = mismatch
+        self.left = left
 
 
 @dataclass(frozen=True)

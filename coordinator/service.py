@@ -20,7 +20,7 @@ from paramplane.coordinator.model import Assignment, Effects, ErrorKind, Event, 
 from paramplane.coordinator.state import CoordinatorState
 from paramplane.protos import coordinator_pb2 as pb
 from paramplane.protos import coordinator_pb2_grpc as pb_grpc
-from paramplane.protos.auth import ABORT_RANK_METADATA_KEY, MISMATCH_METADATA_KEY
+from paramplane.protos.auth import ABORT_RANK_METADATA_KEY, LEFT_RANK_METADATA_KEY, MISMATCH_METADATA_KEY
 
 log = logging.getLogger("paramplane.coordinator")
 
@@ -134,6 +134,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 trailers = ((ABORT_RANK_METADATA_KEY, str(e.rank)),)
             elif e.mismatch:
                 trailers = ((MISMATCH_METADATA_KEY, "1"),)
+            elif e.left >= 0:
+                trailers = ((LEFT_RANK_METADATA_KEY, str(e.left)),)
             await context.abort(grpc.StatusCode[e.kind.name], str(e), trailing_metadata=trailers)
             raise  # context.abort raised already
 

@@ -373,8 +373,9 @@ class CoordinatorState:
         waiter: int,
         now: float,
     ) -> None:
-        """Arrive at barrier ``name``; every participant is released once all of them arrived."""
-        self.member(epoch, rank)
+        """Arrive at barrier ``name``; every participant is released once all of them arrived, and every
+        arrival fails at once (naming it) when a participant left the world before arriving."""
+        world = self.member(epoch, rank)
         n = self.world_size
         participants = tuple(sorted(ranks)) if ranks else tuple(range(n))
         if not name:
@@ -411,7 +412,10 @@ class CoordinatorState:
             )
         barrier.arrived[rank] = waiter
         self._waits[waiter] = _Wait("barrier", name, rank, timeout_s, now + timeout_s)
-        if len(barrier.arrived) == len(participants):
+        gone = sorted(world.left.intersection(participants))
+        if gone:
+            self._fail_barrier(name, gone[0])
+        elif len(barrier.arrived) == len(participants):
             del self._barriers[name]
             for other in barrier.arrived.values():
                 del self._waits[other]
@@ -440,11 +444,27 @@ class CoordinatorState:
         return False, ""
 
     def leave(self, epoch: int, rank: int) -> None:
-        """``rank`` is done: its silence is no longer a death."""
+        """``rank`` is done: its silence is no longer a death, and barriers still waiting for it fail."""
         world = self.member(epoch, rank, allow_aborted=True)
         if rank not in world.left and world.abort is None:
             world.left.add(rank)
             self._effects.events.append(Event(EventKind.LEFT, self.epoch, rank, f"rank {rank} left"))
+            for name, barrier in list(self._barriers.items()):
+                if rank in barrier.ranks and rank not in barrier.arrived:
+                    self._fail_barrier(name, rank)
+
+    def _fail_barrier(self, name: str, left: int) -> None:
+        """Fail every arrival at barrier ``name``: rank ``left``, one of its participants, left the world."""
+        barrier = self._barriers.pop(name)
+        error = StateError(
+            ErrorKind.FAILED_PRECONDITION,
+            f"barrier {name!r}: rank {left} left the world without arriving "
+            f"({len(barrier.arrived)}/{len(barrier.ranks)} arrived)",
+            left=left,
+        )
+        for waiter in barrier.arrived.values():
+            del self._waits[waiter]
+            self._resolve(waiter, error=error)
 
     def abort(self, epoch: int, rank: int, reason: str) -> None:
         """``rank`` reports a fatal error: the world aborts (a second abort changes nothing)."""

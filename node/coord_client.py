@@ -22,6 +22,7 @@ from paramplane.node.errors import (
     CollectiveMismatch,
     CollectiveTimeout,
     CoordinatorUnavailable,
+    PeerLost,
     PlaneClosed,
     PlaneError,
     RendezvousError,
@@ -31,7 +32,12 @@ from paramplane.node.errors import (
 from paramplane.node.topology import RankInfo
 from paramplane.protos import coordinator_pb2 as pb
 from paramplane.protos import coordinator_pb2_grpc as pb_grpc
-from paramplane.protos.auth import ABORT_RANK_METADATA_KEY, MISMATCH_METADATA_KEY, token_metadata
+from paramplane.protos.auth import (
+    ABORT_RANK_METADATA_KEY,
+    LEFT_RANK_METADATA_KEY,
+    MISMATCH_METADATA_KEY,
+    token_metadata,
+)
 from paramplane.protos.net import parse_address
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -98,6 +104,8 @@ def _plane_error(e: grpc.aio.AioRpcError, address: str, call: str) -> PlaneError
         return CollectiveTimeout(f"coordinator call {call} timed out: {details}")
     if trailers.get(MISMATCH_METADATA_KEY):
         return CollectiveMismatch(details)
+    if LEFT_RANK_METADATA_KEY in trailers:
+        return PeerLost(details, int(trailers[LEFT_RANK_METADATA_KEY]))
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return ValueError(details)
     if code == grpc.StatusCode.FAILED_PRECONDITION:

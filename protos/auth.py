@@ -14,9 +14,11 @@ from typing import Any
 import grpc
 
 TOKEN_METADATA_KEY = "x-paramplane-token"
-# Trailing metadata of coordinator errors: which rank an abort names, and that a barrier's ranks disagreed.
+# Trailing metadata of coordinator errors: which rank an abort names, that a barrier's ranks disagreed, and
+# which rank a barrier waited for in vain (it left the world).
 ABORT_RANK_METADATA_KEY = "x-paramplane-abort-rank"
 MISMATCH_METADATA_KEY = "x-paramplane-mismatch"
+LEFT_RANK_METADATA_KEY = "x-paramplane-left-rank"
 # Health probes carry no token (load balancers, orchestrators).
 UNAUTHENTICATED_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
 

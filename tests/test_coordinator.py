@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import pytest
 
-from paramplane import CollectiveMismatch, CollectiveTimeout, RendezvousError, WorldAborted
+from paramplane import CollectiveMismatch, CollectiveTimeout, PeerLost, RendezvousError, WorldAborted
 from paramplane.coordinator.server import CoordinatorConfig, CoordinatorServer
 from paramplane.node.coord_client import CoordinatorClient, Membership, WatchEventInfo
 
@@ -153,6 +153,17 @@ async def test_barrier_completes_times_out_and_detects_disagreement() -> None:
         )
         assert all(isinstance(r, CollectiveMismatch) for r in results), results
         assert "[0, 1]" in str(results[0]) and "[0, 1, 2]" in str(results[0])
+
+
+async def test_a_barrier_waiting_for_a_rank_that_left_fails_at_once_naming_it() -> None:
+    async with coordinator(2) as server, clients(server, 2) as cs:
+        await within(10, join_all(cs, ["h"] * 2))
+        by_rank = {c.membership.rank: c for c in cs if c.membership}
+        waiting = asyncio.ensure_future(by_rank[0].barrier("end", timeout_s=60.0))
+        await within(5, by_rank[1].leave())
+        with pytest.raises(PeerLost, match=r"barrier 'end': rank 1 left the world without arriving") as err:
+            await within(5, waiting)
+        assert err.value.rank == 1
 
 
 async def next_event(events: AsyncIterator[WatchEventInfo], seconds: float = 5.0) -> WatchEventInfo:

@@ -197,6 +197,23 @@ def test_barrier_timeout_names_the_missing_ranks() -> None:
     assert str(errors(s)[2]) == "barrier 'x': 1/4 arrived after 2.0 s; missing ranks [0, 1, 2]"
 
 
+def test_barrier_fails_at_once_when_a_participant_leaves_without_arriving() -> None:
+    s = state(3)
+    form(s, ["a"] * 3)
+    s.barrier(1, "x", 0, [], 60.0, waiter=1, now=0.0)
+    s.barrier(1, "pair", 0, [0, 2], 60.0, waiter=2, now=0.0)
+    s.take_effects()
+    s.leave(1, 1)  # waited for at "x", not a participant of "pair"
+    failed = errors(s)
+    assert list(failed) == [1]
+    assert failed[1].left == 1 and failed[1].kind is ErrorKind.FAILED_PRECONDITION
+    assert str(failed[1]) == "barrier 'x': rank 1 left the world without arriving (1/3 arrived)"
+    s.barrier(1, "pair", 2, [0, 2], 60.0, waiter=3, now=1.0)
+    assert sorted(r.waiter for r in s.take_effects().resolved if r.error is None) == [2, 3]
+    s.barrier(1, "y", 2, [], 60.0, waiter=4, now=2.0)  # a barrier that starts after the leave
+    assert errors(s)[4].left == 1
+
+
 def test_silent_rank_is_declared_dead_at_the_heartbeat_timeout() -> None:
     s = state(3, heartbeat_timeout_s=10.0)
     form(s, ["a", "a", "b"], now=100.0)
