@@ -16,20 +16,38 @@ shutdown) reaches a reader waiting on the socket through ``fail``, which wakes i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import select
 import socket
-import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from paramplane.node.errors import PeerLost, PlaneError, TransportError
 from paramplane.node.failures import from_failure_message
+from paramplane.node.lane import FRAME_LENGTH
 from paramplane.protos import peer_pb2
 
-_LEN = struct.Struct("!I")
 BUFFER_BYTES = 256 << 10
+
+
+# select() takes descriptors below this only (FD_SETSIZE); a polling wait on others blocks instead.
+_SELECTABLE_FDS = 1024
+_polling = threading.local()
+
+
+@contextlib.contextmanager
+def polling(slice_s: float) -> Iterator[None]:
+    """While inside, a read on this thread that waits for its lane waits in slices of ``slice_s`` seconds
+    instead of until the lane wakes it: the thread, and the core it runs on, never idle longer, so the
+    code that takes the frame does not run on cold caches (see ``Pipeline(poll_us=...)``). 0: no change."""
+    before = getattr(_polling, "slice_s", 0.0)
+    _polling.slice_s = slice_s
+    try:
+        yield
+    finally:
+        _polling.slice_s = before
 
 
 class DirectLane:
@@ -83,40 +101,66 @@ class DirectLane:
         call), as the loop's reader delivers them; TimeoutError after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         with self._reading:
-            if self.error is not None and not self._drain:
-                raise self.error
-            if self._chunks_left:
-                size = min(self._chunk_bytes, self._payload_left)
-                view = self._take(size, deadline)
-                self._chunks_left -= 1
-                self._payload_left -= size
-                return view
-            while True:
-                (size,) = _LEN.unpack(self._take(_LEN.size, deadline))
-                if size > self._max_header_bytes:
-                    raise self._malformed(
-                        f"frame header of {size} bytes, the limit is {self._max_header_bytes}"
-                    )
-                raw = bytes(self._take(size, deadline))
-                try:
-                    header = self._parse(raw)
-                except Exception as exc:
-                    raise self._malformed(str(exc)) from None
-                if header.end_of_stream:
-                    self._report("header", header)
-                    raise self._failed(
-                        PeerLost(
-                            f"rank {self.src} shut down: it sent nothing more for group '{self.key}' before "
-                            "leaving",
-                            self.src,
-                        )
-                    )
-                if header.HasField("failure"):
-                    self._report("header", header)
-                    raise self._failed(from_failure_message(header.failure))
-                self._chunks_left = header.num_chunks
-                self._payload_left = header.nbytes if header.num_chunks else 0
-                return header
+            item = self._next(deadline, None)
+        assert not isinstance(item, tuple)
+        return item
+
+    def next_message(
+        self, timeout: float, head: bytes, tail: bytes, nbytes: int
+    ) -> tuple[int, memoryview] | peer_pb2.FrameHeader | memoryview:
+        """``next_item``, but a frame that is ``head``, a varint, ``tail`` and ``nbytes`` more bytes (a small
+        message of a known kind: ``p2p._Template``) comes as (the varint, those bytes), unparsed; the bytes are
+        a view valid until the next call."""
+        deadline = time.monotonic() + timeout
+        with self._reading:
+            return self._next(deadline, (head, tail, nbytes))
+
+    def _next(
+        self, deadline: float, expected: tuple[bytes, bytes, int] | None
+    ) -> tuple[int, memoryview] | peer_pb2.FrameHeader | memoryview:
+        if self.error is not None and not self._drain:
+            raise self.error
+        if self._chunks_left:
+            size = min(self._chunk_bytes, self._payload_left)
+            view = self._take(size, deadline)
+            self._chunks_left -= 1
+            self._payload_left -= size
+            return view
+        (size,) = FRAME_LENGTH.unpack(self._take(FRAME_LENGTH.size, deadline))
+        if size > self._max_header_bytes:
+            raise self._malformed(f"frame header of {size} bytes, the limit is {self._max_header_bytes}")
+        raw = self._take(size, deadline)
+        if expected is not None:
+            head, tail, nbytes = expected
+            if raw[: len(head)] == head:
+                i, number, shift = len(head), 0, 0
+                while i < size:
+                    byte = raw[i]
+                    i += 1
+                    number |= (byte & 0x7F) << shift
+                    if byte < 0x80:
+                        break
+                    shift += 7
+                if size - i - len(tail) == nbytes and raw[i : i + len(tail)] == tail:
+                    return number, raw[i + len(tail) :]
+        try:
+            header = self._parse(bytes(raw))
+        except Exception as exc:
+            raise self._malformed(str(exc)) from None
+        if header.end_of_stream:
+            self._report("header", header)
+            raise self._failed(
+                PeerLost(
+                    f"rank {self.src} shut down: it sent nothing more for group '{self.key}' before leaving",
+                    self.src,
+                )
+            )
+        if header.HasField("failure"):
+            self._report("header", header)
+            raise self._failed(from_failure_message(header.failure))
+        self._chunks_left = header.num_chunks
+        self._payload_left = header.nbytes if header.num_chunks else 0
+        return header
 
     def _take(self, n: int, deadline: float) -> memoryview:
         if self._end - self._start < n:
@@ -153,13 +197,22 @@ class DirectLane:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError
+        slice_s = getattr(_polling, "slice_s", 0.0)
+        if slice_s and max(self.sock.fileno(), self._wake_r.fileno()) < _SELECTABLE_FDS:
+            ready = select.select([self.sock, self._wake_r], [], [], min(left, slice_s))[0]
+            if self._wake_r in ready:
+                self._drain_wake()
+            return
         for fd, _ in self._poll.poll(max(1, int(left * 1000) + 1)):
             if fd == self._wake_r.fileno():
-                try:
-                    while self._wake_r.recv(64):
-                        pass
-                except OSError:
-                    pass
+                self._drain_wake()
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(64):
+                pass
+        except OSError:
+            pass
 
     def _ended(self) -> PlaneError:
         """The connection ended: after a drain, the failure it was failed with; else the peer is lost."""

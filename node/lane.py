@@ -38,7 +38,7 @@ NONCE_BYTES = 16
 MAC_BYTES = 32
 MAX_OPENING_BYTES = 4096
 HANDSHAKE_TIMEOUT_S = 10.0
-_LEN = struct.Struct("!I")
+FRAME_LENGTH = struct.Struct("!I")  # a frame header's length, before it
 ABSTRACT_SOCKETS = sys.platform.startswith("linux")  # Unix socket names outside the filesystem
 
 # What the lane needs from the peer plane for each accepted connection.
@@ -80,10 +80,10 @@ class LaneReader:
 
     async def read_header(self, max_bytes: int) -> bytes | None:
         """The next header's bytes; None at a clean end of the connection."""
-        head = bytearray(_LEN.size)
+        head = bytearray(FRAME_LENGTH.size)
         if not await _recv_exact(self.loop, self.sock, memoryview(head)):
             return None
-        (size,) = _LEN.unpack(head)
+        (size,) = FRAME_LENGTH.unpack(head)
         if size > max_bytes:
             raise ValueError(f"frame header of {size} bytes, the limit is {max_bytes}")
         data = bytearray(size)
@@ -145,7 +145,7 @@ class LaneServer:
     async def _accept_loop(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            conn, _ = await loop.sock_accept(sock)
+            conn = await _accept(loop, sock)
             conn.setblocking(False)
             if conn.family != socket.AF_UNIX:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -171,10 +171,10 @@ class LaneServer:
     ) -> tuple[int, str, bool] | None:
         nonce = os.urandom(NONCE_BYTES)
         await loop.sock_sendall(conn, nonce)
-        head = bytearray(_LEN.size)
+        head = bytearray(FRAME_LENGTH.size)
         if not await _recv_exact(loop, conn, memoryview(head)):
             return None
-        (size,) = _LEN.unpack(head)
+        (size,) = FRAME_LENGTH.unpack(head)
         if not 0 < size <= MAX_OPENING_BYTES:
             return None
         body = bytearray(size + MAC_BYTES)
@@ -209,9 +209,31 @@ class LaneServer:
         self._socks = []
 
 
+async def _accept(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> socket.socket:
+    """The next connection on listening ``sock``. Not ``loop.sock_accept``: cancelled while the socket is
+    readable (shutdown), that accepts a connection anyway and fails to hand it over (InvalidStateError printed
+    by the loop, the connection left open); here a cancelled wait accepts nothing."""
+    while True:
+        try:
+            return sock.accept()[0]
+        except (BlockingIOError, InterruptedError):
+            pass
+        readable = loop.create_future()
+        loop.add_reader(sock.fileno(), _settle, readable)
+        try:
+            await readable
+        finally:
+            loop.remove_reader(sock.fileno())
+
+
+def _settle(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 def _framed(header: bytes) -> bytes:
     """A frame header as it crosses the lane: its length, then its bytes."""
-    return _LEN.pack(len(header)) + header
+    return FRAME_LENGTH.pack(len(header)) + header
 
 
 def _consume(task: asyncio.Future[Any]) -> None:
@@ -265,7 +287,7 @@ class LaneStream:
                 if not await _recv_exact(loop, sock, memoryview(nonce)):
                     raise ConnectionResetError("the lane closed before its greeting")
                 mac = opening_mac(token, bytes(nonce), opening)
-                await loop.sock_sendall(sock, _LEN.pack(len(opening)) + opening + mac)
+                await loop.sock_sendall(sock, FRAME_LENGTH.pack(len(opening)) + opening + mac)
                 ok = bytearray(1)
                 if not await _recv_exact(loop, sock, memoryview(ok)) or ok[0] != 1:
                     raise ConnectionResetError("the lane refused the opening (job, rank or token)")
@@ -292,14 +314,14 @@ class LaneStream:
             and opened.exception() is None
         )
 
-    def send_now(self, header: bytes) -> bytes:
-        """Write a frame with no payload beyond its header from the calling thread, as far as the socket takes
-        it at once; returns what is left (empty when all went out), which must be ``send_raw`` next.
+    def send_now(self, data: bytes) -> bytes:
+        """Write ``data``, a whole frame (its length, then a header with no payload beyond it: ``framed``), from
+        the calling thread, as far as the socket takes it at once; returns what is left (empty when all went
+        out), which must be ``send_raw`` next.
 
         Only while no frame is queued on the loop for this lane (the caller's ordering guarantees it): a small
         frame then leaves without waking the loop. Errors leave it unsent; the loop's write reports them.
         """
-        data = _framed(header)
         if not self.writing.acquire(blocking=False):
             return data
         try:

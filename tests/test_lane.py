@@ -7,6 +7,8 @@ import asyncio
 import random
 import socket
 import struct
+import threading
+import time
 from typing import Any
 
 import grpc
@@ -14,11 +16,13 @@ import numpy as np
 import pytest
 
 from paramplane.node.algorithms.ring import copy_into
+from paramplane.node.direct_lane import DirectLane, polling
 from paramplane.node.errors import PeerLost, TransportError
 from paramplane.node.lane import ABSTRACT_SOCKETS, LaneReader, LaneServer, LaneStream, opening_mac
 from paramplane.node.peer import PeerPlane
 from paramplane.node.spec import OpSpec
 from paramplane.node.transports.grpc import GrpcChannel
+from paramplane.node.transports.p2p import _Line, _varint
 from paramplane.protos import peer_pb2
 from paramplane.protos.auth import token_metadata
 
@@ -287,3 +291,71 @@ async def test_an_authenticated_but_undecodable_opening_is_refused() -> None:
         assert rec.served == []
     finally:
         await server.close()
+
+
+def _direct_lane() -> tuple[socket.socket, DirectLane]:
+    """A parked lane over a socket pair: (the sender's end, the lane that reads the other)."""
+    a, b = socket.socketpair()
+    b.setblocking(False)
+    lane = DirectLane(
+        b,
+        1,
+        "g",
+        chunk_bytes=1 << 16,
+        max_header_bytes=1 << 20,
+        parse=peer_pb2.FrameHeader.FromString,
+        report=lambda kind, what: None,
+    )
+    return a, lane
+
+
+def test_a_small_message_frame_is_valid_protobuf_and_read_without_parsing_when_it_matches() -> None:
+    line = _Line()
+    template = line.remember(
+        np.dtype(np.float32), peer_pb2.FrameHeader(group="g", op="send", shape=[2], nbytes=8)
+    )
+    payload = np.arange(2, dtype=np.float32).tobytes()
+    body = template.head + _varint(300) + template.tail + payload
+    assert peer_pb2.FrameHeader.FromString(body) == peer_pb2.FrameHeader(
+        group="g", op="send", shape=[2], nbytes=8, seq=300, inline_payload=payload
+    )
+    a, lane = _direct_lane()
+    other = peer_pb2.FrameHeader(
+        group="g", op="send", shape=[3], nbytes=12, seq=301, inline_payload=bytes(12)
+    )
+    ended = peer_pb2.FrameHeader(group="g", end_of_stream=True)
+    for frame in (body, other.SerializeToString(), ended.SerializeToString()):
+        a.sendall(struct.pack("!I", len(frame)) + frame)
+    expected = (template.head, template.tail, template.header.nbytes)
+    seq, view = lane.next_message(5.0, *expected)  # type: ignore[misc]
+    assert (seq, bytes(view)) == (300, payload)
+    assert lane.next_message(5.0, *expected) == other  # another shape: parsed, for the full checks
+    with pytest.raises(PeerLost, match="shut down"):
+        lane.next_message(5.0, *expected)
+    a.close()
+    lane.close()
+
+
+@pytest.mark.parametrize("slice_s", [0.0, 1e-4])
+def test_a_direct_lane_waits_its_timeout_reads_what_comes_and_fails_when_failed(slice_s: float) -> None:
+    a, lane = _direct_lane()
+    with polling(slice_s):
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            lane.next_item(0.2)
+        assert 0.2 <= time.monotonic() - start < 5.0
+        frame = peer_pb2.FrameHeader(group="g", seq=1, inline_payload=b"abc").SerializeToString()
+        sender = threading.Thread(target=a.sendall, args=(struct.pack("!I", len(frame)) + frame,))
+        sender.start()
+        got = lane.next_item(30.0)
+        sender.join(5.0)
+        assert isinstance(got, peer_pb2.FrameHeader) and got.inline_payload == b"abc"
+        failing = threading.Thread(target=lane.fail, args=(PeerLost("rank 1 is gone", 1),))
+        start = time.monotonic()
+        failing.start()
+        with pytest.raises(PeerLost, match="gone"):
+            lane.next_item(30.0)
+        assert time.monotonic() - start < 5.0
+        failing.join(5.0)
+    a.close()
+    lane.close()

@@ -9,10 +9,11 @@ when it came first.
 A pipeline's activations are made of such messages, and whatever a stage's thread does for one
 after computing is idle time of the pipeline; the interpreter runs that code on cold caches, so
 its cost is mostly how much code it touches. After the first message of a dtype and shape on a
-line, the next ones take a short path (``send_small`` / ``recv_small``): the frame header is a
-cached protobuf with only the sequence number and the payload set per message, and a received
-header is checked against the cached one in one comparison; a header that differs goes through
-the full checks, which name the difference.
+line, the next ones take a short path (``send_small`` / ``recv_small``): the line keeps that frame's header serialized
+(``_Template``), a message's frame is those bytes with its sequence number and payload appended
+(protobuf fields may come in any order), and a received frame that is byte for byte the expected
+header, a sequence number and a payload of the expected size is taken without parsing it; any
+other frame is parsed and goes through the full checks, which name what differs.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Awaitable, Callable, Hashable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
 from paramplane.node.algorithms import ring
 from paramplane.node.arrays import DTYPES, dtype_name
 from paramplane.node.errors import PeerLost, PlaneClosed, PlaneError
-from paramplane.node.lane import LaneStream
+from paramplane.node.lane import FRAME_LENGTH, LaneStream
 from paramplane.node.loop import on_daemon_thread
 from paramplane.node.spec import OpSpec
 from paramplane.node.transports.grpc import INLINE_BYTES, GrpcTransport
@@ -42,11 +43,33 @@ T = TypeVar("T")
 MAX_TEMPLATES = 64
 Begin = Callable[[int], OpSpec]  # the spec of message number ``seq``, called when the message's turn comes
 Spec = Callable[[Any, int, int, int], OpSpec]  # (array, src, dst, seq) -> spec, as GroupEngine.p2p_spec
+_SEQ_TAG = bytes([peer_pb2.FrameHeader.SEQ_FIELD_NUMBER << 3])  # varint
+_PAYLOAD_TAG = bytes([peer_pb2.FrameHeader.INLINE_PAYLOAD_FIELD_NUMBER << 3 | 2])  # length-delimited
+
+
+class _Template(NamedTuple):
+    """The frame of a message of one dtype and shape on a line but for its sequence number and payload: the
+    frame is ``head``, the number as a varint, ``tail``, then the payload's ``header.nbytes`` bytes."""
+
+    header: peer_pb2.FrameHeader  # seq and inline_payload unset
+    head: bytes  # ``header`` serialized, then the tag of its seq field
+    tail: bytes  # the tag and the length of the inline payload
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
 
 class _Line:
     """Messages to or from one peer: the last message number, how many are queued on the loop, and the
-    frame header of each dtype and shape the line carried (no sequence number, no payload).
+    frame template of each dtype and shape the line carried (``recent``: the last one used).
 
     ``seq`` advances under ``lock`` on a caller's thread while nothing is queued, and on the loop for queued
     messages (which run only while ``pending`` > 0, when no caller's thread advances it)."""
@@ -55,7 +78,8 @@ class _Line:
         self.lock = threading.RLock()  # a future done already runs ``_done`` inside ``track``
         self.pending = 0
         self.seq = 0
-        self.templates: dict[tuple[np.dtype[Any], tuple[int, ...]], peer_pb2.FrameHeader] = {}
+        self.templates: dict[tuple[np.dtype[Any], tuple[int, ...]], _Template] = {}
+        self.recent: _Template | None = None
         self.lane: LaneStream | None = None  # a send line's open lane, once a message went out on it
 
     def next_seq(self) -> int:
@@ -72,12 +96,16 @@ class _Line:
         with self.lock:
             self.pending -= 1
 
-    def remember(self, dtype: np.dtype[Any], header: peer_pb2.FrameHeader) -> peer_pb2.FrameHeader:
-        """Keep ``header`` as the template of arrays of ``dtype`` and its shape (seq and payload unset)."""
+    def remember(self, dtype: np.dtype[Any], header: peer_pb2.FrameHeader) -> _Template:
+        """Keep ``header`` (seq and payload unset) as the template of arrays of ``dtype`` and its shape."""
         if len(self.templates) >= MAX_TEMPLATES:
             self.templates.clear()
-        self.templates[(dtype, tuple(header.shape))] = header
-        return header
+        shape = tuple(header.shape)
+        template = _Template(
+            header, header.SerializeToString() + _SEQ_TAG, _PAYLOAD_TAG + _varint(header.nbytes), dtype, shape
+        )
+        self.templates[(dtype, shape)] = self.recent = template
+        return template
 
 
 class GrpcPointToPoint(GrpcTransport):
@@ -147,15 +175,15 @@ class GrpcPointToPoint(GrpcTransport):
         line = self._send_lines.get(dst)
         if line is None:
             return None
-        header = line.templates.get((x.dtype, x.shape))
+        template = line.templates.get((x.dtype, x.shape))
         lane = line.lane
-        if header is None or lane is None:
+        if template is None or lane is None:
             return None
         with line.lock:
             if line.pending or self.plane.closing or self.plane.failure(self.key) is not None:
                 return None
             seq = line.next_seq()
-            return seq, self._send_inline(line, lane, header, seq, x, dst)
+            return seq, self._send_inline(line, lane, template, seq, x, dst)
 
     def start_send(self, flat: np.ndarray, dst: int, begin: Begin) -> concurrent.futures.Future[None] | None:
         """Send ``flat`` to group rank ``dst`` after every send before it there; ``begin(seq)`` gives the spec
@@ -178,18 +206,20 @@ class GrpcPointToPoint(GrpcTransport):
                 failed: concurrent.futures.Future[None] = concurrent.futures.Future()
                 failed.set_exception(exc)
                 return failed
-            header = line.remember(flat.dtype, self.channel.template(dst, spec, flat.nbytes))
+            template = line.remember(flat.dtype, self.channel.template(dst, spec, flat.nbytes))
             line.lane = lane
-            return self._send_inline(line, lane, header, spec.seq, flat, dst)
+            return self._send_inline(line, lane, template, spec.seq, flat, dst)
 
     def _send_inline(
-        self, line: _Line, lane: LaneStream, header: peer_pb2.FrameHeader, seq: int, x: np.ndarray, dst: int
+        self, line: _Line, lane: LaneStream, template: _Template, seq: int, x: np.ndarray, dst: int
     ) -> concurrent.futures.Future[None] | None:
-        """Write message ``seq`` (``x`` inside ``header``) from this thread (``line.lock`` held): None when the
-        socket took it whole, else the future of its rest, which the loop writes before anything later."""
-        header.seq = seq
-        header.inline_payload = x.tobytes()
-        rest = lane.send_now(header.SerializeToString())
+        """Write message ``seq`` (``x`` in ``template``'s frame) from this thread (``line.lock`` held): None when
+        the socket took it whole, else the future of its rest, which the loop writes before anything later."""
+        number = _varint(seq)
+        size = len(template.head) + len(number) + len(template.tail) + x.nbytes
+        rest = lane.send_now(
+            b"".join((FRAME_LENGTH.pack(size), template.head, number, template.tail, x.tobytes()))
+        )
         if not rest:
             return None
         return line.track(self.submit_in_order(("send", dst), functools.partial(self._send_rest, lane, rest)))
@@ -213,16 +243,33 @@ class GrpcPointToPoint(GrpcTransport):
         line = self._recv_lines.get(src)
         if line is None:
             return None
-        expected = line.templates.get((x.dtype, x.shape)) if x is not None else None
+        # Into a new array: the frame is tried against the line's last kind of message.
+        template = line.templates.get((x.dtype, x.shape)) if x is not None else line.recent
         lane = self.plane.direct.get(self.channel.ranks[src], self.key)
-        if lane is None or (x is not None and expected is None):
+        if lane is None or (x is not None and template is None):
             return None
         with line.lock:
             if line.pending:
                 return None
             seq = line.next_seq()
+            header: Any
             try:
-                header = lane.next_item(self.timeout_s)
+                if template is None:
+                    header = lane.next_item(self.timeout_s)
+                else:
+                    item = lane.next_message(
+                        self.timeout_s, template.head, template.tail, template.header.nbytes
+                    )
+                    if type(item) is tuple:
+                        if item[0] == seq:
+                            out = x if x is not None else np.empty(template.shape, template.dtype)
+                            _write(out, item[1])
+                            line.recent = template
+                            return seq, out
+                        header = peer_pb2.FrameHeader(seq=item[0], inline_payload=bytes(item[1]))
+                        header.MergeFrom(template.header)  # the frame as sent, out of turn: checks name it
+                    else:
+                        header = item
             except TimeoutError:
                 raise self._timed_out() from None
             except PeerLost as exc:
@@ -230,13 +277,15 @@ class GrpcPointToPoint(GrpcTransport):
                 raise
             if type(header) is peer_pb2.FrameHeader and header.seq == seq:
                 dtype = DTYPES.get(header.dtype)
+                expected = template if x is not None else None
                 if x is None and dtype is not None:
                     expected = line.templates.get((dtype, tuple(header.shape)))
                 payload = header.inline_payload
                 header.seq, header.inline_payload = 0, b""
-                if expected is not None and header == expected and len(payload) == header.nbytes:
+                if expected is not None and header == expected.header and len(payload) == header.nbytes:
                     out = x if x is not None else np.empty(tuple(header.shape), dtype)
                     _write(out, payload)
+                    line.recent = expected
                     return seq, out
                 header.seq, header.inline_payload = seq, payload
             # Not the header expected: the full checks name what differs (or take a frame they accept).
@@ -337,7 +386,7 @@ class GrpcPointToPoint(GrpcTransport):
             pass
 
 
-def _write(out: np.ndarray, payload: bytes) -> None:
+def _write(out: np.ndarray, payload: bytes | memoryview) -> None:
     """Copy a received payload into ``out`` (C-contiguous, its size)."""
     if payload:
         try:

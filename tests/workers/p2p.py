@@ -118,8 +118,8 @@ def order(world: pp.World, rep: Report) -> None:
     counts = {"direct": 0, "handed_to_loop": 0}
     send_now = LaneStream.send_now
 
-    def counting(self: LaneStream, header: bytes) -> bytes:
-        rest = send_now(self, header)
+    def counting(self: LaneStream, frame: bytes) -> bytes:
+        rest = send_now(self, frame)
         counts["handed_to_loop" if rest else "direct"] += 1
         return rest
 
