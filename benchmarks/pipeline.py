@@ -1,6 +1,7 @@
 """Pipeline bubble: measured idle fraction of a step against theory, per schedule and microbatch count.
 
-    python benchmarks/pipeline.py [--compute-ms 20] [--steps 5] [--out benchmarks/results/pipeline.jsonl]
+    python benchmarks/pipeline.py [--compute-ms 20] [--steps 5] [--schedules gpipe,1f1b,interleaved_1f1b]
+                                  [--poll-us 0] [--out benchmarks/results/pipeline.jsonl]
 
 p = 2 ranks, one stage each (interleaved: v = 2 chunks each). Every stage spends a fixed, known
 time per microbatch in forward and in backward (``--compute-ms``; each chunk of an interleaved
@@ -19,7 +20,10 @@ bubble those stages would give with a perfect runtime, and ``runtime_ms_per_step
 the real step took than that replay (transfers and the runtime's work around them).
 Also the measured peak of live activation sets on the first stage, and the one-way time of a small
 message measured in the same run (``p2p_one_way_ms``: each dependent transfer on a schedule's
-critical path adds about that much). One JSON line per configuration.
+critical path adds about that much), ``poll_us`` (``Pipeline(poll_us=...)``: the transfer threads wait in
+slices of that many microseconds during a step; 0, the default, sleeps until woken) and what it costs:
+``cpu_ms_per_step``, the CPU time the slowest rank's process spent per step (all its threads).
+One JSON line per configuration.
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ def worker(args: argparse.Namespace) -> None:
     with pp.init() as world:
         one_way = p2p_one_way_s(world.group)
         for schedule, v, group in CONFIGS:
+            if schedule not in args.schedules.split(","):
+                continue
             for m in [int(x) for x in args.microbatches.split(",")]:
                 if (schedule != "gpipe" and m < P) or (group is not None and m % group):
                     continue
@@ -85,16 +91,18 @@ def worker(args: argparse.Namespace) -> None:
                     m,
                     MSELoss(),
                     microbatch_group=group,
+                    poll_us=args.poll_us,
                 )
                 x = np.zeros((m, 8))
-                times, spans = [], []
+                times, spans, cpu = [], [], []
                 tracer = world.group.tracer
                 for _ in range(args.steps + 1):
                     world.group.barrier()
                     seen = tracer.num_events
-                    t = time.perf_counter()
+                    t, c = time.perf_counter(), time.process_time()
                     pipe.step(x if pipe.is_first else None, x if pipe.is_last else None)
                     times.append(time.perf_counter() - t)
+                    cpu.append(time.process_time() - c)
                     mine = {
                         e["name"]: e["dur"] / 1e6 for e in tracer.events_since(seen) if e["cat"] == "compute"
                     }
@@ -107,6 +115,7 @@ def worker(args: argparse.Namespace) -> None:
                         "v": v,
                         "microbatch_group": group,
                         "step_s": times[1:],
+                        "cpu_s": cpu[1:],
                         "spans": spans[1:],
                         "compute_s": m * 2 * args.compute_ms / 1000,
                         "peak_activation_sets": pipe.memory_stats()["peak_activation_sets"],
@@ -162,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compute-ms", type=float, default=20.0)
     parser.add_argument("--microbatches", default="2,4,8,16")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b", help="comma-separated")
+    parser.add_argument("--poll-us", type=int, default=0, help="Pipeline(poll_us=...)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -178,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         args.microbatches,
         "--steps",
         str(args.steps),
+        "--schedules",
+        args.schedules,
+        "--poll-us",
+        str(args.poll_us),
     ]
     with tempfile.TemporaryDirectory(prefix="paramplane-pipeline-trace-") as trace:
         env = dict(os.environ, PARAMPLANE_TRACE=trace)
@@ -212,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                     "runtime_ms_per_step": float(np.median([s - i for s, i in zip(steps, ideal)])) * 1e3,
                     "peak_activation_sets_first_stage": first["peak_activation_sets"],
                     "p2p_one_way_ms": first["p2p_one_way_s"] * 1e3,
+                    "poll_us": args.poll_us,
+                    "cpu_ms_per_step": max(float(np.median(r["cpu_s"])) for r in rows) * 1e3,
                 }
             )
         )

@@ -120,8 +120,19 @@ CASES = [
 def test_pipeline_equals_one_process(
     schedule: str, p: int, m: int, v: int, reduction: str, group: int | None
 ) -> None:
+    check_equivalence(schedule, p, m, v, reduction, group, poll_us=0)
+
+
+def test_a_pipeline_whose_transfer_threads_poll_equals_one_process() -> None:
+    check_equivalence("interleaved_1f1b", 2, 8, 2, "mean", None, poll_us=100)
+
+
+def check_equivalence(
+    schedule: str, p: int, m: int, v: int, reduction: str, group: int | None, *, poll_us: int
+) -> None:
     args = [schedule, str(m), str(v), reduction] + ([str(group)] if group else [])
-    world = run_world(p, "pipeline.py", args=args, env={"PARAMPLANE_TIMEOUT": "60"}, timeout=120)
+    env = {"PARAMPLANE_TIMEOUT": "60", "TEST_PIPELINE_POLL_US": str(poll_us)}
+    world = run_world(p, "pipeline.py", args=args, env=env, timeout=120)
     results = world.check_ok()
     assert all(r["num_checks"] >= 2 * 2 * v for r in results)
     first = results[0]["values"]["memory"]
@@ -131,8 +142,10 @@ def test_pipeline_equals_one_process(
         assert first["peak_activation_sets"] <= first["one_f_one_b_peak_activations"] == p
 
 
-def test_a_dead_stage_is_named_not_hung() -> None:
-    world = run_world(2, "pipeline.py", args=["kill"], env={"PARAMPLANE_TIMEOUT": "30"}, timeout=90)
+@pytest.mark.parametrize("poll_us", [0, 100])
+def test_a_dead_stage_is_named_not_hung(poll_us: int) -> None:
+    env = {"PARAMPLANE_TIMEOUT": "30", "TEST_PIPELINE_POLL_US": str(poll_us)}
+    world = run_world(2, "pipeline.py", args=["kill"], env=env, timeout=90)
     assert not world.timed_out, world.describe()
     assert world.ranks[1].returncode == 9
     r0 = world.ranks[0].result
@@ -168,7 +181,7 @@ def test_train_pipeline_example_runs_under_the_launcher() -> None:
 
 def test_pipeline_argument_errors_on_every_rank() -> None:
     world = run_world(2, "pipeline.py", args=["errors"], env={"PARAMPLANE_TIMEOUT": "30"}, timeout=90)
-    assert all(r["num_checks"] == 6 for r in world.check_ok())
+    assert all(r["num_checks"] == 10 for r in world.check_ok())
 
 
 def test_bubble_benchmark_measures_idle_from_the_traced_compute(tmp_path: Path) -> None:
@@ -192,6 +205,7 @@ def test_bubble_benchmark_measures_idle_from_the_traced_compute(tmp_path: Path) 
         # The replay keeps the spans and drops the transfers: never slower than the real step.
         assert 0 <= r["bubble_replay"] <= r["bubble_measured"] + 0.02, r
         assert r["runtime_ms_per_step"] > -1.0, r
+        assert r["poll_us"] == 0 and r["cpu_ms_per_step"] > 0, r
     peak = {
         (r["schedule"], r["microbatch_group"]): r["peak_activation_sets_first_stage"]
         for r in rows

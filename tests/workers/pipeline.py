@@ -20,6 +20,7 @@ import paramplane as pp
 from paramplane.nn import GELU, CrossEntropyLoss, Linear, Module, MSELoss, Sequential
 
 IN, HIDDEN, CLASSES, PER_MB = 6, 8, 3, 2
+POLL_US = int(os.environ.get("TEST_PIPELINE_POLL_US", "0"))  # the transfer threads' polling slice
 
 
 def stage_module(s: int, num_stages: int) -> Module:
@@ -47,6 +48,7 @@ def equivalence(
         CrossEntropyLoss(reduction),
         scale_grads=reduction == "mean",
         microbatch_group=group,
+        poll_us=POLL_US,
     )
     ref = Sequential(*[stage_module(s, stages) for s in range(stages)])
     for step, per_mb in enumerate((PER_MB, PER_MB + 1)):
@@ -92,7 +94,7 @@ def kill(world: Any, rep: Report) -> None:
             os._exit(9)
 
         object.__setattr__(module, "forward", dying)
-    pipe = pp.Pipeline(module, g, "1f1b", 4, CrossEntropyLoss())
+    pipe = pp.Pipeline(module, g, "1f1b", 4, CrossEntropyLoss(), poll_us=POLL_US)
     x, y = np.ones((8, IN)), np.zeros(8, np.int64)
     rep.raises(
         "peer lost",
@@ -247,6 +249,13 @@ def errors(world: Any, rep: Report) -> None:
         rep.raises("missing input", ValueError, lambda: pipe.step(None, None), "needs the batch")
     else:
         rep.raises("missing target", ValueError, lambda: pipe.step(None, None), "needs step(..., target=...)")
+    for bad in (-1, True, 0.5, 10**6):
+        rep.raises(
+            f"poll_us={bad!r}",
+            ValueError,
+            lambda bad=bad: pp.Pipeline(module, g, "1f1b", 4, CrossEntropyLoss(), poll_us=bad),
+            "poll_us must be an int",
+        )
     rep.raises(
         "too few microbatches",
         ValueError,

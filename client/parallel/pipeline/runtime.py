@@ -18,6 +18,9 @@ microbatches: a ``"mean"`` loss then gives the gradient of the mean loss over th
 For a ``"sum"`` loss pass ``scale_grads=False`` to get the gradient of the sum over the batch.
 Interleaved 1F1B takes ``microbatch_group`` (default p): microbatches pass through each chunk in groups
 of that many; larger groups hide each transfer behind more compute and keep more activations alive.
+``poll_us`` > 0 keeps the transfer threads awake during a step (they wait in slices of that many
+microseconds): dependent transfers get faster on a host whose cores idle while the stages compute, for
+some CPU time per step (README: Pipeline parallel).
 The training thread only computes: transfers run on threads of their own (``transfers.py``), which
 receive each neighbour's messages in the order it sends them and file them by name. Sends never wait
 for the receiver (what the socket does not take, the sender's event loop finishes in order), so a
@@ -40,6 +43,8 @@ from paramplane.node.errors import CollectiveMismatch, PlaneError
 from paramplane.parallel.pipeline import schedules
 from paramplane.parallel.pipeline.transfers import Message, Transfers
 
+MAX_POLL_US = 100_000
+
 
 class Pipeline:
     """This rank's part of a pipeline over ``group`` (see the module docstring).
@@ -49,7 +54,8 @@ class Pipeline:
     stage; ``scale_grads`` divides each microbatch's loss gradient by ``microbatches`` (right for a mean loss);
     ``dp_group`` averages the stage gradients over data-parallel replicas after the step;
     ``microbatch_group`` (interleaved 1F1B only, default p) is how many microbatches pass through a chunk
-    before the next chunk.
+    before the next chunk; ``poll_us`` (default 0: sleep until woken) makes the transfer threads wait in slices
+    of that many microseconds while a step runs.
     """
 
     def __init__(
@@ -62,7 +68,10 @@ class Pipeline:
         scale_grads: bool = True,
         dp_group: ProcessGroup | None = None,
         microbatch_group: int | None = None,
+        poll_us: int = 0,
     ) -> None:
+        if isinstance(poll_us, bool) or not isinstance(poll_us, int) or not 0 <= poll_us <= MAX_POLL_US:
+            raise ValueError(f"poll_us must be an int in [0, {MAX_POLL_US}] (0: no polling), got {poll_us!r}")
         modules = [stage_modules] if isinstance(stage_modules, Module) else list(stage_modules)
         if not modules or not all(isinstance(m, Module) for m in modules):
             raise ValueError("stage_modules must be a Module or a non-empty list of Modules (one per chunk)")
@@ -98,7 +107,7 @@ class Pipeline:
         self._incoming_forward_only = _incoming(forward_only, group.rank)
         self._peak_sets = 0
         self._peak_bytes = 0
-        self._transfers = Transfers(group)
+        self._transfers = Transfers(group, poll_us / 1e6)
         self._broken: BaseException | None = None
         tracer = group.tracer
         self._tracer = tracer if hasattr(tracer, "mark") else None
@@ -204,6 +213,7 @@ class Pipeline:
                         inp = inputs[mb] if stage == 0 and inputs is not None else local.pop(("F", stage, mb))
                     start = time.monotonic()
                     out = op.module.forward(inp)
+                    end = time.monotonic()  # handing a result to the sender is not compute; the loss is
                     if op.dst is not None:
                         transfers.send(out, op.dst)
                     elif stage < last:
@@ -212,9 +222,9 @@ class Pipeline:
                         assert self.loss_fn is not None
                         losses[mb] = float(self.loss_fn.forward(out, targets[mb]))
                         local[("B", stage, mb)] = self.loss_fn.backward(grad_scale=scale)
+                        end = time.monotonic()
                     else:
                         finals[mb] = out
-                    end = time.monotonic()
                     state = op.module.take_forward_state()
                     if train:
                         nbytes = state_bytes.get(stage)
@@ -237,16 +247,17 @@ class Pipeline:
                     start = time.monotonic()
                     op.module.restore_forward_state(state)
                     grad_in = op.module.backward(grad)
+                    end = time.monotonic()
                     if op.dst is not None:
                         transfers.send(grad_in, op.dst)
                     elif stage > 0:
                         local[("B", stage - 1, mb)] = grad_in
-                    end = time.monotonic()
                 if tracer is not None:
                     tracer.mark(op.name, start, end, stage=stage, mb=mb)
             transfers.finish()
         except BaseException as exc:
             self._broken = exc
+            transfers.abandon()
             raise
         assert not local and not states, "schedule left work undone"
         return finals

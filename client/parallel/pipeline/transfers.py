@@ -9,6 +9,11 @@ sender's messages of the step in the order that rank sends them and files them b
 stage may take them in another order than they were sent. Every thread uses the group's own
 ``send`` and ``recv``: headers, ordering and failures are the group's. The threads hold no
 reference to the pipeline and end when it is garbage collected.
+
+With ``poll_s`` the sender and receiver threads wait in slices of that length while a step runs (between
+``begin`` and ``finish``) instead of sleeping until woken: a core woken from idle runs a transfer's code
+several times slower than one that stayed awake, and each dependent transfer on the schedule's critical
+path pays that once per thread it crosses.
 """
 
 from __future__ import annotations
@@ -24,11 +29,13 @@ import numpy as np
 from paramplane.group import ProcessGroup
 from paramplane.nn.module import Array
 from paramplane.node.arrays import array_module, is_device, to_host
+from paramplane.node.direct_lane import polling
 from paramplane.node.errors import CollectiveTimeout
 from paramplane.work import Work
 
 _STOP = object()  # ends a thread
 _END = object()  # ends a step's sends
+_NOTHING = object()
 
 
 class Message(NamedTuple):
@@ -68,10 +75,13 @@ class _Mailbox:
 
 
 class Transfers:
-    """The sender thread and the receiver threads of one pipeline over ``group``."""
+    """The sender thread and the receiver threads of one pipeline over ``group``; ``poll_s`` > 0: they wait in
+    slices of that many seconds while a step runs (see the module docstring)."""
 
-    def __init__(self, group: ProcessGroup) -> None:
+    def __init__(self, group: ProcessGroup, poll_s: float = 0.0) -> None:
         self.group = group
+        self._poll_s = poll_s
+        self._stepping = threading.Event()  # between ``begin`` and ``finish``: the sender polls when asked to
         self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._sent: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._box = _Mailbox()
@@ -80,7 +90,7 @@ class Transfers:
         self._like: Any = None
         # Each receive waits at most the group's timeout, so a receiver files something within that.
         self._bound = group.timeout + 5.0
-        _start(_send_loop, "send", group, self._outbox, self._sent, self._box)
+        _start(_send_loop, "send", group, self._outbox, self._sent, self._box, poll_s, self._stepping)
         weakref.finalize(self, _stop, self._outbox, self._plans)
 
     def begin(self, incoming: Mapping[int, Sequence[Message]], like: Any) -> None:
@@ -90,12 +100,13 @@ class Transfers:
         device of ``like``."""
         self._like = like if is_device(like) else None
         self._early.clear()
+        self._stepping.set()
         for src, plan in incoming.items():
             if not plan:
                 continue
             if src not in self._plans:
                 self._plans[src] = queue.SimpleQueue()
-                _start(_receive_loop, f"recv-{src}", self.group, self._plans[src], self._box)
+                _start(_receive_loop, f"recv-{src}", self.group, self._plans[src], self._box, self._poll_s)
             self._plans[src].put(plan)
 
     def send(self, x: Array, dst: int) -> None:
@@ -135,8 +146,13 @@ class Transfers:
             return array_module(self._like).asarray(got)
         return got
 
+    def abandon(self) -> None:
+        """The step failed before ``finish``: the sender stops polling."""
+        self._stepping.clear()
+
     def finish(self) -> None:
         """Wait until every send of the step is done; raises the first send's error."""
+        self._stepping.clear()
         self._outbox.put(_END)
         try:
             works = self._sent.get(timeout=self._bound)
@@ -161,12 +177,24 @@ def _stop(outbox: queue.SimpleQueue[Any], plans: dict[int, queue.SimpleQueue[Any
 
 
 def _send_loop(
-    group: ProcessGroup, outbox: queue.SimpleQueue[Any], sent: queue.SimpleQueue[Any], box: _Mailbox
+    group: ProcessGroup,
+    outbox: queue.SimpleQueue[Any],
+    sent: queue.SimpleQueue[Any],
+    box: _Mailbox,
+    poll_s: float,
+    stepping: threading.Event,
 ) -> None:
     works: list[Work[Any]] = []
     failure: _Failed | None = None
     while True:
-        item = outbox.get()
+        item: Any = _NOTHING
+        while poll_s and item is _NOTHING and stepping.is_set():
+            try:
+                item = outbox.get(timeout=poll_s)
+            except queue.Empty:
+                pass
+        if item is _NOTHING:
+            item = outbox.get()
         if item is _STOP:
             return
         if item is _END:
@@ -181,7 +209,12 @@ def _send_loop(
                 box.items.put(failure)
 
 
-def _receive_loop(group: ProcessGroup, plans: queue.SimpleQueue[Any], box: _Mailbox) -> None:
+def _receive_loop(group: ProcessGroup, plans: queue.SimpleQueue[Any], box: _Mailbox, poll_s: float) -> None:
+    with polling(poll_s):  # it receives only while a step runs
+        _receive_plans(group, plans, box)
+
+
+def _receive_plans(group: ProcessGroup, plans: queue.SimpleQueue[Any], box: _Mailbox) -> None:
     while True:
         plan = plans.get()
         if plan is _STOP:
