@@ -395,17 +395,16 @@ class CoordinatorState:
             )
         barrier = self._barriers.setdefault(name, _Barrier(participants, rank))
         if barrier.ranks != participants:
-            del self._barriers[name]
-            error = StateError(
-                ErrorKind.FAILED_PRECONDITION,
-                f"barrier {name!r}: rank {rank} passed ranks {list(participants)} but rank {barrier.first_rank} "
-                f"arrived first with ranks {list(barrier.ranks)}: every participant must pass the same ranks",
-                mismatch=True,
+            raise self._fail_barrier(
+                name,
+                StateError(
+                    ErrorKind.FAILED_PRECONDITION,
+                    f"barrier {name!r}: rank {rank} passed ranks {list(participants)} but rank "
+                    f"{barrier.first_rank} arrived first with ranks {list(barrier.ranks)}: every participant "
+                    "must pass the same ranks",
+                    mismatch=True,
+                ),
             )
-            for other in barrier.arrived.values():
-                del self._waits[other]
-                self._resolve(other, error=error)
-            raise error
         if rank in barrier.arrived:
             raise StateError(
                 ErrorKind.FAILED_PRECONDITION, f"barrier {name!r}: rank {rank} is already waiting there"
@@ -414,7 +413,7 @@ class CoordinatorState:
         self._waits[waiter] = _Wait("barrier", name, rank, timeout_s, now + timeout_s)
         gone = sorted(world.left.intersection(participants))
         if gone:
-            self._fail_barrier(name, gone[0])
+            self._fail_barrier(name, self._left_error(name, gone[0]))
         elif len(barrier.arrived) == len(participants):
             del self._barriers[name]
             for other in barrier.arrived.values():
@@ -451,20 +450,23 @@ class CoordinatorState:
             self._effects.events.append(Event(EventKind.LEFT, self.epoch, rank, f"rank {rank} left"))
             for name, barrier in list(self._barriers.items()):
                 if rank in barrier.ranks and rank not in barrier.arrived:
-                    self._fail_barrier(name, rank)
+                    self._fail_barrier(name, self._left_error(name, rank))
 
-    def _fail_barrier(self, name: str, left: int) -> None:
-        """Fail every arrival at barrier ``name``: rank ``left``, one of its participants, left the world."""
-        barrier = self._barriers.pop(name)
-        error = StateError(
+    def _left_error(self, name: str, left: int) -> StateError:
+        barrier = self._barriers[name]
+        return StateError(
             ErrorKind.FAILED_PRECONDITION,
             f"barrier {name!r}: rank {left} left the world without arriving "
             f"({len(barrier.arrived)}/{len(barrier.ranks)} arrived)",
             left=left,
         )
-        for waiter in barrier.arrived.values():
+
+    def _fail_barrier(self, name: str, error: StateError) -> StateError:
+        """Fail every arrival at barrier ``name`` with ``error`` and forget the barrier."""
+        for waiter in self._barriers.pop(name).arrived.values():
             del self._waits[waiter]
             self._resolve(waiter, error=error)
+        return error
 
     def abort(self, epoch: int, rank: int, reason: str) -> None:
         """``rank`` reports a fatal error: the world aborts (a second abort changes nothing)."""
