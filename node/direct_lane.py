@@ -141,7 +141,8 @@ class DirectLane:
                     if byte < 0x80:
                         break
                     shift += 7
-                if size - i - len(tail) == nbytes and raw[i : i + len(tail)] == tail:
+                # A number past int64 is left to the parser, which reads it as protobuf does.
+                if size - i - len(tail) == nbytes and raw[i : i + len(tail)] == tail and number < 1 << 63:
                     return number, raw[i + len(tail) :]
         try:
             header = self._parse(bytes(raw))

@@ -323,13 +323,15 @@ def test_a_small_message_frame_is_valid_protobuf_and_read_without_parsing_when_i
     other = peer_pb2.FrameHeader(
         group="g", op="send", shape=[3], nbytes=12, seq=301, inline_payload=bytes(12)
     )
+    huge = template.head + _varint(1 << 63) + template.tail + payload  # past int64: protobuf's to read
     ended = peer_pb2.FrameHeader(group="g", end_of_stream=True)
-    for frame in (body, other.SerializeToString(), ended.SerializeToString()):
+    for frame in (body, other.SerializeToString(), huge, ended.SerializeToString()):
         a.sendall(struct.pack("!I", len(frame)) + frame)
     expected = (template.head, template.tail, template.header.nbytes)
     seq, view = lane.next_message(5.0, *expected)  # type: ignore[misc]
     assert (seq, bytes(view)) == (300, payload)
     assert lane.next_message(5.0, *expected) == other  # another shape: parsed, for the full checks
+    assert lane.next_message(5.0, *expected) == peer_pb2.FrameHeader.FromString(huge)
     with pytest.raises(PeerLost, match="shut down"):
         lane.next_message(5.0, *expected)
     a.close()

@@ -9,11 +9,12 @@ when it came first.
 A pipeline's activations are made of such messages, and whatever a stage's thread does for one
 after computing is idle time of the pipeline; the interpreter runs that code on cold caches, so
 its cost is mostly how much code it touches. After the first message of a dtype and shape on a
-line, the next ones take a short path (``send_small`` / ``recv_small``): the line keeps that frame's header serialized
-(``_Template``), a message's frame is those bytes with its sequence number and payload appended
-(protobuf fields may come in any order), and a received frame that is byte for byte the expected
-header, a sequence number and a payload of the expected size is taken without parsing it; any
-other frame is parsed and goes through the full checks, which name what differs.
+line, the next ones take a short path (``send_small`` / ``recv_small``): the line keeps that
+frame's header serialized (``_Template``), a message's frame is those bytes with its sequence
+number and payload appended (protobuf fields may come in any order), and a received frame that is
+byte for byte the expected header, a sequence number and a payload of the expected size is taken
+without parsing it; any other frame is parsed and goes through the full checks, which name what
+differs.
 """
 
 from __future__ import annotations
