@@ -272,9 +272,11 @@ class CoordinatorState:
         return world
 
     def snapshot_events(self, epoch: int, rank: int) -> list[Event]:
-        """What a new watch subscriber is told first: membership, and the abort if there was one."""
+        """What a new watch subscriber is told first: membership, the ranks that left already, and the abort if
+        there was one."""
         world = self.member(epoch, rank, allow_aborted=True)
         events = [Event(EventKind.MEMBERSHIP, self.epoch, rank)]
+        events += [Event(EventKind.LEFT, self.epoch, r, f"rank {r} left") for r in sorted(world.left)]
         return events + ([world.abort] if world.abort else [])
 
     # -- key/value store --------------------------------------------------------------------------

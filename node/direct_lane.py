@@ -248,15 +248,19 @@ class DirectLanes:
         self.keys: set[str] = set()
         self._lanes: dict[tuple[int, str], DirectLane] = {}
         self._waiters: dict[tuple[int, str], asyncio.Future[DirectLane]] = {}
+        self._gone: set[int] = set()  # ranks that left the world and can open no lane any more
 
     def get(self, src: int, key: str) -> DirectLane | None:
         return self._lanes.get((src, key))
 
     async def wait(self, src: int, key: str) -> DirectLane:
-        """The lane of (``src``, ``key``) once its sender has connected (failed with the key)."""
+        """The lane of (``src``, ``key``) once its sender has connected (failed with the key, or PeerLost once
+        ``src`` has left without opening it)."""
         lane = self._lanes.get((src, key))
         if lane is not None:
             return lane
+        if src in self._gone:
+            raise _never_opened(src, key)
         fut = self._waiters.get((src, key))
         if fut is None or fut.done():
             fut = self._waiters[(src, key)] = asyncio.get_running_loop().create_future()
@@ -278,6 +282,17 @@ class DirectLanes:
         if self._lanes.get((lane.src, lane.key)) is lane:
             del self._lanes[(lane.src, lane.key)]
 
+    def sender_left(self, src: int) -> None:
+        """Rank ``src`` left the world and its plane has flushed what it sent: a lane it has not opened by now
+        never comes, so whoever waits for one fails (on the loop)."""
+        self._gone.add(src)
+        for (rank, key), fut in list(self._waiters.items()):
+            if rank == src:
+                del self._waiters[(rank, key)]
+                if not fut.done():
+                    fut.set_exception(_never_opened(src, key))
+                    fut.add_done_callback(_retrieve)
+
     def fail_key(self, key: str, exc: PlaneError, lost: int) -> None:
         for (src, k), lane in self._lanes.items():
             if k == key:
@@ -288,6 +303,10 @@ class DirectLanes:
                 if not fut.done():
                     fut.set_exception(exc)
                     fut.add_done_callback(_retrieve)
+
+
+def _never_opened(src: int, key: str) -> PeerLost:
+    return PeerLost(f"rank {src} left the world without sending anything on group '{key}' to this rank", src)
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:

@@ -93,6 +93,10 @@ class RuntimeConfig:
             )
 
 
+SHUTDOWN_GRACE_S = 5.0
+# How long after a peer's "left" event its plane may still open lanes to flush what it sent (its shutdown grace
+# bounds that), after which a receive still waiting for a lane from it fails.
+LEFT_FLUSH_S = SHUTDOWN_GRACE_S + 10.0
 ENV_OF = {
     "coordinator": "PARAMPLANE_COORDINATOR",
     "world_size": "PARAMPLANE_WORLD_SIZE",
@@ -232,6 +236,11 @@ class NodeRuntime:
                     else:
                         self._abort(WorldAborted(f"the world was aborted: {event.reason}", event.rank))
                     return
+                if event.kind == "left" and event.rank != self.rank:
+                    # Its plane flushes its last sends after leaving, for at most its shutdown grace.
+                    asyncio.get_running_loop().call_later(
+                        LEFT_FLUSH_S, self.plane.direct.sender_left, event.rank
+                    )
                 if event.kind == "shutdown" and not self._closed:
                     self._abort(WorldAborted("the coordinator shut down"))
                     return
@@ -307,7 +316,7 @@ class NodeRuntime:
     def abort_error(self) -> PlaneError:
         return self._abort_exc or PlaneClosed("the plane was shut down")
 
-    def shutdown(self, grace: float = 5.0) -> None:
+    def shutdown(self, grace: float = SHUTDOWN_GRACE_S) -> None:
         """Leave the world: finish outbound streams, stop serving, stop the loop. Idempotent."""
         if self._closed:
             return

@@ -212,6 +212,11 @@ def test_barrier_fails_at_once_when_a_participant_leaves_without_arriving() -> N
     assert sorted(r.waiter for r in s.take_effects().resolved if r.error is None) == [2, 3]
     s.barrier(1, "y", 2, [], 60.0, waiter=4, now=2.0)  # a barrier that starts after the leave
     assert errors(s)[4].left == 1
+    # A watch stream opened after the leave is told of it (its receives from rank 1 fail, node/runtime.py).
+    assert [(e.kind, e.rank) for e in s.snapshot_events(1, 0)] == [
+        (EventKind.MEMBERSHIP, 0),
+        (EventKind.LEFT, 1),
+    ]
 
 
 def test_silent_rank_is_declared_dead_at_the_heartbeat_timeout() -> None:

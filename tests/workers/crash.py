@@ -2,9 +2,10 @@
 
 with      the exception leaves ``with pp.init()``
 uncaught  the script called ``pp.init()`` without ``with``; the exception reaches ``sys.excepthook``
+clean     no exception: rank 1's script ends without sending what rank 0 waits for
 
-Rank 0 must fail with WorldAborted naming the exception, long before its group timeout, rather than wait
-for a rank that is gone without being lost (it left the world on its way out).
+Rank 0 must fail with WorldAborted naming the exception (clean: PeerLost naming rank 1), long before its
+group timeout, rather than wait for a rank that is gone without being lost (it left the world on its way out).
 """
 
 from __future__ import annotations
@@ -21,6 +22,14 @@ import paramplane as pp
 
 
 def wait_for_rank_1(world: Any, rep: Report) -> None:
+    if sys.argv[1] == "clean":
+        rep.raises(
+            "a peer that left without sending is named",
+            pp.PeerLost,
+            lambda: world.group.recv_array(1),
+            "rank 1 left the world without sending anything on group",
+        )
+        return
     rep.raises(
         "a crashed peer's exception reaches the rank waiting for it",
         pp.WorldAborted,
@@ -32,6 +41,9 @@ def wait_for_rank_1(world: Any, rep: Report) -> None:
 if __name__ == "__main__":
     if os.environ["PARAMPLANE_RANK"] != "1":
         run_rank(wait_for_rank_1)
+    elif sys.argv[1] == "clean":
+        with pp.init():
+            pass
     elif sys.argv[1] == "with":
         with pp.init():
             raise ValueError("bad batch at step 3")
