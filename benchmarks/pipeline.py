@@ -1,7 +1,7 @@
 """Pipeline bubble: measured idle fraction of a step against theory, per schedule and microbatch count.
 
     python benchmarks/pipeline.py [--compute-ms 20] [--steps 5] [--schedules gpipe,1f1b,interleaved_1f1b]
-                                  [--poll-us 0] [--out benchmarks/results/pipeline.jsonl]
+                                  [--poll-us 0] [--no-torch] [--out benchmarks/results/pipeline.jsonl]
 
 p = 2 ranks, one stage each (interleaved: v = 2 chunks each). Every stage spends a fixed, known
 time per microbatch in forward and in backward (``--compute-ms``; each chunk of an interleaved
@@ -23,13 +23,19 @@ message measured in the same run (``p2p_one_way_ms``: each dependent transfer on
 critical path adds about that much), ``poll_us`` (``Pipeline(poll_us=...)``: the transfer threads wait in
 slices of that many microseconds during a step; 0, the default, sleeps until woken) and what it costs:
 ``cpu_ms_per_step``, the CPU time the slowest rank's process spent per step (all its threads).
-One JSON line per configuration.
+The peer, in the same run unless ``--no-torch`` (or torch is not installed): torch.distributed.pipelining
+(``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``, each at its defaults) over gloo, its stages
+the same stand-in as an autograd function, its bubble measured the same way from those functions' spans
+(``impl: "torch"`` lines; torch has no microbatch group setting). Our lines carry
+``torch_measured_over_theory`` and ``bubble_over_torch`` (our bubble / torch's) for the same schedule and m.
+One JSON line per configuration and implementation.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import os
 import sys
@@ -77,52 +83,144 @@ def worker(args: argparse.Namespace) -> None:
     rows = []
     with pp.init() as world:
         one_way = p2p_one_way_s(world.group)
-        for schedule, v, group in CONFIGS:
-            if schedule not in args.schedules.split(","):
-                continue
-            for m in [int(x) for x in args.microbatches.split(",")]:
-                if (schedule != "gpipe" and m < P) or (group is not None and m % group):
-                    continue
-                chunks = [Wait(args.compute_ms / 1000 / v) for _ in range(v)]
-                pipe = pp.Pipeline(
-                    chunks if v > 1 else chunks[0],
-                    world.group,
-                    schedule,
-                    m,
-                    MSELoss(),
-                    microbatch_group=group,
-                    poll_us=args.poll_us,
-                )
-                x = np.zeros((m, 8))
-                times, spans, cpu = [], [], []
-                tracer = world.group.tracer
-                for _ in range(args.steps + 1):
-                    world.group.barrier()
-                    seen = tracer.num_events
-                    t, c = time.perf_counter(), time.process_time()
-                    pipe.step(x if pipe.is_first else None, x if pipe.is_last else None)
-                    times.append(time.perf_counter() - t)
-                    cpu.append(time.process_time() - c)
-                    mine = {
-                        e["name"]: e["dur"] / 1e6 for e in tracer.events_since(seen) if e["cat"] == "compute"
-                    }
-                    assert len(mine) == 2 * m * v, f"expected {2 * m * v} compute spans, got {len(mine)}"
-                    spans.append(mine)
-                rows.append(
-                    {
-                        "schedule": schedule,
-                        "m": m,
-                        "v": v,
-                        "microbatch_group": group,
-                        "step_s": times[1:],
-                        "cpu_s": cpu[1:],
-                        "spans": spans[1:],
-                        "compute_s": m * 2 * args.compute_ms / 1000,
-                        "peak_activation_sets": pipe.memory_stats()["peak_activation_sets"],
-                        "p2p_one_way_s": one_way,
-                    }
-                )
+        for schedule, v, group, m in _configs(args):
+            chunks = [Wait(args.compute_ms / 1000 / v) for _ in range(v)]
+            pipe = pp.Pipeline(
+                chunks if v > 1 else chunks[0],
+                world.group,
+                schedule,
+                m,
+                MSELoss(),
+                microbatch_group=group,
+                poll_us=args.poll_us,
+            )
+            x = np.zeros((m, 8))
+            times, spans, cpu = [], [], []
+            tracer = world.group.tracer
+            for _ in range(args.steps + 1):
+                world.group.barrier()
+                seen = tracer.num_events
+                t, c = time.perf_counter(), time.process_time()
+                pipe.step(x if pipe.is_first else None, x if pipe.is_last else None)
+                times.append(time.perf_counter() - t)
+                cpu.append(time.process_time() - c)
+                mine = {e["name"]: e["dur"] / 1e6 for e in tracer.events_since(seen) if e["cat"] == "compute"}
+                assert len(mine) == 2 * m * v, f"expected {2 * m * v} compute spans, got {len(mine)}"
+                spans.append(mine)
+            rows.append(
+                {
+                    "schedule": schedule,
+                    "m": m,
+                    "v": v,
+                    "microbatch_group": group,
+                    "step_s": times[1:],
+                    "cpu_s": cpu[1:],
+                    "spans": spans[1:],
+                    "compute_s": m * 2 * args.compute_ms / 1000,
+                    "peak_activation_sets": pipe.memory_stats()["peak_activation_sets"],
+                    "p2p_one_way_s": one_way,
+                }
+            )
     print(json.dumps(rows), flush=True)
+
+
+# The peer: torch.distributed.pipelining over gloo, the same stand-in stages, its schedules at their defaults.
+TORCH_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+}
+
+
+def worker_torch(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+
+    rank = int(os.environ["PARAMPLANE_RANK"])
+    dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=rank, world_size=P)
+    spans: list[float] = []
+
+    class WaitFn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Any, seconds: float) -> Any:
+            start = time.monotonic()
+            time.sleep(seconds)
+            ctx.seconds = seconds
+            spans.append(time.monotonic() - start)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            start = time.monotonic()
+            time.sleep(ctx.seconds)
+            spans.append(time.monotonic() - start)
+            return grad.clone(), None
+
+    class Wait(torch.nn.Module):
+        def __init__(self, seconds: float) -> None:
+            super().__init__()
+            self.seconds = seconds
+            self.w = torch.nn.Parameter(torch.zeros(()))  # so the first stage runs its backward too
+
+        def forward(self, x: Any) -> Any:
+            return WaitFn.apply(x + self.w * 0, self.seconds)
+
+    rows = []
+    for schedule, v, group, m in _configs(args):
+        if group is not None:
+            continue  # torch's interleaved schedule has no microbatch group setting
+        stages = [
+            pipelining.PipelineStage(
+                Wait(args.compute_ms / 1000 / v), rank + c * P, P * v, torch.device("cpu")
+            )
+            for c in range(v)
+        ]
+        pipe = getattr(pipelining, TORCH_SCHEDULES[schedule])(
+            stages if v > 1 else stages[0], m, loss_fn=torch.nn.functional.mse_loss
+        )
+        x = torch.zeros(m, 8)
+        times, busy, cpu = [], [], []
+        for _ in range(args.steps + 1):
+            dist.barrier()
+            spans.clear()
+            t, c = time.perf_counter(), time.process_time()
+            if rank == 0:
+                pipe.step(x)
+            else:
+                pipe.step(target=x)
+            times.append(time.perf_counter() - t)
+            cpu.append(time.process_time() - c)
+            # (its first step also runs each stage's forward once to learn the shapes: not measured)
+            assert len(spans) == 2 * m * v or not times[1:], (
+                f"expected {2 * m * v} compute spans, got {len(spans)}"
+            )
+            busy.append(sum(spans))
+        rows.append(
+            {
+                "schedule": schedule,
+                "m": m,
+                "v": v,
+                "step_s": times[1:],
+                "busy_s": busy[1:],
+                "cpu_s": cpu[1:],
+                "torch_version": torch.__version__,
+            }
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+    print(json.dumps(rows), flush=True)
+
+
+def _configs(args: argparse.Namespace) -> list[tuple[str, int, int | None, int]]:
+    """The (schedule, chunks per rank, microbatch group, microbatches) this run measures."""
+    return [
+        (schedule, v, group, m)
+        for schedule, v, group in CONFIGS
+        if schedule in args.schedules.split(",")
+        for m in [int(x) for x in args.microbatches.split(",")]
+        if not ((schedule != "gpipe" and m < P) or (group is not None and m % group))
+    ]
 
 
 def p2p_one_way_s(group: Any, rounds: int = 300) -> float:
@@ -173,67 +271,112 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b", help="comma-separated")
     parser.add_argument("--poll-us", type=int, default=0, help="Pipeline(poll_us=...)")
+    parser.add_argument("--no-torch", action="store_true", help="skip the torch.distributed.pipelining rows")
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("paramplane", "torch"), help=argparse.SUPPRESS)
+    parser.add_argument("--store", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
+    if args.worker == "paramplane":
         worker(args)
+        return 0
+    if args.worker == "torch":
+        worker_torch(args)
         return 0
     cmd = [
         sys.executable,
         __file__,
-        "--worker",
         "--compute-ms",
         str(args.compute_ms),
         "--microbatches",
         args.microbatches,
-        "--steps",
-        str(args.steps),
-        "--schedules",
-        args.schedules,
-        "--poll-us",
-        str(args.poll_us),
     ]
+    cmd += ["--steps", str(args.steps), "--schedules", args.schedules, "--poll-us", str(args.poll_us)]
     with tempfile.TemporaryDirectory(prefix="paramplane-pipeline-trace-") as trace:
         env = dict(os.environ, PARAMPLANE_TRACE=trace)
-        per_rank = run_ranks(lambda _r: cmd, P, env, what="pipeline benchmark")
+        per_rank = run_ranks(lambda _r: [*cmd, "--worker", "paramplane"], P, env, what="pipeline benchmark")
+    peer: dict[tuple[str, int], dict[str, Any]] = {}
+    if not args.no_torch and importlib.util.find_spec("torch") is not None:
+        with tempfile.TemporaryDirectory(prefix="paramplane-pipeline-torch-") as tmp:
+            store = ["--worker", "torch", "--store", os.path.join(tmp, "store")]
+            torch_ranks = run_ranks(
+                lambda _r: [*cmd, *store], P, os.environ, what="torch pipeline peer", coordinator=False
+            )
+        for rows in zip(*torch_ranks):
+            row = _torch_row(rows, args)
+            peer[(row["schedule"], row["m"])] = row
     lines = []
     for rows in zip(*per_rank):
-        first = rows[0]
-        m, v = first["m"], first["v"]
-        bubble, replayed, steps, ideal = _bubbles(first["schedule"], m, v, first["microbatch_group"], rows)
-        measured, step = float(np.median(bubble)), float(np.median(steps))
-        theory = (P - 1) / (v * m + P - 1) if v > 1 else (P - 1) / (m + P - 1)
-        lines.append(
-            json.dumps(
-                {
-                    "bench": "pipeline",
-                    "schedule": first["schedule"],
-                    "microbatch_group": first["microbatch_group"],
-                    # Ranks of one machine meet on Unix-socket lanes unless PARAMPLANE_UNIX_LANE=0 (TCP, the
-                    # inter-host path).
-                    "unix_lane": os.environ.get("PARAMPLANE_UNIX_LANE", "1") != "0",
-                    "p": P,
-                    "m": m,
-                    "v": v,
-                    "compute_ms": args.compute_ms,
-                    "step_s": step,
-                    "bubble_measured": measured,
-                    "bubble_nominal": 1.0 - first["compute_s"] / step,
-                    "bubble_theory": theory,
-                    "measured_over_theory": measured / theory,
-                    "bubble_replay": float(np.median(replayed)),
-                    "replay_over_theory": float(np.median(replayed)) / theory,
-                    "runtime_ms_per_step": float(np.median([s - i for s, i in zip(steps, ideal)])) * 1e3,
-                    "peak_activation_sets_first_stage": first["peak_activation_sets"],
-                    "p2p_one_way_ms": first["p2p_one_way_s"] * 1e3,
-                    "poll_us": args.poll_us,
-                    "cpu_ms_per_step": max(float(np.median(r["cpu_s"])) for r in rows) * 1e3,
-                }
-            )
-        )
+        row = _row(rows, args)
+        theirs = peer.get((row["schedule"], row["m"])) if row["microbatch_group"] is None else None
+        if theirs is not None:
+            row["torch_measured_over_theory"] = theirs["measured_over_theory"]
+            row["bubble_over_torch"] = row["bubble_measured"] / theirs["bubble_measured"]
+        lines.append(json.dumps(row))
+    lines += [json.dumps(row) for row in peer.values()]
     emit(lines, args.out)
     return 0
+
+
+def _theory(m: int, v: int) -> float:
+    return (P - 1) / (v * m + P - 1) if v > 1 else (P - 1) / (m + P - 1)
+
+
+def _row(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """Our line for one configuration from every rank's measurements."""
+    first = rows[0]
+    m, v = first["m"], first["v"]
+    bubble, replayed, steps, ideal = _bubbles(first["schedule"], m, v, first["microbatch_group"], rows)
+    measured, step = float(np.median(bubble)), float(np.median(steps))
+    theory = _theory(m, v)
+    return {
+        "bench": "pipeline",
+        "impl": "paramplane",
+        "schedule": first["schedule"],
+        "microbatch_group": first["microbatch_group"],
+        # Ranks of one machine meet on Unix-socket lanes unless PARAMPLANE_UNIX_LANE=0 (TCP, the inter-host path).
+        "unix_lane": os.environ.get("PARAMPLANE_UNIX_LANE", "1") != "0",
+        "p": P,
+        "m": m,
+        "v": v,
+        "compute_ms": args.compute_ms,
+        "step_s": step,
+        "bubble_measured": measured,
+        "bubble_nominal": 1.0 - first["compute_s"] / step,
+        "bubble_theory": theory,
+        "measured_over_theory": measured / theory,
+        "bubble_replay": float(np.median(replayed)),
+        "replay_over_theory": float(np.median(replayed)) / theory,
+        "runtime_ms_per_step": float(np.median([s - i for s, i in zip(steps, ideal)])) * 1e3,
+        "peak_activation_sets_first_stage": first["peak_activation_sets"],
+        "p2p_one_way_ms": first["p2p_one_way_s"] * 1e3,
+        "poll_us": args.poll_us,
+        "cpu_ms_per_step": max(float(np.median(r["cpu_s"])) for r in rows) * 1e3,
+    }
+
+
+def _torch_row(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """The peer's line: its bubble measured the same way (per step the rank with the largest idle fraction)."""
+    first = rows[0]
+    m, v = first["m"], first["v"]
+    bubble = [max(1.0 - r["busy_s"][i] / r["step_s"][i] for r in rows) for i in range(len(first["step_s"]))]
+    measured, theory = float(np.median(bubble)), _theory(m, v)
+    return {
+        "bench": "pipeline",
+        "impl": "torch",
+        "torch_version": first["torch_version"],
+        "backend": "gloo",
+        "schedule": first["schedule"],
+        "microbatch_group": None,
+        "p": P,
+        "m": m,
+        "v": v,
+        "compute_ms": args.compute_ms,
+        "step_s": float(np.median([max(r["step_s"][i] for r in rows) for i in range(len(bubble))])),
+        "bubble_measured": measured,
+        "bubble_theory": theory,
+        "measured_over_theory": measured / theory,
+        "cpu_ms_per_step": max(float(np.median(r["cpu_s"])) for r in rows) * 1e3,
+    }
 
 
 if __name__ == "__main__":

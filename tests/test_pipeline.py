@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -193,9 +194,22 @@ def test_bubble_benchmark_measures_idle_from_the_traced_compute(tmp_path: Path) 
     args = ["--compute-ms", "4", "--microbatches", "2,4", "--steps", "1", "--out", str(out)]
     proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    every = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = [r for r in every if r["impl"] == "paramplane"]
     configs = {(s, None, m) for s in schedules.SCHEDULES for m in (2, 4)} | {("interleaved_1f1b", 4, 4)}
     assert {(r["schedule"], r["microbatch_group"], r["m"]) for r in rows} == configs
+    peer = {(r["schedule"], r["m"]): r for r in every if r["impl"] == "torch"}
+    if importlib.util.find_spec("torch") is not None:
+        # The peer ran the same schedules (torch has no microbatch group) and is measured the same way.
+        assert set(peer) == {(s, m) for s in schedules.SCHEDULES for m in (2, 4)}
+        for (schedule, m), t in peer.items():
+            assert 0 < t["bubble_measured"] < 1 and t["measured_over_theory"] > 0.5, t
+            ours = next(
+                r for r in rows if (r["schedule"], r["m"], r["microbatch_group"]) == (schedule, m, None)
+            )
+            assert ours["bubble_over_torch"] == pytest.approx(ours["bubble_measured"] / t["bubble_measured"])
+    else:
+        assert not peer
     for r in rows:
         theory = (r["p"] - 1) / (r["v"] * r["m"] + r["p"] - 1)
         assert r["bubble_theory"] == pytest.approx(theory)
