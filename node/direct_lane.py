@@ -260,7 +260,7 @@ class DirectLanes:
         if lane is not None:
             return lane
         if src in self._gone:
-            raise _never_opened(src, key)
+            raise left_without_sending(src, key)
         fut = self._waiters.get((src, key))
         if fut is None or fut.done():
             fut = self._waiters[(src, key)] = asyncio.get_running_loop().create_future()
@@ -290,7 +290,7 @@ class DirectLanes:
             if rank == src:
                 del self._waiters[(rank, key)]
                 if not fut.done():
-                    fut.set_exception(_never_opened(src, key))
+                    fut.set_exception(left_without_sending(src, key))
                     fut.add_done_callback(_retrieve)
 
     def fail_key(self, key: str, exc: PlaneError, lost: int) -> None:
@@ -305,8 +305,11 @@ class DirectLanes:
                     fut.add_done_callback(_retrieve)
 
 
-def _never_opened(src: int, key: str) -> PeerLost:
-    return PeerLost(f"rank {src} left the world without sending anything on group '{key}' to this rank", src)
+def left_without_sending(src: int, key: str) -> PeerLost:
+    """What a receive from ``src`` on ``key`` raises once ``src`` has left and nothing more can come."""
+    return PeerLost(
+        f"rank {src} left the world without sending anything more on group '{key}' to this rank", src
+    )
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:

@@ -238,9 +238,7 @@ class NodeRuntime:
                     return
                 if event.kind == "left" and event.rank != self.rank:
                     # Its plane flushes its last sends after leaving, for at most its shutdown grace.
-                    asyncio.get_running_loop().call_later(
-                        LEFT_FLUSH_S, self.plane.direct.sender_left, event.rank
-                    )
+                    asyncio.get_running_loop().call_later(LEFT_FLUSH_S, self.plane.sender_left, event.rank)
                 if event.kind == "shutdown" and not self._closed:
                     self._abort(WorldAborted("the coordinator shut down"))
                     return

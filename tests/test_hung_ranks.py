@@ -77,11 +77,16 @@ def test_a_rank_whose_script_raises_aborts_the_world_with_the_exception(how: str
     assert waiting.result["failures"] == [] and waiting.result["num_checks"] == 1, world.describe()
 
 
-def test_a_receive_from_a_rank_that_ended_without_sending_fails_naming_it() -> None:
+@pytest.mark.parametrize("lanes", ["raw lanes", "grpc streams"])
+def test_a_receive_from_a_rank_that_ended_without_sending_fails_naming_it(lanes: str) -> None:
     """Rank 1's script ends cleanly without sending what rank 0 waits for: once rank 1 has left and had its
     shutdown grace to flush, rank 0's receive fails with PeerLost naming it, not after its 120 s group timeout
-    (the harness kills the ranks after 60 s)."""
-    world = run_world(2, "crash.py", args=["clean"], env={"PARAMPLANE_TIMEOUT": "120"}, timeout=60)
+    (the harness kills the ranks after 60 s); on raw lanes (a lane rank 1 never opened) and on the gRPC
+    streams' inboxes (without lanes, as with TLS)."""
+    env = {"PARAMPLANE_TIMEOUT": "120"}
+    if lanes == "grpc streams":
+        env.update(PARAMPLANE_TCP_LANE="0", PARAMPLANE_UNIX_LANE="0")
+    world = run_world(2, "crash.py", args=["clean"], env=env, timeout=60)
     assert not world.timed_out, world.describe()
     assert world.ranks[1].returncode == 0, world.describe()
     waiting = world.ranks[0]

@@ -279,6 +279,24 @@ async def test_a_receive_beyond_what_a_departed_peer_sent_fails_at_once() -> Non
         await b.close(0.5)
 
 
+async def test_after_a_sender_left_its_delivered_frames_are_read_then_receives_from_it_fail() -> None:
+    """The runtime calls ``sender_left`` once a departed rank's flush grace has passed (gRPC streams' inboxes
+    here; lanes in test_hung_ranks): what it delivered is still read, later receives from it and inboxes made
+    for it afterwards fail with PeerLost naming it, and other ranks' inboxes are untouched."""
+    plane = PeerPlane(token=TOKEN)
+    delivered, other = plane.inbox(0, "g"), plane.inbox(2, "g")
+    await delivered.put("frame")
+    plane.sender_left(0)
+    assert await bounded(delivered.get()) == "frame"
+    with pytest.raises(PeerLost, match="rank 0 left the world without sending anything more on group 'g'"):
+        await bounded(delivered.get())
+    with pytest.raises(PeerLost, match="group 'h'") as later:
+        await bounded(plane.inbox(0, "h").get())
+    assert later.value.rank == 0
+    await other.put("still here")
+    assert await bounded(other.get()) == "still here" and other.error is None
+
+
 async def test_an_authenticated_but_undecodable_opening_is_refused() -> None:
     server, rec = await _server()
     loop = asyncio.get_running_loop()

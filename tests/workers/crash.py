@@ -27,7 +27,7 @@ def wait_for_rank_1(world: Any, rep: Report) -> None:
             "a peer that left without sending is named",
             pp.PeerLost,
             lambda: world.group.recv_array(1),
-            "rank 1 left the world without sending anything on group",
+            "rank 1 left the world without sending anything more on group",
         )
         return
     rep.raises(
