@@ -210,7 +210,9 @@ async def test_abort_and_leave_reach_every_watcher() -> None:
         await cs[2].leave()
         for s in streams[:2]:
             assert (await next_event(s)).kind == "left"
-        waiting = asyncio.create_task(cs[0].barrier("never", timeout_s=30.0))
+        # A barrier of the ranks still here (one naming the departed rank would fail on arrival instead).
+        staying = [ms[0].rank, ms[1].rank]
+        waiting = asyncio.create_task(cs[0].barrier("never", ranks=staying, timeout_s=30.0))
         await cs[1].abort("loss is NaN")
         for s in streams[:2]:
             event = await next_event(s)
