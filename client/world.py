@@ -239,7 +239,14 @@ class World:
         return self
 
     def shutdown(self) -> None:
-        """Leave the world and stop the runtime. Idempotent."""
+        """Leave the world and stop the runtime. Idempotent.
+
+        Called while an exception propagates (from a ``finally`` or ``except`` block), it first aborts the world
+        naming that exception (``abort_for``), as leaving ``with pp.init()`` does: a rank that merely left is
+        one its peers may still wait for, an aborted world fails them at once with the reason."""
+        exc = sys.exc_info()[1]
+        if exc is not None:
+            self.abort_for(exc)
         self._rt.shutdown()
 
     def __enter__(self) -> World:
@@ -256,7 +263,8 @@ class World:
         """The script ends with ``exc``: abort the world with it as the reason, so no peer waits for this rank
         until its timeout (a rank that merely left may still be expected to send). Nothing for a
         ``PlaneError`` (the plane's own failure, which the peers learn by themselves) or ``sys.exit(0)``.
-        Called on leaving ``with pp.init()`` by an exception, and for an uncaught one (``sys.excepthook``)."""
+        Called on leaving ``with pp.init()`` by an exception, by ``shutdown`` while one propagates, and for an
+        uncaught one (``sys.excepthook``)."""
         if isinstance(exc, PlaneError) or (isinstance(exc, SystemExit) and exc.code in (0, None)):
             return
         if self._rt.closed or self._rt.aborted.is_set():

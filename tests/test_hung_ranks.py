@@ -63,9 +63,10 @@ def test_a_rank_that_stops_issuing_collectives_is_named() -> None:
         assert v["at"] - stalled_at < 2.0 + 15, v
 
 
-@pytest.mark.parametrize("how", ["with", "uncaught"])
+@pytest.mark.parametrize("how", ["with", "uncaught", "finally"])
 def test_a_rank_whose_script_raises_aborts_the_world_with_the_exception(how: str) -> None:
-    """Rank 1 dies of a ValueError (leaving ``with pp.init()``, or uncaught without it) while rank 0 waits for
+    """Rank 1 dies of a ValueError (leaving ``with pp.init()``, uncaught without it, or through a ``finally``
+    that calls ``world.shutdown()``, as the examples do) while rank 0 waits for
     its message: rank 0 fails with WorldAborted naming the exception, not after its 120 s group timeout (the
     harness kills the ranks after 60 s)."""
     world = run_world(2, "crash.py", args=[how], env={"PARAMPLANE_TIMEOUT": "120"}, timeout=60)

@@ -41,9 +41,8 @@ from paramplane.parallel.sharding import ShardedArray
 
 MANIFEST = "manifest.json"
 FORMAT = 1
-_CRASH_ENV = (
-    "PARAMPLANE_TEST_CRASH_IN_SAVE"  # tests: "<rank>" exits that rank after its shards, before the commit
-)
+# Tests: "<rank>@<checkpoint folder name>" exits that rank after its shards of that save, before the commit.
+_CRASH_ENV = "PARAMPLANE_TEST_CRASH_IN_SAVE"
 
 
 class CheckpointError(ValueError):

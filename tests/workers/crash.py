@@ -2,6 +2,7 @@
 
 with      the exception leaves ``with pp.init()``
 uncaught  the script called ``pp.init()`` without ``with``; the exception reaches ``sys.excepthook``
+finally   as the examples do: ``world.shutdown()`` in a ``finally`` while the exception propagates
 clean     no exception: rank 1's script ends without sending what rank 0 waits for
 
 Rank 0 must fail with WorldAborted naming the exception (clean: PeerLost naming rank 1), long before its
@@ -47,6 +48,12 @@ if __name__ == "__main__":
     elif sys.argv[1] == "with":
         with pp.init():
             raise ValueError("bad batch at step 3")
+    elif sys.argv[1] == "finally":
+        world = pp.init()
+        try:
+            raise ValueError("bad batch at step 3")
+        finally:
+            world.shutdown()
     else:
         world = pp.init()
         raise ValueError("bad batch at step 3")
