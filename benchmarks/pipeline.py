@@ -108,18 +108,18 @@ def worker(args: argparse.Namespace) -> None:
                 assert len(mine) == 2 * m * v, f"expected {2 * m * v} compute spans, got {len(mine)}"
                 spans.append(mine)
             rows.append(
-                {
-                    "schedule": schedule,
-                    "m": m,
-                    "v": v,
-                    "microbatch_group": group,
-                    "step_s": times[1:],
-                    "cpu_s": cpu[1:],
-                    "spans": spans[1:],
-                    "compute_s": m * 2 * args.compute_ms / 1000,
-                    "peak_activation_sets": pipe.memory_stats()["peak_activation_sets"],
-                    "p2p_one_way_s": one_way,
-                }
+                _measured(
+                    schedule,
+                    m,
+                    v,
+                    times,
+                    cpu,
+                    microbatch_group=group,
+                    spans=spans[1:],
+                    compute_s=m * 2 * args.compute_ms / 1000,
+                    peak_activation_sets=pipe.memory_stats()["peak_activation_sets"],
+                    p2p_one_way_s=one_way,
+                )
             )
     print(json.dumps(rows), flush=True)
 
@@ -196,20 +196,17 @@ def worker_torch(args: argparse.Namespace) -> None:
                 f"expected {2 * m * v} compute spans, got {len(spans)}"
             )
             busy.append(sum(spans))
-        rows.append(
-            {
-                "schedule": schedule,
-                "m": m,
-                "v": v,
-                "step_s": times[1:],
-                "busy_s": busy[1:],
-                "cpu_s": cpu[1:],
-                "torch_version": torch.__version__,
-            }
-        )
+        rows.append(_measured(schedule, m, v, times, cpu, busy_s=busy[1:], torch_version=torch.__version__))
     dist.barrier()
     dist.destroy_process_group()
     print(json.dumps(rows), flush=True)
+
+
+def _measured(
+    schedule: str, m: int, v: int, times: list[float], cpu: list[float], **more: Any
+) -> dict[str, Any]:
+    """One rank's measurements of one configuration (its first, warm-up step left out)."""
+    return {"schedule": schedule, "m": m, "v": v, "step_s": times[1:], "cpu_s": cpu[1:], **more}
 
 
 def _configs(args: argparse.Namespace) -> list[tuple[str, int, int | None, int]]:
