@@ -34,6 +34,7 @@ BUFFER_BYTES = 256 << 10
 
 # select() takes descriptors below this only (FD_SETSIZE); a polling wait on others blocks instead.
 _SELECTABLE_FDS = 1024
+_MAX_POLL_MS = 2**31 - 1  # poll()'s limit; a longer wait polls again until its deadline
 _polling = threading.local()
 
 
@@ -89,8 +90,8 @@ class DirectLane:
         """Fail the lane (any thread): a reader raises ``exc`` at once or, with ``drain`` (the sender died
         after writing), once it has read everything the sender wrote."""
         if self.error is None:
+            self._drain = drain  # first: a reader that sees the error must see how to treat it
             self.error = exc
-            self._drain = drain
         try:
             self._wake_w.send(b"\0")
         except OSError:
@@ -142,7 +143,13 @@ class DirectLane:
                         break
                     shift += 7
                 # A number past int64 is left to the parser, which reads it as protobuf does.
-                if size - i - len(tail) == nbytes and raw[i : i + len(tail)] == tail and number < 1 << 63:
+                # An overlong varint (over 10 bytes) is left to the parser too, which refuses it.
+                if (
+                    size - i - len(tail) == nbytes
+                    and raw[i : i + len(tail)] == tail
+                    and number < 1 << 63
+                    and i - len(head) <= 10
+                ):
                     return number, raw[i + len(tail) :]
         try:
             header = self._parse(bytes(raw))
@@ -204,7 +211,7 @@ class DirectLane:
             if self._wake_r in ready:
                 self._drain_wake()
             return
-        for fd, _ in self._poll.poll(max(1, int(left * 1000) + 1)):
+        for fd, _ in self._poll.poll(min(max(1, int(left * 1000) + 1), _MAX_POLL_MS)):
             if fd == self._wake_r.fileno():
                 self._drain_wake()
 

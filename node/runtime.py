@@ -80,8 +80,11 @@ class RuntimeConfig:
         parse_address(self.coordinator, "coordinator (PARAMPLANE_COORDINATOR)")
         if self.world_size < 0:
             raise ValueError(f"world_size must be >= 0, got {self.world_size}")
-        if self.timeout_s <= 0 or self.join_timeout_s <= 0:
-            raise ValueError("timeouts must be positive")
+        if not (0 < self.timeout_s <= MAX_TIMEOUT_S and 0 < self.join_timeout_s <= MAX_TIMEOUT_S):
+            raise ValueError(
+                f"timeouts must be positive and at most {MAX_TIMEOUT_S:.0f} s (a year), got "
+                f"{self.timeout_s} and {self.join_timeout_s} (PARAMPLANE_TIMEOUT, PARAMPLANE_JOIN_TIMEOUT)"
+            )
         slot_bytes(self.shm_slot_mb)  # ValueError for a bad size
         if self.transport not in POLICIES:
             raise ValueError(
@@ -94,6 +97,8 @@ class RuntimeConfig:
 
 
 SHUTDOWN_GRACE_S = 5.0
+# The longest timeout a setting may ask for (finite: every wait converts it for the OS).
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
 # How long after a peer's "left" event its plane may still open lanes to flush what it sent (its shutdown grace
 # bounds that), after which a receive still waiting for a lane from it fails.
 LEFT_FLUSH_S = SHUTDOWN_GRACE_S + 10.0
@@ -358,6 +363,10 @@ class NodeRuntime:
         member, so members that create their groups in the same order agree without talking to
         ranks outside the group.
         """
+        if timeout_s is not None and not 0 < timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(
+                f"a group's timeout must be positive and at most {MAX_TIMEOUT_S:.0f} s, got {timeout_s}"
+            )
         members = tuple(sorted(int(r) for r in ranks))
         if self.rank not in members:
             raise ValueError(f"rank {self.rank} is not a member of the new group {list(members)}")

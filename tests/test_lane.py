@@ -342,6 +342,8 @@ def test_a_small_message_frame_is_valid_protobuf_and_read_without_parsing_when_i
         group="g", op="send", shape=[3], nbytes=12, seq=301, inline_payload=bytes(12)
     )
     huge = template.head + _varint(1 << 63) + template.tail + payload  # past int64: protobuf's to read
+    # seq 1 written in 11 bytes: protobuf refuses a varint that long, and so must the lane.
+    overlong = template.head + b"\x81" + b"\x80" * 9 + b"\x00" + template.tail + payload
     ended = peer_pb2.FrameHeader(group="g", end_of_stream=True)
     for frame in (body, other.SerializeToString(), huge, ended.SerializeToString()):
         a.sendall(struct.pack("!I", len(frame)) + frame)
@@ -351,6 +353,12 @@ def test_a_small_message_frame_is_valid_protobuf_and_read_without_parsing_when_i
     assert lane.next_message(5.0, *expected) == other  # another shape: parsed, for the full checks
     assert lane.next_message(5.0, *expected) == peer_pb2.FrameHeader.FromString(huge)
     with pytest.raises(PeerLost, match="shut down"):
+        lane.next_message(5.0, *expected)
+    a.close()
+    lane.close()
+    a, lane = _direct_lane()
+    a.sendall(struct.pack("!I", len(overlong)) + overlong)
+    with pytest.raises(TransportError, match="malformed"):
         lane.next_message(5.0, *expected)
     a.close()
     lane.close()
@@ -377,5 +385,9 @@ def test_a_direct_lane_waits_its_timeout_reads_what_comes_and_fails_when_failed(
             lane.next_item(30.0)
         assert time.monotonic() - start < 5.0
         failing.join(5.0)
+        # A wait of up to a year (the longest timeout a setting takes) is cut to what poll() accepts, and
+        # still ends when woken.
+        lane.fail(PeerLost("rank 1 is gone", 1))
+        lane._wait(time.monotonic() + 3e7)
     a.close()
     lane.close()

@@ -258,6 +258,10 @@ class Pipeline:
         except BaseException as exc:
             self._broken = exc
             transfers.abandon()
+            # The exception's traceback keeps this frame: not the step's activations with it.
+            local.clear()
+            states.clear()
+            finals.clear()
             raise
         assert not local and not states, "schedule left work undone"
         return finals

@@ -57,21 +57,33 @@ class _Mailbox:
 
     While the training thread waits for a message, the receiver that files it then waits until it was
     taken: otherwise that receiver would go straight on to its next receive, holding the interpreter's
-    lock while the training thread, just woken, needs it to go on with the pipeline."""
+    lock while the training thread, just woken, needs it to go on with the pipeline. Each such message
+    carries its own event, set whenever the training thread takes it out of the queue (into its hands or
+    among the early ones), so no receiver waits for a message already dequeued and no wait outlives its
+    message."""
 
     def __init__(self) -> None:
         self.items: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.awaited: Message | None = None
-        self.taken: queue.SimpleQueue[None] = queue.SimpleQueue()
 
     def file(self, message: Message, value: Array) -> None:
         """(A receiver thread.) Hand ``value`` over; if the training thread waits for it, until it took it."""
-        self.items.put((message, value))
-        if self.awaited == message:
+        if self.awaited != message:
+            self.items.put((message, value, None))
+            return
+        taken = threading.Event()
+        self.items.put((message, value, taken))
+        taken.wait(1.0)  # bounded: the training thread may have taken another path (an error)
+
+    def clear(self) -> None:
+        """Drop what is filed (a failed step), releasing any receiver that waits for its message's taking."""
+        while True:
             try:
-                self.taken.get(timeout=1.0)
+                item = self.items.get(block=False)
             except queue.Empty:
-                pass  # it took another path (an error): go on
+                return
+            if type(item) is not _Failed and item[2] is not None:
+                item[2].set()
 
 
 class Transfers:
@@ -122,9 +134,8 @@ class Transfers:
         while got is None:
             try:
                 item = box.items.get(block=False)
-                waited = False
             except queue.Empty:
-                box.awaited, waited = message, True
+                box.awaited = message
                 try:
                     item = box.items.get(timeout=self._bound)
                 except queue.Empty:
@@ -136,10 +147,10 @@ class Transfers:
                     box.awaited = None
             if type(item) is _Failed:
                 raise item.exc
+            if item[2] is not None:
+                item[2].set()  # its receiver waits for this (see _Mailbox)
             if item[0] == message:
                 got = item[1]
-                if waited:
-                    box.taken.put(None)  # its receiver waits for this (see _Mailbox)
             else:
                 self._early[item[0]] = item[1]
         if self._like is not None:
@@ -147,8 +158,13 @@ class Transfers:
         return got
 
     def abandon(self) -> None:
-        """The step failed before ``finish``: the sender stops polling."""
+        """The step failed (the pipeline refuses further steps): its threads end once their current transfer
+        has (each is bounded by the group's timeout) and drop what they hold, so neither they nor a failure
+        they keep outlive the pipeline."""
         self._stepping.clear()
+        _stop(self._outbox, self._plans)
+        self._box.clear()
+        self._early.clear()
 
     def finish(self) -> None:
         """Wait until every send of the step is done; raises the first send's error."""

@@ -1,0 +1,83 @@
+"""The pipeline's transfer threads on a stand-in group: the mailbox handshake and what a failed step leaves."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import weakref
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from paramplane.node.errors import PeerLost
+from paramplane.parallel.pipeline.transfers import Message, Transfers
+
+
+class _FailingGroup(SimpleNamespace):
+    """What Transfers uses of a group; every send fails as a lost peer's would."""
+
+    def __init__(self) -> None:
+        super().__init__(timeout=30.0, name="stand-in")
+
+    def send(self, x: Any, dst: int, *, async_op: bool = False) -> Any:
+        raise PeerLost(f"rank {dst} was lost: stand-in", dst)
+
+
+def _new_threads(before: set[threading.Thread]) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t not in before and t.name.startswith("paramplane-pp-")]
+
+
+def _until(condition: Any, what: str, limit_s: float = 10.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {limit_s} s: {what}"
+        time.sleep(0.001)
+
+
+def test_a_receiver_waiting_for_its_message_to_be_taken_is_released_when_it_is_dequeued() -> None:
+    """The training thread waits for B; F comes first, then B, whose receiver waits to see B taken. Both are
+    dequeued without blocking (F into the early ones): B's receiver is released at once, not after its 1 s
+    bound (which stalled it, and the next message it had to file, before)."""
+    transfers = Transfers(_FailingGroup())  # type: ignore[arg-type]
+    box = transfers._box
+    f, b = Message(0, "F", 0, 0), Message(1, "B", 2, 0)
+    box.awaited = b  # take(b) is waiting
+    box.file(f, np.zeros(1))  # not the awaited message: filed without waiting
+    released = threading.Event()
+
+    def receiver() -> None:
+        box.file(b, np.ones(1))
+        released.set()
+
+    thread = threading.Thread(target=receiver, daemon=True)
+    thread.start()
+    _until(lambda: box.items.qsize() == 2, "B filed")
+    box.awaited = None  # the training thread's blocking wait ended (it was woken by F)
+    assert transfers.take(b).tolist() == [1.0]
+    assert released.wait(0.9), "B's receiver still waits although B was taken"
+    assert transfers.take(f).tolist() == [0.0]  # F waited among the early ones
+    thread.join(5)
+
+
+def test_a_failed_step_ends_the_transfer_threads_and_keeps_nothing_alive() -> None:
+    """A send fails (its peer is lost): the next take raises that error; abandoning the step ends the sender
+    thread, and nothing the threads hold keeps the transfers (and a step's activations) alive."""
+    before = set(threading.enumerate())
+    transfers = Transfers(_FailingGroup())  # type: ignore[arg-type]
+    threads = _new_threads(before)
+    assert [t.name for t in threads] == ["paramplane-pp-send"]
+    transfers.begin({}, np.empty(0))
+    transfers.send(np.ones(4), 1)
+    with pytest.raises(PeerLost, match="rank 1 was lost"):
+        transfers.take(Message(1, "B", 1, 0))
+    transfers.abandon()
+    for t in threads:
+        t.join(10)
+        assert not t.is_alive(), f"{t.name} still runs after the failed step"
+    ref = weakref.ref(transfers)
+    del transfers
+    gc.collect()
+    assert ref() is None, gc.get_referrers(ref())
