@@ -75,8 +75,9 @@ class WorldOutcome:
         assert jobs, "no rank reported its job id"
         return {name for name in shm_entries() if any(name.startswith(f"{SHM_PREFIX}{job}") for job in jobs)}
 
-    def check_ok(self) -> list[dict[str, Any]]:
-        """Assert every rank exited 0 and reported no failed checks; returns the results in rank order."""
+    def check_ok(self, min_checks: int = 0) -> list[dict[str, Any]]:
+        """Assert every rank exited 0, ran at least ``min_checks`` checks and none failed; returns the results
+        in rank order."""
         assert not self.timed_out, self.describe()
         assert all(r.returncode == 0 for r in self.ranks), self.describe()
         results = []
@@ -84,6 +85,10 @@ class WorldOutcome:
             assert r.result is not None, f"rank {r.rank} wrote no result\n{self.describe()}"
             assert r.result.get("failures") == [], (
                 f"rank {r.rank}: {r.result.get('failures')}\n{self.describe()}"
+            )
+            assert r.result.get("num_checks", 0) >= min_checks, (
+                f"rank {r.rank} ran {r.result.get('num_checks')} checks, expected at least {min_checks}\n"
+                f"{self.describe()}"
             )
             results.append(r.result)
         return results

@@ -112,7 +112,7 @@ def test_rank_killed_mid_all_reduce_gives_peer_lost(transport: str) -> None:
             # for ranks in order), whose pid still answers kill(pid, 0) but whose liveness lock is gone.
             assert "died during a shared-memory collective" in values["error_text"], values
         delay = values["error_at"] - died_at
-        assert delay < HEARTBEAT_TIMEOUT_S + 2.0, (
+        assert delay < HEARTBEAT_TIMEOUT_S + 10.0, (  # slack for ranks oversubscribing 2 busy cores
             f"rank {survivor.rank} learned of the death after {delay:.2f} s"
         )
     assert world.shm_leaks() == set()
@@ -129,7 +129,7 @@ def test_malformed_frame_and_missing_token() -> None:
         token="test-token-5f2a",
         timeout=60,
     )
-    results = world.check_ok()
+    results = world.check_ok(min_checks=1)
     assert results[0]["values"]["fail_elapsed"] < 10.0
     assert all("test-token-5f2a" not in r.output for r in world.ranks)
 
@@ -137,7 +137,7 @@ def test_malformed_frame_and_missing_token() -> None:
 def test_dead_sender_detected_by_its_stream_breaking() -> None:
     """With a long heartbeat timeout, a rank that only receives from a dead rank must learn of
     the death from the data stream breaking, not from the coordinator."""
-    heartbeat_timeout_s = 6.0
+    heartbeat_timeout_s = 20.0
     world = run_world(
         2,
         "failures.py",
@@ -153,7 +153,8 @@ def test_dead_sender_detected_by_its_stream_breaking() -> None:
     assert survivor.result["values"]["error_type"] == "PeerLost", survivor.result["values"]
     assert survivor.result["values"]["error_rank"] == 1, survivor.result["values"]
     delay = survivor.result["values"]["error_at"] - dead.result["values"]["died_at"]
-    assert delay < 2.0, f"rank 0 learned of rank 1's death after {delay:.2f} s"
+    # Well before the heartbeat timeout could have told it, with slack for a busy machine.
+    assert delay < 10.0, f"rank 0 learned of rank 1's death after {delay:.2f} s"
 
 
 def test_oversized_message_is_refused_and_fails_the_pending_op() -> None:
@@ -167,4 +168,4 @@ def test_oversized_message_is_refused_and_fails_the_pending_op() -> None:
         token="test-token-9c1d",
         timeout=60,
     )
-    world.check_ok()
+    world.check_ok(min_checks=1)

@@ -67,6 +67,7 @@ def test_hierarchical_all_reduce_two_hosts(tmp_path: Path) -> None:
     )
     results = world.check_ok()
     assert [r["values"]["host_id"] for r in results] == [hosts[r] for r in range(4)]
+    assert results[0]["digests"], "no results to compare"
     for key, value in results[0]["digests"].items():
         assert {r["digests"][key] for r in results} == {value}, key
     # The all_reduces really took the hierarchical path.

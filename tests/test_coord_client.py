@@ -162,7 +162,7 @@ async def test_cli_serves_until_sigterm(tmp_path: Path) -> None:
     finally:
         if proc.returncode is None:
             proc.kill()
-            await proc.wait()
+            await asyncio.wait_for(proc.wait(), 10)
 
 
 async def test_tls_join_and_a_plaintext_client_is_refused(self_signed_cert: tuple[Path, Path]) -> None:

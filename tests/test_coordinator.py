@@ -191,7 +191,7 @@ async def test_silent_rank_is_reported_dead_on_watch_streams() -> None:
             event = await next_event(events, 5.0)
         finally:
             beating.cancel()
-        assert time.monotonic() - formed < 1.0 + 1.0
+        assert time.monotonic() - formed < 1.0 + 4.0  # the heartbeat timeout, with slack for a busy machine
         assert (event.kind, event.rank) == ("abort", silent)
         assert event.reason.startswith(f"rank {silent} missed heartbeats for 1.")
         assert await alive.heartbeat({}) == (True, event.reason)

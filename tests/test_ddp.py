@@ -117,11 +117,15 @@ def test_finish_is_idempotent_and_attach_runs_it(solo: pp.World) -> None:
     opt = SGD(ddp.parameters(), lr=0.1)
     handle = ddp.attach(opt)
     crit = CrossEntropyLoss()
+    issued = solo.group._e.progress()[0]
     crit.forward(ddp.forward(np.ones((3, 4), np.float32)), np.array([0, 1, 2]))
     ddp.backward(crit.backward())
     grads = [p.grad.copy() for p in model.parameters()]
-    opt.step()
-    ddp.finish_gradient_sync()  # nothing left to do: a second reduction would change "sum" grads
+    opt.step()  # attach runs the sync before the update
+    synced = solo.group._e.progress()[0]
+    assert synced > issued, "no reduction was issued for the step"
+    ddp.finish_gradient_sync()  # nothing left to do: no second reduction (one rank's sum would hide it)
+    assert solo.group._e.progress()[0] == synced
     for p, g in zip(model.parameters(), grads):
         np.testing.assert_array_equal(p.grad, g)
     handle.remove()

@@ -72,6 +72,7 @@ def _overlaps(trace: Path, rank: int) -> dict[str, int]:
 
 
 def test_prefetch_overlaps_the_next_gather_with_compute(tmp_path: Path) -> None:
+    grads = {}
     for mode in ("on", "off"):
         trace = tmp_path / mode
         world = run_world(
@@ -81,13 +82,14 @@ def test_prefetch_overlaps_the_next_gather_with_compute(tmp_path: Path) -> None:
             env={"PARAMPLANE_TIMEOUT": "60", "PARAMPLANE_TRACE": str(trace)},
             timeout=120,
         )
-        world.check_ok()
+        grads[mode] = [r["values"]["grads"] for r in world.check_ok(min_checks=1)]
         for rank in range(2):
             seen = _overlaps(trace, rank)
             if mode == "on":
                 assert seen["forward"] >= 1 and seen["backward"] >= 1, seen
             else:  # without prefetch every gather finishes before its unit computes
                 assert seen == {"forward": 0, "backward": 0}, seen
+    assert grads["on"] == grads["off"], "prefetch changed the gradients"
 
 
 def test_cpu_offload_moves_data_as_documented_without_a_gpu() -> None:

@@ -47,7 +47,7 @@ def test_collectives_on_cupy_two_ranks(tmp_path: Path) -> None:
             for p, _ in procs:
                 if p.poll() is None:
                     p.kill()
-                    p.wait()
+                    p.wait(10)
     for _, out in procs:
         result = json.loads(out.read_text())
         assert len(result) == 41, result

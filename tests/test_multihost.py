@@ -142,6 +142,7 @@ def test_hierarchical_all_reduce_across_namespaces(
     for r, res in enumerate(results):
         assert res.get("failures", []) == [], f"rank {r}: {res.get('failures')}"
         assert res["values"]["host_id"] == ("hostA" if r < 2 else "hostB")
+    assert results[0]["digests"], "no results to compare"
     assert len({json.dumps(res["digests"], sort_keys=True) for res in results}) == 1, (
         "ranks disagree on results"
     )
