@@ -58,7 +58,7 @@ class _Mailbox:
     While the training thread waits for a message, the receiver that files it then waits until it was
     taken: otherwise that receiver would go straight on to its next receive, holding the interpreter's
     lock while the training thread, just woken, needs it to go on with the pipeline. Each such message
-    carries its own event, set whenever the training thread takes it out of the queue (into its hands or
+    carries its own lock, released whenever the training thread takes it out of the queue (into its hands or
     among the early ones), so no receiver waits for a message already dequeued and no wait outlives its
     message."""
 
@@ -71,9 +71,10 @@ class _Mailbox:
         if self.awaited != message:
             self.items.put((message, value, None))
             return
-        taken = threading.Event()
+        taken = threading.Lock()  # released by the training thread when it dequeues the message
+        taken.acquire()
         self.items.put((message, value, taken))
-        taken.wait(1.0)  # bounded: the training thread may have taken another path (an error)
+        taken.acquire(timeout=1.0)  # bounded: the training thread may have taken another path (an error)
 
     def clear(self) -> None:
         """Drop what is filed (a failed step), releasing any receiver that waits for its message's taking."""
@@ -83,7 +84,7 @@ class _Mailbox:
             except queue.Empty:
                 return
             if type(item) is not _Failed and item[2] is not None:
-                item[2].set()
+                item[2].release()
 
 
 class Transfers:
@@ -148,7 +149,7 @@ class Transfers:
             if type(item) is _Failed:
                 raise item.exc
             if item[2] is not None:
-                item[2].set()  # its receiver waits for this (see _Mailbox)
+                item[2].release()  # its receiver waits for this (see _Mailbox)
             if item[0] == message:
                 got = item[1]
             else:
