@@ -20,7 +20,8 @@ bubble those stages would give with a perfect runtime, and ``runtime_ms_per_step
 the real step took than that replay (transfers and the runtime's work around them).
 Also the measured peak of live activation sets on the first stage, and the one-way time of a small
 message measured in the same run (``p2p_one_way_ms``: each dependent transfer on a schedule's
-critical path adds about that much), ``poll_us`` (``Pipeline(poll_us=...)``: the transfer threads wait in
+critical path adds about that much), ``cold_code_us`` (``cold_code_s``: how slow code that has not run for
+10 ms is on this host at the time, what the runtime's steps between computes pay), ``poll_us`` (``Pipeline(poll_us=...)``: the transfer threads wait in
 slices of that many microseconds during a step; 0, the default, sleeps until woken) and what it costs:
 ``cpu_ms_per_step``, the CPU time the slowest rank's process spent per step (all its threads).
 The peer, in the same run unless ``--no-torch`` (or torch is not installed): torch.distributed.pipelining
@@ -83,6 +84,7 @@ def worker(args: argparse.Namespace) -> None:
     rows = []
     with pp.init() as world:
         one_way = p2p_one_way_s(world.group)
+        cold = cold_code_s()
         for schedule, v, group, m in _configs(args):
             chunks = [Wait(args.compute_ms / 1000 / v) for _ in range(v)]
             pipe = pp.Pipeline(
@@ -119,6 +121,7 @@ def worker(args: argparse.Namespace) -> None:
                     compute_s=m * 2 * args.compute_ms / 1000,
                     peak_activation_sets=pipe.memory_stats()["peak_activation_sets"],
                     p2p_one_way_s=one_way,
+                    cold_code_s=cold,
                 )
             )
     print(json.dumps(rows), flush=True)
@@ -218,6 +221,20 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, int, int | None, int]]
         for m in [int(x) for x in args.microbatches.split(",")]
         if not ((schedule != "gpipe" and m < P) or (group is not None and m % group))
     ]
+
+
+def cold_code_s(rounds: int = 50) -> float:
+    """Median time of a fixed bit of interpreter work (a 50-element list comprehension) run once after each
+    10 ms sleep: how slow code runs that has not run for a while, which on a shared host depends on what
+    else runs there (2 µs when it runs back to back). Every step of the runtime between two computes pays
+    it, so the bubble's distance from theory follows it."""
+    times = []
+    for _ in range(rounds):
+        time.sleep(0.01)
+        start = time.perf_counter()
+        _ = [i for i in range(50)]
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
 
 
 def p2p_one_way_s(group: Any, rounds: int = 300) -> float:
@@ -346,6 +363,7 @@ def _row(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> dict[str, 
         "runtime_ms_per_step": float(np.median([s - i for s, i in zip(steps, ideal)])) * 1e3,
         "peak_activation_sets_first_stage": first["peak_activation_sets"],
         "p2p_one_way_ms": first["p2p_one_way_s"] * 1e3,
+        "cold_code_us": max(r["cold_code_s"] for r in rows) * 1e6,
         "poll_us": args.poll_us,
         "cpu_ms_per_step": max(float(np.median(r["cpu_s"])) for r in rows) * 1e3,
     }

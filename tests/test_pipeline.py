@@ -216,6 +216,7 @@ def test_bubble_benchmark_measures_idle_from_the_traced_compute(tmp_path: Path) 
         assert 0 < r["bubble_measured"] <= r["bubble_nominal"] + 0.02, r
         assert r["measured_over_theory"] == pytest.approx(r["bubble_measured"] / theory)
         assert 0 < r["p2p_one_way_ms"] < 50
+        assert r["cold_code_us"] > 0
         # The replay keeps the spans and drops the transfers: never slower than the real step.
         assert 0 <= r["bubble_replay"] <= r["bubble_measured"] + 0.02, r
         assert r["runtime_ms_per_step"] > -1.0, r
