@@ -255,9 +255,7 @@ class World:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if exc is not None:
-            self.abort_for(exc)
-        self.shutdown()
+        self.shutdown()  # an exception leaving the block is in flight here: shutdown aborts the world with it
 
     def abort_for(self, exc: BaseException) -> None:
         """The script ends with ``exc``: abort the world with it as the reason, so no peer waits for this rank

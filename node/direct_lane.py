@@ -41,8 +41,8 @@ _polling = threading.local()
 @contextlib.contextmanager
 def polling(slice_s: float) -> Iterator[None]:
     """While inside, a read on this thread that waits for its lane waits in slices of ``slice_s`` seconds
-    instead of until the lane wakes it: the thread, and the core it runs on, never idle longer, so the
-    code that takes the frame does not run on cold caches (see ``Pipeline(poll_us=...)``). 0: no change."""
+    instead of until the lane wakes it: the thread runs its wait loop every slice, so the code that takes
+    the frame is not cold when it comes (see ``Pipeline(poll_us=...)``). 0: no change."""
     before = getattr(_polling, "slice_s", 0.0)
     _polling.slice_s = slice_s
     try:
@@ -255,7 +255,7 @@ class DirectLanes:
         self.keys: set[str] = set()
         self._lanes: dict[tuple[int, str], DirectLane] = {}
         self._waiters: dict[tuple[int, str], asyncio.Future[DirectLane]] = {}
-        self._gone: set[int] = set()  # ranks that left the world and can open no lane any more
+        self.gone: set[int] = set()  # ranks that left the world: no lane, and nothing more, comes from them
 
     def get(self, src: int, key: str) -> DirectLane | None:
         return self._lanes.get((src, key))
@@ -266,7 +266,7 @@ class DirectLanes:
         lane = self._lanes.get((src, key))
         if lane is not None:
             return lane
-        if src in self._gone:
+        if src in self.gone:
             raise left_without_sending(src, key)
         fut = self._waiters.get((src, key))
         if fut is None or fut.done():
@@ -292,7 +292,7 @@ class DirectLanes:
     def sender_left(self, src: int) -> None:
         """Rank ``src`` left the world and its plane has flushed what it sent: a lane it has not opened by now
         never comes, so whoever waits for one fails (on the loop)."""
-        self._gone.add(src)
+        self.gone.add(src)
         for (rank, key), fut in list(self._waiters.items()):
             if rank == src:
                 del self._waiters[(rank, key)]

@@ -197,7 +197,6 @@ class PeerPlane:
         self._channels: dict[int, Any] = {}
         self._streams: dict[tuple[int, str], OutStream | LaneStream] = {}
         self._inboxes: dict[tuple[int, str], Inbox] = {}
-        self._gone: set[int] = set()  # ranks that left the world: nothing more comes from them
         self.direct = DirectLanes()
         self._stream_members: dict[str, frozenset[int]] = {}
         self._failures: dict[str, PlaneError] = {}
@@ -366,11 +365,10 @@ class PeerPlane:
     def sender_left(self, src: int) -> None:
         """Rank ``src`` left the world and its plane has flushed what it sent (on the loop): a receive from it
         reads what it delivered, then fails with PeerLost instead of waiting out the group's timeout."""
-        self._gone.add(src)
+        self.direct.sender_left(src)
         for (rank, key), inbox in self._inboxes.items():
             if rank == src:
                 inbox.fail(left_without_sending(src, key), drain=True)
-        self.direct.sender_left(src)
 
     # -- receiving -------------------------------------------------------------------------------
     def inbox(self, src: int, key: str) -> Inbox:
@@ -380,7 +378,7 @@ class PeerPlane:
             failure = self.failure(key)
             if failure is not None:
                 inbox.fail(failure)
-            elif src in self._gone:
+            elif src in self.direct.gone:
                 inbox.fail(left_without_sending(src, key))
         return inbox
 

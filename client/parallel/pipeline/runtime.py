@@ -19,8 +19,8 @@ For a ``"sum"`` loss pass ``scale_grads=False`` to get the gradient of the sum o
 Interleaved 1F1B takes ``microbatch_group`` (default p): microbatches pass through each chunk in groups
 of that many; larger groups hide each transfer behind more compute and keep more activations alive.
 ``poll_us`` > 0 keeps the transfer threads awake during a step (they wait in slices of that many
-microseconds): dependent transfers get faster on a host whose cores idle while the stages compute, for
-some CPU time per step (README: Pipeline parallel).
+microseconds): their code stays warm, so dependent transfers get faster, for some CPU time per step
+(README: Pipeline bubble).
 The training thread only computes: transfers run on threads of their own (``transfers.py``), which
 receive each neighbour's messages in the order it sends them and file them by name. Sends never wait
 for the receiver (what the socket does not take, the sender's event loop finishes in order), so a

@@ -11,9 +11,9 @@ stage may take them in another order than they were sent. Every thread uses the 
 reference to the pipeline and end when it is garbage collected.
 
 With ``poll_s`` the sender and receiver threads wait in slices of that length while a step runs (between
-``begin`` and ``finish``) instead of sleeping until woken: a core woken from idle runs a transfer's code
-several times slower than one that stayed awake, and each dependent transfer on the schedule's critical
-path pays that once per thread it crosses.
+``begin`` and ``finish``) instead of sleeping until woken: on a shared host, code that has not run for a few
+milliseconds runs many times slower than code that just ran (README: Pipeline bubble), and each dependent
+transfer on the schedule's critical path pays that once per thread it crosses.
 """
 
 from __future__ import annotations
