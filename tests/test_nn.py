@@ -354,6 +354,26 @@ def test_state_dict_round_trip_copies_and_load_errors() -> None:
     assert result.missing_keys == ["3.bias"] and result.unexpected_keys == ["extra"]
 
 
+def test_tied_weights_load_their_own_state_dict() -> None:
+    """A parameter shared by two layers is saved once (its first name) and loads through that name."""
+
+    class Tied(nn.Module):
+        def __init__(self, seed: int) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(10, 4, rng=seed)
+            self.head = nn.Linear(4, 10, bias=False, rng=seed)
+            self.head.weight = self.emb.weight
+
+    src, dst = Tied(1), Tied(2)
+    state = src.state_dict()
+    assert set(state) == {"emb.weight"}
+    assert dst.load_state_dict(state) == ([], [])
+    assert np.array_equal(dst.head.weight.data, src.emb.weight.data)
+    assert dst.head.weight is dst.emb.weight
+    with pytest.raises(ValueError, match=r"missing keys \['emb.weight', 'head.weight'\]"):
+        dst.load_state_dict({})
+
+
 def test_init_is_deterministic_given_a_seed_and_like_torch() -> None:
     a, b, c = nn.Linear(16, 64, rng=5), nn.Linear(16, 64, rng=5), nn.Linear(16, 64, rng=6)
     assert np.array_equal(a.weight.data, b.weight.data)

@@ -351,7 +351,9 @@ class Module:
                     key = f"{path}.{name}" if path else name
                     arr = item.data if isinstance(item, Parameter) else item
                     targets.setdefault(key, (mod, name, arr))
-        missing = [k for k in targets if k not in state]
+        # A shared (tied) array is loaded through any of its names: state_dict gives only the first.
+        given = {id(targets[k][2]) for k in state if k in targets}
+        missing = [k for k in targets if k not in state and id(targets[k][2]) not in given]
         unexpected = [k for k in state if k not in targets]
         if strict and (missing or unexpected):
             raise ValueError(
