@@ -175,6 +175,22 @@ def test_state_dict_round_trip_continues_identically(kind: str, cfg: dict[str, A
                 assert v is not b.state[i][k]
 
 
+def test_parameters_of_the_same_name_keep_their_own_checkpoint_state() -> None:
+    """Two chunks (as a pipeline's) name their parameters alike; each keeps its state under its own key."""
+    chunks = [nn.Sequential(nn.Linear(3, 2, rng=s)) for s in (1, 2)]
+    params = [p for c in chunks for p in c.parameters()]
+    opt = optim.AdamW(params, lr=0.1)
+    for i, p in enumerate(params):
+        p.grad = np.full(p.shape, float(i + 1))
+    opt.step()
+    assert [opt.param_key(i) for i in range(4)] == ["0.weight", "0.bias", "0.weight#1", "0.bias#1"]
+    saved = opt.sharded_state_dict()
+    state_keys = [k for k in saved if k.startswith("state.")]
+    assert len(state_keys) == sum(len(s) for s in opt.state.values()) == 12
+    assert np.array_equal(saved["state.0.weight#1.exp_avg"], opt.state[2]["exp_avg"])
+    assert not np.array_equal(saved["state.0.weight.exp_avg"], saved["state.0.weight#1.exp_avg"])
+
+
 def test_load_state_dict_rejects_what_does_not_fit() -> None:
     params = [nn.Parameter(np.zeros((2, 2))), nn.Parameter(np.zeros(3))]
     opt = optim.SGD(params, lr=0.1, momentum=0.9)

@@ -65,6 +65,10 @@ class Parameter:
         self.layout: Any = None
         """Set by sharding wrappers (FSDP) on a flat shard: a ``paramplane.parallel.sharding.FlatLayout``
         mapping it onto the original parameters. None for an ordinary parameter."""
+        self.shard: Any = None
+        """Set by tensor-parallel layers on a parameter that is this rank's slice of a dense array: a
+        ``paramplane.parallel.tensor.TensorShard``, which checkpoints use to save and load the dense array's
+        pieces (:meth:`Module.sharded_state_dict`). None for an ordinary parameter."""
         self._grad_hooks: dict[int, GradHook] = {}
 
     @property
@@ -381,6 +385,32 @@ class Module:
                 _, _, arr = targets[key]
                 arr[...] = _convert(value, array_module(arr))
         return LoadResult(missing, unexpected)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """``state_dict`` as checkpoints save it (``pp.checkpoint``): a parameter that is this rank's slice of a
+        dense array (``Parameter.shard``, tensor parallel) appears as the ``ShardedArray`` piece of the dense
+        array this rank writes, so a checkpoint holds the dense model whatever the tensor-parallel size; the
+        rest as in :meth:`state_dict` (replicated). Collective where such a parameter is split along its last
+        axis: every rank of its group calls this at the same point."""
+        out: dict[str, Any] = {}
+        for name, p in self.named_parameters():
+            out[name] = p.shard.entry(p.data) if p.shard is not None else p.data.copy()
+        for name, b in self.named_buffers():
+            out[name] = b.copy()
+        return out
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what :meth:`sharded_state_dict` gave, refilled by a checkpoint loader (collective like it)."""
+        sliced = {name: p for name, p in self.named_parameters() if p.shard is not None}
+        absent = sorted(set(sliced) - set(state))
+        result = self.load_state_dict({k: v for k, v in state.items() if k not in sliced}, strict=False)
+        missing = [k for k in result.missing_keys if k not in sliced] + absent
+        if missing or result.unexpected_keys:
+            raise ValueError(
+                f"load_sharded_state_dict: missing keys {missing}, unexpected keys {result.unexpected_keys}"
+            )
+        for name, p in sliced.items():
+            p.shard.load(p.data, state[name])
 
     def to(self, target: ModuleType | str) -> Module:
         """Move parameters, their grads and buffers to numpy (``'cpu'``) or cupy (``'cuda'``).

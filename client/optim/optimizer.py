@@ -140,27 +140,52 @@ class Optimizer:
             raise
         self.state = new_state
 
-    def _state_entries(self, index: int, param: Parameter) -> dict[str, Any]:
-        """``param``'s state under its checkpoint keys (see :meth:`sharded_state_dict`)."""
-        out: dict[str, Any] = {}
+    def param_key(self, index: int) -> str:
+        """The name of parameter ``index``'s state in checkpoints: the parameter's ``name`` (its index when it has
+        none); a later parameter of the same name (the chunks of a pipeline name theirs alike) gets
+        ``name#n`` for the n-th repeat, so no two parameters share state."""
+        return self._param_keys()[index]
+
+    def _param_keys(self) -> list[str]:
+        keys: list[str] = []
+        repeats: dict[str, int] = {}
+        for i, p in enumerate(self.params):
+            base = p.name or str(i)
+            n = repeats.get(base, 0)
+            repeats[base] = n + 1
+            keys.append(f"{base}#{n}" if n else base)
+        return keys
+
+    def _state_keys(self, index: int, param: Parameter, key: str) -> dict[str, str]:
+        """``{checkpoint key: state name}`` of ``param``'s state (see :meth:`sharded_state_dict`)."""
+        out: dict[str, str] = {}
         for name, value in self.state.get(index, {}).items():
             if hasattr(value, "shape") and param.layout is not None:
-                for key, piece in param.layout.views(value.reshape(-1)).items():
-                    out[f"state.{key}.{name}"] = piece
+                out.update({f"state.{e.key}.{name}": name for e in param.layout.entries})
             else:
-                out[f"state.{param.name or index}.{name}"] = value
+                out[f"state.{key}.{name}"] = name
         return out
 
     def sharded_state_dict(self) -> dict[str, Any]:
-        """State and hyper-parameters for checkpoints, keyed ``state.<param>.<name>`` / ``hyperparams.<name>``.
+        """State and hyper-parameters for checkpoints, keyed ``state.<param>.<name>`` / ``hyperparams.<name>``
+        (``<param>`` is :meth:`param_key`).
 
         Arrays of a parameter with a ``layout`` (an FSDP flat shard) become per-original-parameter
-        ``ShardedArray`` views (keyed by the original names, so they reshard); other arrays are whole
-        (replicated). Values are live: a loader writes into them.
+        ``ShardedArray`` views (keyed by the original names, so they reshard); those of a tensor-parallel
+        slice (``Parameter.shard``) the dense array's piece this rank writes (a collective for a slice of the
+        last axis); other arrays are whole (replicated). Values are live: a loader writes into them.
         """
         out: dict[str, Any] = {f"hyperparams.{k}": getattr(self, k) for k in self.HYPERPARAMS}
-        for i, p in enumerate(self.params):
-            out.update(self._state_entries(i, p))
+        for i, (p, key) in enumerate(zip(self.params, self._param_keys(), strict=True)):
+            # Sorted: ranks that created state in another order still run a sliced array's collectives alike.
+            for name, value in sorted(self.state.get(i, {}).items()):
+                if hasattr(value, "shape") and p.layout is not None:
+                    for original, piece in p.layout.views(value.reshape(-1)).items():
+                        out[f"state.{original}.{name}"] = piece
+                elif hasattr(value, "shape") and p.shard is not None:
+                    out[f"state.{key}.{name}"] = p.shard.entry(value)
+                else:
+                    out[f"state.{key}.{name}"] = value
         return out
 
     def ensure_state(self, index: int, arrays: Iterable[str], values: dict[str, Any]) -> None:
@@ -170,12 +195,15 @@ class Optimizer:
             return
         p = self.params[index]
         xp = array_module(p.data)
-        self.state[index] = {**{n: xp.zeros_like(p.data) for n in arrays}, **values}
+        self.state[index] = {**{n: xp.zeros_like(p.data) for n in sorted(arrays)}, **values}
 
     def load_sharded_state_dict(self, state: dict[str, Any], *, drop: Iterable[str] = ()) -> None:
-        """Take hyper-parameters and scalar state from ``state`` (arrays were loaded in place).
+        """Take hyper-parameters and scalar state from ``state`` (arrays were loaded in place; a tensor-parallel
+        slice's from the dense array, a collective like :meth:`sharded_state_dict`).
 
-        ``drop`` names state keys the checkpoint did not have: those parameters get no state.
+        ``drop`` names state keys the checkpoint did not have: those parameters get no state. A parameter
+        whose scalar state (AdamW's ``step``) the checkpoint names under another layout (an FSDP flat shard
+        loaded unsharded, or back) takes the value every saved parameter has; ValueError if they differ.
         """
         for key in self.HYPERPARAMS:
             if f"hyperparams.{key}" in state:
@@ -183,15 +211,34 @@ class Optimizer:
                 setattr(self, key, tuple(value) if isinstance(value, list) else value)
         self._validate()
         dropped = set(drop)
-        for i, p in enumerate(self.params):
-            entries = self._state_entries(i, p)
-            if set(entries) & dropped:
+        saved: dict[str, list[Any]] = {}  # scalar state name -> every value saved under it
+        for key, value in state.items():
+            if (
+                key.startswith("state.")
+                and not hasattr(value, "shape")
+                and not hasattr(value, "global_shape")
+            ):
+                saved.setdefault(key.rsplit(".", 1)[1], []).append(value)
+        for i, (p, key) in enumerate(zip(self.params, self._param_keys(), strict=True)):
+            if set(self._state_keys(i, p, key)) & dropped:
                 self.state.pop(i, None)
                 continue
-            for name, value in list(self.state.get(i, {}).items()):
-                key = f"state.{p.name or i}.{name}"
-                if not hasattr(value, "shape") and key in state:
-                    self.state[i][name] = state[key]
+            if i not in self.state:
+                continue
+            mine = self.state[i]
+            for name, value in sorted(mine.items()):
+                if hasattr(value, "shape") and p.shard is not None and p.layout is None:
+                    p.shard.load(value, state[f"state.{key}.{name}"])
+            for name, values in saved.items():
+                if f"state.{key}.{name}" in state:
+                    mine[name] = state[f"state.{key}.{name}"]
+                elif all(v == values[0] for v in values):
+                    mine[name] = values[0]
+                else:
+                    raise ValueError(
+                        f"{type(self).__name__}: the checkpoint has no {name!r} for parameter {key} and the "
+                        f"saved ones differ ({sorted(set(map(str, values)))[:4]})"
+                    )
 
     def __repr__(self) -> str:
         hyper = ", ".join(f"{k}={getattr(self, k)!r}" for k in self.HYPERPARAMS)

@@ -300,6 +300,18 @@ class DDP:
     def load_state_dict(self, state: dict[str, Array], strict: bool = True) -> LoadResult:
         return self.module.load_state_dict(state, strict)
 
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """What checkpoints save: the module's ``sharded_state_dict`` (a torch module's ``state_dict``)."""
+        own = getattr(self.module, "sharded_state_dict", None)
+        return dict(own()) if own is not None else dict(self.module.state_dict())
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        own = getattr(self.module, "load_sharded_state_dict", None)
+        if own is not None:
+            own(state)
+        else:
+            self.module.load_state_dict(state)
+
     def train(self, mode: bool = True) -> DDP:
         self.module.train(mode)
         return self

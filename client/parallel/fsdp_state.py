@@ -88,6 +88,12 @@ class FSDPState:
 
         Replicas (no_shard, hybrid) hold equal ranges; a writer keeps one of them.
         """
+        sliced = [n for unit in self.units for n, p in zip(unit.names, unit.params) if p.shard is not None]
+        if sliced:
+            raise ValueError(
+                f"FSDP over tensor-parallel layers ({', '.join(sliced[:3])}) cannot be checkpointed: every tp "
+                "rank's slice would be saved under the dense name; checkpoint the TP model under pp.DDP"
+            )
         out: dict[str, ShardedArray | Array] = {}
         for unit in self.units:
             out.update(unit.shard.layout.views(unit.shard.data))

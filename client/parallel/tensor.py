@@ -10,6 +10,12 @@ initialisation and keep their slice, so a TP model equals the dense one::
 
     col = pp.ColumnParallelLinear(D, H, mesh.group("tp"), rng=5)   # the rows of pp.nn.Linear(D, H, rng=5)
     row = pp.RowParallelLinear(H, D, mesh.group("tp"), rng=6)      # the columns of pp.nn.Linear(H, D, rng=6)
+
+Without ``rng`` group rank 0 draws a seed and every rank uses it (a collective: every rank of the group
+builds its layers in the same order), so the shards still come from one dense layer and the replicated
+bias is the same everywhere. Checkpoints (``pp.checkpoint``) hold the dense layer: each parameter's
+``shard`` (a ``TensorShard``) gives the piece of the dense array a rank writes and takes it back on load,
+so a checkpoint loads on any tensor-parallel size and into the dense model.
 """
 
 from __future__ import annotations
@@ -23,9 +29,55 @@ from paramplane.group import ProcessGroup
 from paramplane.nn.layers import Linear, RngLike
 from paramplane.nn.module import Array, Module, Parameter
 from paramplane.node.arrays import array_module
+from paramplane.parallel.sharding import ShardedArray
 from paramplane.parallel.tensor_comm import gather_last, reduce_sum, split_last
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "TensorShard"]
+
+
+class TensorShard:
+    """A parameter (or any array shaped like it, e.g. an optimizer moment) that is this rank's equal slice of
+    a dense array of ``global_shape`` along ``axis`` (0 or the last) over ``group``, as checkpoints see it.
+
+    A slice of rows is one contiguous range of the dense array: it is described in place. A slice of the
+    last axis is not: ``entry`` gathers the dense array (a collective) and group rank 0 describes it whole,
+    the others an empty piece; ``load`` broadcasts it from group rank 0 and keeps this rank's slice.
+    """
+
+    def __init__(self, global_shape: tuple[int, ...], axis: int, group: ProcessGroup) -> None:
+        assert axis in (0, len(global_shape) - 1), axis
+        self.global_shape, self.axis, self.group = global_shape, axis, group
+
+    def entry(self, local: Array) -> ShardedArray:
+        """The piece of the dense array this rank writes (a view of ``local`` for a slice of rows)."""
+        xp = array_module(local)
+        if self.axis == 0:
+            flat = xp.ascontiguousarray(local).reshape(-1)
+            return ShardedArray(self.global_shape, self.group.rank * int(local.size), flat)
+        full = gather_last(local, self.group).reshape(-1)
+        return ShardedArray(self.global_shape, 0, full if self.group.rank == 0 else full[:0])
+
+    def load(self, local: Array, entry: ShardedArray) -> None:
+        """Set ``local`` from ``entry`` (what ``entry`` gave, filled by a loader)."""
+        xp = array_module(local)
+        if self.axis == 0:
+            local[...] = xp.asarray(entry.local).reshape(local.shape)
+            return
+        if self.group.rank == 0:
+            full = xp.ascontiguousarray(xp.asarray(entry.local).reshape(self.global_shape))
+        else:
+            full = xp.empty(self.global_shape, local.dtype)
+        self.group.broadcast(full, 0)
+        k = local.shape[-1]
+        local[...] = full[..., self.group.rank * k : (self.group.rank + 1) * k]
+
+
+def _seed(rng: RngLike, group: ProcessGroup) -> RngLike:
+    """``rng``, or for None a seed drawn on group rank 0 and shared (every rank must slice one dense layer)."""
+    if rng is not None:
+        return rng
+    seed = np.array([np.random.default_rng().integers(1 << 62) if group.rank == 0 else 0], np.int64)
+    return int(group.broadcast(seed, 0)[0])
 
 
 def _check(group: ProcessGroup, features: int, what: str) -> int:
@@ -47,6 +99,8 @@ def _check_dense(layer: Any, weight: Array, bias: Array | None) -> None:
         )
     if layer.bias is not None and (bias is None or tuple(bias.shape) != (layer.out_features,)):
         raise ValueError(f"bias must have shape ({layer.out_features},)")
+    if layer.bias is None and bias is not None:
+        raise ValueError("this layer has no bias (bias=False): pass bias=None")
 
 
 class ColumnParallelLinear(Module):
@@ -66,14 +120,16 @@ class ColumnParallelLinear(Module):
     ) -> None:
         super().__init__()
         k = _check(group, out_features, "out_features")
-        full = Linear(in_features, out_features, bias, dtype=dtype, rng=rng, xp=xp)
+        full = Linear(in_features, out_features, bias, dtype=dtype, rng=_seed(rng, group), xp=xp)
         self.group = group
         self.in_features, self.out_features, self.gather_output = in_features, out_features, gather_output
         lo = group.rank * k
         self.weight = Parameter(full.weight.data[lo : lo + k].copy())
-        self.bias: Parameter | None = (
-            Parameter(full.bias.data[lo : lo + k].copy()) if full.bias is not None else None
-        )
+        self.weight.shard = TensorShard((out_features, in_features), 0, group)
+        self.bias: Parameter | None = None
+        if full.bias is not None:
+            self.bias = Parameter(full.bias.data[lo : lo + k].copy())
+            self.bias.shard = TensorShard((out_features,), 0, group)
 
     def forward(self, x: Array) -> Array:
         if x.shape[-1] != self.in_features:
@@ -134,7 +190,7 @@ class RowParallelLinear(Module):
     ) -> None:
         super().__init__()
         k = _check(group, in_features, "in_features")
-        full = Linear(in_features, out_features, bias, dtype=dtype, rng=rng, xp=xp)
+        full = Linear(in_features, out_features, bias, dtype=dtype, rng=_seed(rng, group), xp=xp)
         self.group = group
         self.in_features, self.out_features, self.input_is_parallel = (
             in_features,
@@ -143,6 +199,7 @@ class RowParallelLinear(Module):
         )
         lo = group.rank * k
         self.weight = Parameter(xp.ascontiguousarray(full.weight.data[:, lo : lo + k]))
+        self.weight.shard = TensorShard((out_features, in_features), 1, group)
         self.bias: Parameter | None = Parameter(full.bias.data.copy()) if full.bias is not None else None
 
     def forward(self, x: Array) -> Array:

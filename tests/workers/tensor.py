@@ -1,6 +1,7 @@
 """Tensor-parallel scenarios: the TP MLP equals the dense one; TP x DP trains like one process.
 
-Usage: ``tensor.py tp`` (world 2: tp=2) or ``tensor.py tpdp`` (world 4: dp=2 x tp=2).
+Usage: ``tensor.py tp`` (world 2: tp=2) or ``tensor.py tpdp DIR`` (world 4: dp=2 x tp=2; then a checkpoint in
+DIR of the trained TP model and its optimizer loads into a fresh TP model and into the dense one).
 """
 
 from __future__ import annotations
@@ -74,6 +75,19 @@ def tp(world: Any, rep: Report) -> None:
     rep.check("frozen weight has no grad", frozen[0].weight.grad is None)
     rep.check("frozen bias has no grad", frozen[2].bias.grad is None)
     rep.equal("unfrozen grad", frozen[2].weight.grad, model_row_grad, rtol=RTOL)
+    # Without a seed the ranks still slice one dense layer: the replicated bias is the same on each.
+    unseeded = pp.RowParallelLinear(H, D, g, dtype=np.float64)
+    biases = g.all_gather(unseeded.bias.data).reshape(g.size, -1)
+    rep.check("unseeded bias replicated", bool(np.array_equal(biases[0], biases[1])), str(biases))
+    no_bias = pp.ColumnParallelLinear(D, H, g, bias=False, rng=5)
+    rep.raises(
+        "bias for a layer without",
+        ValueError,
+        lambda: no_bias.load_full_weight(*wide[0].full_weight()),
+        "no bias",
+    )
+    sharded = pp.FSDP(tp_mlp(g), world.new_group([world.rank]))
+    rep.raises("fsdp over tp checkpoint", ValueError, sharded.sharded_state_dict, "tensor-parallel")
     rep.raises("uneven split", ValueError, lambda: pp.ColumnParallelLinear(D, 7, g), "out_features=7")
     rep.raises("uneven row", ValueError, lambda: pp.RowParallelLinear(7, D, g), "in_features=7")
     rep.raises("wrong slice", ValueError, lambda: model[2].forward(np.ones((2, H))), f"(..., {k})")
@@ -120,6 +134,40 @@ def tpdp(world: Any, rep: Report) -> None:
             w, bias = model[i].full_weight()
             rep.equal(f"{name} trained weight {i}", w, dense[i].weight.data, rtol=1e-10)
             rep.equal(f"{name} trained bias {i}", bias, dense[i].bias.data, rtol=1e-10)
+    checkpoint_tp(world, mesh, model, ddp, opt, dense, ref_opt, Path(sys.argv[2]), rep)
+
+
+def checkpoint_tp(
+    world: Any, mesh: Any, model: Any, ddp: Any, opt: Any, dense: Any, ref_opt: Any, root: Path, rep: Report
+) -> None:
+    """The trained TP model and its AdamW, saved over the world, load into a fresh TP model (other seeds) and,
+    on each rank alone, into the dense model: the checkpoint holds the dense arrays."""
+    path = pp.checkpoint.save({"model": ddp, "opt": opt}, root / "tp", world.group)
+    fresh = Sequential(
+        pp.ColumnParallelLinear(D, H, mesh.group("tp"), dtype=np.float64, rng=7),
+        GELU(),
+        pp.RowParallelLinear(H, D, mesh.group("tp"), dtype=np.float64, rng=8),
+    )
+    fresh_opt = AdamW(fresh.parameters(), lr=1.0)
+    pp.checkpoint.load({"model": fresh, "opt": fresh_opt}, path, world.group)
+    for i in (0, 2):
+        rep.equal(f"loaded tp weight {i}", fresh[i].weight.data, model[i].weight.data)
+        rep.equal(f"loaded tp bias {i}", fresh[i].bias.data, model[i].bias.data)
+    for j, p in enumerate(model.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            rep.equal(f"loaded tp {key} {p.name}", fresh_opt.state[j][key], opt.state[j][key])
+        rep.check(f"loaded tp step {p.name}", fresh_opt.state[j]["step"] == opt.state[j]["step"])
+    alone = world.new_group([world.rank])
+    plain = dense_mlp()
+    for p in plain.parameters():
+        p.data[...] = 0
+    plain_opt = AdamW(plain.parameters(), lr=1.0)
+    pp.checkpoint.load({"model": plain, "opt": plain_opt}, path, alone)
+    for (name, p), q in zip(plain.named_parameters(), dense.parameters(), strict=True):
+        rep.equal(f"dense {name}", p.data, q.data, rtol=1e-10)
+    for j in ref_opt.state:
+        for key in ("exp_avg", "exp_avg_sq"):
+            rep.equal(f"dense {key} {j}", plain_opt.state[j][key], ref_opt.state[j][key], rtol=1e-9)
 
 
 if __name__ == "__main__":
