@@ -1,9 +1,9 @@
 """Sharded checkpoints in real worlds: reshard N -> M across strategies, atomic commit, damage detection.
 
 FSDP full_shard at world 4 saves after 3 steps; fresh worlds of 2 (full_shard), 3 (shard_grad_op),
-1 (no_shard) and 4 on two fake hosts (hybrid_shard) load it: every parameter equals the saved one bit
-for bit, the optimizer state and plain values come back, and 3 more steps equal a single process
-trained 6 steps (float64, 1e-10).
+1 (no_shard), 4 on two fake hosts (hybrid_shard) and 1 without FSDP load it: every parameter equals the
+saved one bit for bit, the optimizer state and plain values come back, and 3 more steps equal a single
+process trained 6 steps (float64, 1e-10).
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import ml_dtypes
 import numpy as np
 import pytest
 from _world import run_world
@@ -22,6 +24,7 @@ from _world import run_world
 from paramplane.checkpoint import latest, prune, read_manifest
 
 ENV = {"PARAMPLANE_TIMEOUT": "60"}
+BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +60,13 @@ def test_load_reshards_and_training_continues(saved: Path, n: int, strategy: str
     world = run_world(
         n, "checkpoint.py", args=["load", str(saved), strategy], env=ENV, rank_env=rank_env, timeout=180
     )
+    assert all(r["num_checks"] >= 10 for r in world.check_ok())
+
+
+def test_a_plain_model_and_adamw_load_the_fsdp_checkpoint_and_train_on(saved: Path) -> None:
+    """No FSDP on the loading side: parameters, moments and AdamW's step (saved under the flat shards) come
+    back, and 3 more steps equal a single process trained 6 steps."""
+    world = run_world(1, "checkpoint.py", args=["dense", str(saved)], env=ENV, timeout=120)
     assert all(r["num_checks"] >= 10 for r in world.check_ok())
 
 
@@ -126,3 +136,61 @@ def test_inspect_consolidate_corruption_and_prune(saved: Path, tmp_path: Path) -
     assert latest(root) == root / "step_1"
     assert sorted(d.name for d in deleted) == ["step_0", "step_2"]
     assert (root / "partial").is_dir() and not (root / "step_0").exists()
+
+
+def _fix(n: int, mode: str, root: Path, **kw: Any) -> list[dict[str, Any]]:
+    world = run_world(n, "ckpt_fix_save.py", args=[mode, str(root)], env=ENV, timeout=60, **kw)
+    return world.check_ok(min_checks=1)
+
+
+def test_a_retried_save_ignores_the_lists_of_a_crashed_attempt(tmp_path: Path) -> None:
+    _fix(2, "retry", tmp_path)
+
+
+@pytest.mark.parametrize("mode", ["fail_io", "fail_json"])
+def test_a_rank_that_cannot_write_fails_every_rank_at_once(tmp_path: Path, mode: str) -> None:
+    results = _fix(2, mode, tmp_path)
+    if mode == "fail_io":
+        assert results[0]["values"]["error"].startswith("SaveFailed: "), results[0]
+
+
+def test_save_async_copies_values_numpy_scalars_and_strided_targets_load(tmp_path: Path) -> None:
+    _fix(1, "values", tmp_path)
+
+
+def test_bfloat16_round_trips_and_consolidates(tmp_path: Path) -> None:
+    _fix(1, "bf16", tmp_path)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "paramplane.checkpoint",
+            "consolidate",
+            str(tmp_path / "s"),
+            str(tmp_path / "f.npz"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0 and "float32" in out.stdout, out
+    full = np.load(tmp_path / "f.npz")["w"]
+    assert full.dtype == np.float32 and np.array_equal(
+        full, (np.arange(6) / 3).astype(BF16).astype(np.float32)
+    )
+
+
+def test_data_files_are_fsynced_before_the_commit(tmp_path: Path) -> None:
+    _fix(1, "fsync", tmp_path)
+
+
+def test_keys_with_the_same_safe_name_keep_separate_files(tmp_path: Path) -> None:
+    _fix(1, "names", tmp_path)
+
+
+def test_sync_fills_non_contiguous_targets(tmp_path: Path) -> None:
+    _fix(2, "sync", tmp_path)
+
+
+def test_a_damaged_file_one_rank_needs_fails_every_rank_before_any_change(tmp_path: Path) -> None:
+    _fix(2, "crc", tmp_path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from paramplane.checkpoint.api import (
     CheckpointError,
+    SaveFailed,
     SaveHandle,
     latest,
     load,
@@ -22,6 +23,7 @@ from paramplane.checkpoint.live import sync
 
 __all__ = [
     "CheckpointError",
+    "SaveFailed",
     "SaveHandle",
     "latest",
     "load",

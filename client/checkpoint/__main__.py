@@ -30,17 +30,25 @@ def inspect(path: Path) -> int:
 
 
 def consolidate(path: Path, out: Path) -> int:
-    """Every array whole, in one ``.npz`` (checksums verified); plain values are printed, not stored."""
+    """Every array whole, in one ``.npz`` (checksums verified); plain values are printed, not stored.
+
+    Arrays of a dtype ``.npz`` cannot hold (bfloat16) are stored as float32, which holds them exactly."""
     m = read_manifest(path)
     reader = _Reader(path)
     arrays = {}
+    widened = []
     for key, a in m["arrays"].items():
         full = np.empty(tuple(a["global_shape"]), DTYPES[a["dtype"]])
         reader.fill(key, a, _as_sharded(full))
+        if full.dtype.kind not in "biufc":
+            widened.append(key)
+            full = full.astype(np.float32)
         arrays[key] = full
     savez: Any = np.savez  # numpy's stub types **kwds as its keyword options
     savez(out, **arrays)
     print(f"wrote {len(arrays)} arrays to {out}")
+    if widened:
+        print(f"stored as float32 (exactly; .npz has no such dtype): {', '.join(sorted(widened))}")
     return 0
 
 

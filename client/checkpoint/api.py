@@ -1,21 +1,34 @@
 """Sharded, atomic checkpoints that reshard: ``save``, ``save_async``, ``load``, ``latest``, ``prune``.
 
 A checkpoint is a directory on a filesystem every rank sees. Each rank writes only what it owns
-as ``.npy`` files (FSDP shards and optimizer-state shards, one file per piece; replicated state
-once, by group rank 0), then a small ``.rank-<r>.json`` listing its pieces with a CRC32 each.
-Group rank 0 waits for every rank's list, writes ``manifest.json`` (every array's global shape,
-dtype and the flat ranges each file holds; plain values; who wrote it) to a temporary name,
-fsyncs it and renames it into place: that rename commits the checkpoint. A directory without a
-manifest is not a checkpoint, so a save killed half way leaves the previous one as ``latest()``.
+as ``.npy`` files (FSDP shards and optimizer-state shards, one file per piece, named by the key, a
+hash of the exact key and the flat range; replicated state once, by group rank 0), each to a
+temporary name, fsynced and renamed, then fsyncs the directory and writes a small
+``.rank-<r>.json`` listing its pieces with a CRC32 each and the save's id (chosen by group rank 0
+for this attempt; rank 0 first removes lists and error reports a crashed attempt left, and lists
+of another id never count). Group rank 0 waits for every rank's list, writes ``manifest.json``
+(every array's global shape, dtype and the flat ranges each file holds; plain values; who wrote
+it) to a temporary name, fsyncs it and renames it into place: that rename commits the checkpoint.
+A directory without a manifest is not a checkpoint, so a save killed half way leaves the previous
+one as ``latest()``. A rank whose writing fails leaves ``.rank-<r>.error``; the other ranks' waits
+see it and raise ``SaveFailed`` (a CheckpointError) naming that rank and its error at once.
 
-``load`` reads the manifest, checks every key, global shape and dtype on every rank (any
-problem fails every rank before anything is modified), then each rank reads only the ranges
-it owns now, from whichever files hold them, so a checkpoint written by N ranks loads on M.
+Plain values are copied through JSON while staging, on every rank before any collective returns
+(so ``save_async``'s caller may change them afterwards); one JSON cannot hold fails every rank with
+CheckpointError naming the key. Numpy scalars (``np.float64(0.1)``) are plain values. Dtypes
+``.npy`` cannot describe (bfloat16) are stored as same-size unsigned ints and read back as the
+manifest's dtype.
+
+``load`` reads the manifest, checks every key, global shape and dtype on every rank, then each rank
+opens and CRC-checks every file holding the ranges it owns now and checks they are covered (any
+problem on any rank fails every rank before anything is modified); then each rank copies those
+ranges in, from whichever files hold them, so a checkpoint written by N ranks loads on M.
+Arrays whose flat view is a copy (non-contiguous) are filled through a buffer copied back.
 Nothing is unpickled: ``np.load(..., allow_pickle=False)``.
 
 What ``state`` may hold: objects with ``sharded_state_dict()`` / ``load_sharded_state_dict()``
 (``pp.FSDP``, ``pp.optim`` optimizers), objects with ``state_dict()`` / ``load_state_dict()``
-(modules, ``pp.DDP``: replicated), and plain values (numbers, strings, lists, numpy arrays).
+(modules, ``pp.DDP``: replicated), and plain values (numbers, strings, lists, dicts, numpy arrays).
 """
 
 from __future__ import annotations
@@ -26,13 +39,24 @@ import shutil
 import threading
 import time
 import uuid
-import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from paramplane.checkpoint.files import (
+    CheckpointError,
+    SaveFailed,
+    _check_failures,
+    _crc,
+    _file_name,
+    _fsync_dir,
+    _Reader,
+    _report_failure,
+    _write_json,
+    _write_npy,
+)
 from paramplane.group import ProcessGroup
 from paramplane.node.arrays import array_module, dtype_name, from_foreign, is_device, to_host
 from paramplane.node.errors import CollectiveTimeout
@@ -45,17 +69,16 @@ FORMAT = 1
 _CRASH_ENV = "PARAMPLANE_TEST_CRASH_IN_SAVE"
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that does not fit the state it is loaded into, or is damaged."""
-
-
 def _is_array(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
 def _leaf(value: Any) -> Any:
-    """numpy, cupy and ShardedArray leaves as they are; any other ``__dlpack__`` tensor (torch, JAX) as a
+    """numpy, cupy and ShardedArray leaves as they are; a numpy scalar (``np.float64(0.1)``) as the plain
+    Python value it holds (it cannot be loaded in place); any other ``__dlpack__`` tensor (torch, JAX) as a
     zero-copy numpy or cupy view, so that loading fills the caller's tensor in place."""
+    if isinstance(value, np.generic):
+        return value.item()
     if isinstance(value, (np.ndarray, ShardedArray)) or is_device(value) or not hasattr(value, "__dlpack__"):
         return value
     return from_foreign(value)[0]
@@ -85,12 +108,52 @@ def _as_sharded(value: Any) -> ShardedArray:
     """A whole array seen as the one piece that covers it."""
     if isinstance(value, ShardedArray):
         return value
-    return ShardedArray(tuple(int(d) for d in value.shape), 0, value.reshape(-1))
+    return _whole(value, value.reshape(-1))
 
 
-def _file_name(key: str, start: int, stop: int) -> str:
-    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in key.replace("/", "__"))
-    return f"{safe}.{start}-{stop}.npy"
+def _flat_view(value: Any) -> Any | None:
+    """The flat (1-D) view of an array leaf that writes through to it, or None when flattening it copies
+    (a non-contiguous array: a transpose, a strided slice)."""
+    if isinstance(value, ShardedArray):
+        return value.local
+    flags = getattr(value, "flags", None)
+    return value.reshape(-1) if getattr(flags, "c_contiguous", False) else None
+
+
+def _fill_leaf(fill: Fill, key: str, entry: dict[str, Any], target: Any) -> None:
+    """``fill`` an array leaf in place: straight into its flat view, or through a buffer copied back."""
+    if isinstance(target, ShardedArray):
+        fill(key, entry, target)
+        return
+    flat = _flat_view(target)
+    if flat is not None:
+        fill(key, entry, _whole(target, flat))
+        return
+    buf = array_module(target).empty(int(target.size), target.dtype)
+    fill(key, entry, _whole(target, buf))
+    target[...] = buf.reshape(target.shape)
+
+
+def _whole(target: Any, flat: Any) -> ShardedArray:
+    return ShardedArray(tuple(int(d) for d in target.shape), 0, flat)
+
+
+def _plain(key: str, value: Any) -> Any:
+    """A deep copy of the plain value ``value`` through JSON (what the manifest will hold); ValueError naming
+    ``key`` when JSON cannot hold it."""
+
+    def scalar(obj: Any) -> Any:
+        if isinstance(obj, np.generic):
+            return obj.item()
+        raise TypeError(f"{type(obj).__name__} is not JSON serializable")
+
+    try:
+        return json.loads(json.dumps(value, default=scalar))
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise CheckpointError(
+            f"plain value {key!r} cannot be saved ({exc}): plain values must be JSON "
+            "(numbers, strings, None, lists and dicts of them)"
+        ) from None
 
 
 def _gather_json(group: ProcessGroup, obj: Any) -> list[Any]:
@@ -101,28 +164,6 @@ def _gather_json(group: ProcessGroup, obj: Any) -> list[Any]:
     padded[: data.size] = data
     every = group.all_gather(padded).reshape(group.size, -1)
     return [json.loads(bytes(every[r, : int(sizes[r])]).decode()) for r in range(group.size)]
-
-
-def _crc(a: np.ndarray) -> int:
-    return zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 class SaveHandle:
@@ -163,34 +204,46 @@ def save_async(
     entries = _entries(state)
     arrays: dict[str, ShardedArray] = {}
     values: dict[str, Any] = {}
-    for key, value in entries.items():
-        if isinstance(value, ShardedArray) or _is_array(value):
-            piece = _as_sharded(value)
-            arrays[key] = ShardedArray(piece.global_shape, piece.start, np.array(to_host(piece.local)))
-        else:
-            values[key] = value
+    problem = None
+    try:
+        for key, value in entries.items():
+            if isinstance(value, ShardedArray) or _is_array(value):
+                piece = _as_sharded(value)
+                arrays[key] = ShardedArray(piece.global_shape, piece.start, np.array(to_host(piece.local)))
+            else:
+                values[key] = _plain(key, value)  # a deep copy: the caller may change it once we return
+        kinds = {
+            k: {"global_shape": list(a.global_shape), "dtype": dtype_name(a.dtype)} for k, a in arrays.items()
+        }
+    except ValueError as exc:
+        problem, kinds = str(exc), {}
     mine = [
         [k, a.start, a.stop]
         for k, a in arrays.items()
         if a.local.size and (isinstance(entries[k], ShardedArray) or group.rank == 0)
     ]
-    claimed = _gather_json(group, mine)
+    # Group rank 0 picks this attempt's id: only lists carrying it count (not those of a crashed attempt).
+    offer = {"pieces": mine, "problem": problem, "save_id": uuid.uuid4().hex if group.rank == 0 else None}
+    claimed = _gather_json(group, offer)
+    failing: dict[str, list[int]] = {}
+    for r, c in enumerate(claimed):
+        if c["problem"]:
+            failing.setdefault(c["problem"], []).append(r)
+    if failing:
+        text = "; ".join(f"group rank {', '.join(map(str, r))}: {p}" for p, r in failing.items())
+        raise CheckpointError(f"cannot save {target} (nothing was written): {text}")
+    save_id: str = claimed[0]["save_id"]
     first: dict[tuple[str, int, int], int] = {}
-    for r, pieces in enumerate(claimed):
-        for k, a, b in pieces:
+    for r, c in enumerate(claimed):
+        for k, a, b in c["pieces"]:
             first.setdefault((k, a, b), r)
     to_write = {k: a for k, a in arrays.items() if first.get((k, a.start, a.stop)) == group.rank}
     if group.rank == 0:
         target.mkdir(parents=True, exist_ok=True)
+        for leftover in target.glob(".rank-*"):  # lists and errors of an earlier, crashed attempt
+            leftover.unlink(missing_ok=True)
     group.barrier()
-    meta = {
-        "format": FORMAT,
-        "world_size": group.size,
-        "values": values,
-        "arrays": {
-            k: {"global_shape": list(a.global_shape), "dtype": dtype_name(a.dtype)} for k, a in arrays.items()
-        },
-    }
+    meta = {"format": FORMAT, "world_size": group.size, "save_id": save_id, "values": values, "arrays": kinds}
     errors: list[BaseException] = []
     deadline = time.monotonic() + group.timeout
     tracer = group.tracer if hasattr(group.tracer, "mark") else None
@@ -203,23 +256,34 @@ def save_async(
             records = []
             for key, piece in to_write.items():
                 name = _file_name(key, piece.start, piece.stop)
-                np.save(target / name, piece.local, allow_pickle=False)
+                _write_npy(target / name, piece.local)
                 crc = _crc(piece.local)
                 records.append(
                     {"key": key, "start": piece.start, "stop": piece.stop, "file": name, "crc32": crc}
                 )
+            if records:
+                _fsync_dir(target)  # the data files' names are durable before any list or the manifest
             if os.environ.get(_CRASH_ENV) == f"{group.rank}@{target.name}":
                 os._exit(17)
             _write_json(
                 target / f".rank-{group.rank}.json",
-                {"meta": meta if group.rank == 0 else None, "pieces": records},
+                {"save_id": save_id, "meta": meta if group.rank == 0 else None, "pieces": records},
             )
             if group.rank == 0:
-                _commit(target, group, deadline, keep)
+                _commit(target, group, save_id, deadline, keep)
             else:
-                _wait_for(target / MANIFEST, deadline, "the checkpoint's commit by group rank 0", group)
+                _await(
+                    target / MANIFEST,
+                    target,
+                    save_id,
+                    deadline,
+                    "the checkpoint's commit by group rank 0",
+                    group,
+                )
         except BaseException as exc:
             errors.append(exc)
+            if not isinstance(exc, SaveFailed):
+                _report_failure(target, group.rank, save_id, exc)
         finally:
             if tracer is not None:
                 tracer.mark("checkpoint write", start, time.monotonic(), path=str(target))
@@ -239,22 +303,32 @@ def save(
     return save_async(state, path, group, keep=keep).wait()
 
 
-def _wait_for(path: Path, deadline: float, what: str, group: ProcessGroup) -> None:
-    while not path.exists():
+def _await(path: Path, target: Path, save_id: str, deadline: float, what: str, group: ProcessGroup) -> Any:
+    """The JSON at ``path`` once it is there and belongs to this save (``save_id``); SaveFailed as soon as
+    a rank reports a failure, PeerLost when a rank is lost, CollectiveTimeout at ``deadline``."""
+    while True:
+        _check_failures(target, save_id)
+        if path.exists():
+            try:
+                found = json.loads(path.read_text())
+            except (OSError, ValueError):
+                found = None
+            if isinstance(found, dict) and found.get("save_id") == save_id:
+                return found
         group.check()  # a rank lost while saving fails the wait at once (PeerLost), not at the deadline
         if time.monotonic() > deadline:
             raise CollectiveTimeout(
-                f"timed out waiting for {what} ({path}); a rank may have died while saving"
+                f"timed out waiting for {what} ({path}); a rank may have died or hung while saving"
             )
         time.sleep(0.01)
 
 
-def _commit(target: Path, group: ProcessGroup, deadline: float, keep: int | None) -> None:
-    lists = []
+def _commit(target: Path, group: ProcessGroup, save_id: str, deadline: float, keep: int | None) -> None:
     num_ranks = group.size
-    for r in range(num_ranks):
-        _wait_for(target / f".rank-{r}.json", deadline, f"group rank {r}'s shards", group)
-        lists.append(json.loads((target / f".rank-{r}.json").read_text()))
+    lists = [
+        _await(target / f".rank-{r}.json", target, save_id, deadline, f"group rank {r}'s shards", group)
+        for r in range(num_ranks)
+    ]
     meta = lists[0]["meta"]
     arrays = {k: dict(v, pieces=[]) for k, v in meta["arrays"].items()}
     for listing in lists:
@@ -311,40 +385,6 @@ def prune(root: str | os.PathLike[str], keep: int) -> list[Path]:
     return doomed
 
 
-class _Reader:
-    """Opens each file once, checks its CRC32, and copies flat ranges out of it."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self._open: dict[str, np.ndarray] = {}
-
-    def array(self, rec: dict[str, Any]) -> np.ndarray:
-        name = rec["file"]
-        if name not in self._open:
-            arr = np.load(self.root / name, mmap_mode="r", allow_pickle=False)
-            if _crc(arr) != rec["crc32"]:
-                raise CheckpointError(
-                    f"{self.root / name} is corrupted: its CRC32 does not match the manifest"
-                )
-            self._open[name] = arr
-        return self._open[name]
-
-    def fill(self, key: str, entry: dict[str, Any], target: ShardedArray) -> None:
-        covered = 0
-        for rec in entry["pieces"]:
-            lo, hi = max(rec["start"], target.start), min(rec["stop"], target.stop)
-            if hi <= lo:
-                continue
-            src = self.array(rec)[lo - rec["start"] : hi - rec["start"]]
-            dst = target.local[lo - target.start : hi - target.start]
-            dst[...] = array_module(dst).asarray(src)
-            covered += hi - lo
-        if covered != target.stop - target.start:
-            raise CheckpointError(
-                f"{key!r}: the checkpoint holds {covered} of the {target.stop - target.start} elements this rank needs"
-            )
-
-
 def _problems(
     entries: dict[str, Any], manifest: dict[str, Any], optim_tops: set[str]
 ) -> tuple[list[str], list[str]]:
@@ -388,7 +428,7 @@ def _problems(
 
 def _materialize(opt: Optimizer, top: str, manifest: dict[str, Any]) -> None:
     for i, p in enumerate(opt.params):
-        names = [p.name or str(i)] + ([e.key for e in p.layout.entries] if p.layout is not None else [])
+        names = [opt.param_key(i)] + ([e.key for e in p.layout.entries] if p.layout is not None else [])
         prefixes = tuple(f"{top}/state.{n}." for n in names)
         arrays = {k.rsplit(".", 1)[1] for k in manifest["arrays"] if k.startswith(prefixes)}
         values = {k.rsplit(".", 1)[1]: v for k, v in manifest["values"].items() if k.startswith(prefixes)}
@@ -430,7 +470,7 @@ def _apply(
     for key, target in entries.items():
         if isinstance(target, ShardedArray) or _is_array(target):
             if key in manifest["arrays"]:
-                fill(key, manifest["arrays"][key], _as_sharded(target))
+                _fill_leaf(fill, key, manifest["arrays"][key], target)
             loaded[key] = target
         elif key in manifest["values"]:
             loaded[key] = manifest["values"][key]
@@ -454,8 +494,8 @@ def _apply(
 def load(state: Mapping[str, Any], path: str | os.PathLike[str], group: ProcessGroup) -> dict[str, Any]:
     """Load the checkpoint at ``path`` into ``state`` in place (any world size); returns the saved plain values.
 
-    Every rank checks every key first; a problem on any rank raises CheckpointError on every rank
-    and nothing is modified.
+    Every rank checks every key, and the files (checksums) and ranges it will read, first; a problem on any
+    rank raises CheckpointError on every rank and nothing is modified.
     """
     root = Path(path)
     try:
@@ -470,5 +510,24 @@ def load(state: Mapping[str, Any], path: str | os.PathLike[str], group: ProcessG
     )
     _agree(group, problems, f"cannot load {root}")
     assert manifest is not None
+    optimizers = [obj for obj in state.values() if isinstance(obj, Optimizer)]
+    fresh = [set(opt.state) for opt in optimizers]
     _prepare_optimizers(state, entries, manifest)
-    return _apply(state, entries, manifest, dropped, _Reader(root).fill)
+    # Every file this rank will read is opened and CRC-checked, and its ranges covered, before any rank
+    # modifies anything: a damaged or missing file fails every rank, the fresh optimizer state is undone.
+    reader = _Reader(root)
+    unreadable = []
+    for key, target in entries.items():
+        if key in manifest["arrays"] and (isinstance(target, ShardedArray) or _is_array(target)):
+            start, stop = (
+                (target.start, target.stop) if isinstance(target, ShardedArray) else (0, target.size)
+            )
+            unreadable.append(reader.check(key, manifest["arrays"][key], start, int(stop)))
+    try:
+        _agree(group, [p for p in unreadable if p is not None], f"cannot load {root}")
+    except CheckpointError:
+        for opt, had in zip(optimizers, fresh, strict=True):
+            for index in set(opt.state) - had:
+                del opt.state[index]
+        raise
+    return _apply(state, entries, manifest, dropped, reader.fill)

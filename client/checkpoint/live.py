@@ -27,6 +27,7 @@ from paramplane.checkpoint.api import (
     _apply,
     _as_sharded,
     _entries,
+    _flat_view,
     _is_array,
     _prepare_optimizers,
     _problems,
@@ -138,16 +139,17 @@ def _receive(
     group: ProcessGroup, src: int, entries: dict[str, Any], manifest: dict[str, Any]
 ) -> dict[str, np.ndarray]:
     """Receive the source's arrays in ``_send``'s order: large ones straight into their target where it is a
-    contiguous host array; the rest staged (returned by key) for ``_apply`` to copy in."""
+    contiguous host array whose flat view writes through; the rest staged (returned by key) for ``_apply`` to
+    copy in (``_apply`` copies non-contiguous targets back from a flat buffer)."""
     staged: dict[str, np.ndarray] = {}
     for dtype, keys in _packing(manifest).items():
         big = [k for k, n in keys if n * DTYPES[dtype].itemsize >= _DIRECT_BYTES]
         for key in big:
-            local = _as_sharded(entries[key]).local
+            local = _flat_view(entries[key])  # None where flattening copies (a non-contiguous target)
             if isinstance(local, np.ndarray) and local.flags.c_contiguous:
                 group.broadcast(local, src=src)
             else:
-                staged[key] = np.empty(local.size, DTYPES[dtype])
+                staged[key] = np.empty(dict(keys)[key], DTYPES[dtype])
                 group.broadcast(staged[key], src=src)
         small = [(k, n) for k, n in keys if k not in big and n]
         if small:

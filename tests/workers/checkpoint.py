@@ -3,6 +3,8 @@
 save    FSDP at this world trains 3 steps, saves DIR/step_3 (model, optimizer, plain values), trains on.
 load    a fresh FSDP (any world, STRATEGY) loads DIR/step_3: parameters equal the saved ones bit for bit;
         3 more steps equal a single process trained 6 steps on the same global batches.
+dense   a plain model and AdamW (no FSDP) load DIR/step_3: parameters, moments and AdamW's step come back
+        from the flat shards' layout; 3 more steps equal a single process trained 6 steps.
 plain   DDP + SGD state and plain values round-trip; a mismatching model is refused before any change;
         save_async overlaps further training.
 crash   save step_1, then a save during which rank 1 dies after writing its shards.
@@ -85,6 +87,28 @@ def load(world: Any, rep: Report, root: Path, strategy: str) -> None:
     final = fsdp.state_dict()
     for key, value in want.items():
         rep.equal(f"resumed {key}", final[key], value, rtol=1e-10)
+
+
+def dense(world: Any, rep: Report, root: Path) -> None:
+    model = make_model(np.float64)
+    for p in model.parameters():
+        p.data[...] = 0
+    opt = make_opt("adamw", model.parameters())
+    pp.checkpoint.load({"model": model, "optim": opt, "step": 0, "data": None}, root / "step_3", world.group)
+    saved = np.load(root / "saved_model.npz")
+    now = model.state_dict()
+    for key in saved.files:
+        rep.equal(f"dense {key} bit for bit", now[key], saved[key])
+    rep.check(
+        "dense optimizer state loaded",
+        len(opt.state) == len(opt.params) and all(s["step"] == 3 for s in opt.state.values()),
+        str({i: sorted(s) for i, s in opt.state.items()}),
+    )
+    train_steps(world, model, opt, range(3, 6))
+    want = reference(np.float64, "adamw", 6, 1, False, None)["state"]
+    final = model.state_dict()
+    for key, value in want.items():
+        rep.equal(f"dense resumed {key}", final[key], value, rtol=1e-10)
 
 
 def _plain_model(hidden: int = 6) -> Sequential:
@@ -196,6 +220,8 @@ def main() -> None:
             save(world, rep, root)
         elif mode == "load":
             load(world, rep, root, sys.argv[3])
+        elif mode == "dense":
+            dense(world, rep, root)
         elif mode == "plain":
             plain(world, rep, root)
         else:
