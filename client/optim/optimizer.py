@@ -182,7 +182,7 @@ class Optimizer:
                 if hasattr(value, "shape") and p.layout is not None:
                     for original, piece in p.layout.views(value.reshape(-1)).items():
                         out[f"state.{original}.{name}"] = piece
-                elif hasattr(value, "shape") and p.shard is not None:
+                elif hasattr(value, "shape") and getattr(p, "shard", None) is not None:
                     out[f"state.{key}.{name}"] = p.shard.entry(value)
                 else:
                     out[f"state.{key}.{name}"] = value
@@ -227,7 +227,7 @@ class Optimizer:
                 continue
             mine = self.state[i]
             for name, value in sorted(mine.items()):
-                if hasattr(value, "shape") and p.shard is not None and p.layout is None:
+                if hasattr(value, "shape") and getattr(p, "shard", None) is not None and p.layout is None:
                     p.shard.load(value, state[f"state.{key}.{name}"])
             for name, values in saved.items():
                 if f"state.{key}.{name}" in state:

@@ -88,7 +88,9 @@ class FSDPState:
 
         Replicas (no_shard, hybrid) hold equal ranges; a writer keeps one of them.
         """
-        sliced = [n for unit in self.units for n, p in zip(unit.names, unit.params) if p.shard is not None]
+        sliced = [
+            n for unit in self.units for n, p in zip(unit.names, unit.params) if getattr(p, "shard", None)
+        ]
         if sliced:
             raise ValueError(
                 f"FSDP over tensor-parallel layers ({', '.join(sliced[:3])}) cannot be checkpointed: every tp "
