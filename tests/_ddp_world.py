@@ -114,13 +114,15 @@ class SpareMLP(Module):
 
 
 CONFIGS = [
-    # name, dtype, optimizer, micro-batches per step (>1: the first ones under no_sync), bucket_mb
+    # name, dtype, optimizer, micro-batches per step (>1: the first ones under no_sync, or for "_synced" each
+    # synchronised, finish_gradient_sync() between them), bucket_mb
     ("sgd64", np.float64, "sgd", 1, 0.0005),
     ("adamw64", np.float64, "adamw", 1, 25.0),
     ("sgd64_accum", np.float64, "sgd", 2, 0.0005),
     ("adamw64_accum", np.float64, "adamw", 3, 0.001),
     ("sgd32", np.float32, "sgd", 1, 0.0005),
     ("adamw32_accum", np.float32, "adamw", 2, 25.0),
+    ("sgd64_synced", np.float64, "sgd", 2, 0.0005),
 ]
 NUM_STEPS = 3
 
@@ -169,13 +171,16 @@ def train_ranks(world: pp.World, cfg: tuple[Any, ...], global_batch: int) -> dic
     a, b = shard_range(global_batch, g.size, g.rank)
     for step in batches(global_batch, dtype, num_micro):
         opt.zero_grad()
+        synced = name.endswith("_synced")
         for m, (x, y) in enumerate(step):
             last = m == num_micro - 1
-            with ddp.no_sync() if not last else _nothing():
+            with ddp.no_sync() if not last and not synced else _nothing():
                 crit.forward(ddp.forward(x[a:b]), y[a:b])  # forward re-broadcasts the buffer
                 before = g._e.progress()[0]
                 ddp.backward(crit.backward() if even else crit.backward(grad_scale=1.0 / global_batch))
-            if not last:
+            if synced:
+                ddp.finish_gradient_sync()  # the next backward adds to reduced gradients
+            elif not last:
                 assert g._e.progress()[0] == before, f"{name}: no_sync backward issued a collective"
         opt.step()
         assert model.spare.grad is None, f"{name}: the unused parameter got a gradient"

@@ -70,6 +70,7 @@ class Parameter:
         ``paramplane.parallel.tensor.TensorShard``, which checkpoints use to save and load the dense array's
         pieces (:meth:`Module.sharded_state_dict`). None for an ordinary parameter."""
         self._grad_hooks: dict[int, GradHook] = {}
+        self._pre_grad_hooks: dict[int, GradHook] = {}
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -93,6 +94,13 @@ class Parameter:
         self._grad_hooks[handle.id] = fn
         return handle
 
+    def register_grad_pre_hook(self, fn: GradHook) -> RemovableHandle:
+        """Call ``fn(param)`` each time a backward is about to add to this parameter's gradient, before it does
+        (``grad`` still holds what was there: None on the first contribution after ``zero_grad``)."""
+        handle = RemovableHandle(self._pre_grad_hooks)
+        self._pre_grad_hooks[handle.id] = fn
+        return handle
+
     def accumulate_grad(self, g: Array, *, take: bool = False) -> None:
         """Add ``g`` into ``grad`` (creating it on first use), then fire the grad hooks.
 
@@ -107,6 +115,8 @@ class Parameter:
                 f"gradient for parameter {self.name or '<unnamed>'} has shape {tuple(g.shape)}, "
                 f"expected {self.shape}"
             )
+        for hook in list(self._pre_grad_hooks.values()):
+            hook(self)
         if self.grad is None:
             if take and g.dtype == self.data.dtype:
                 self.grad = g

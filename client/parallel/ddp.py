@@ -127,6 +127,15 @@ class DDP:
         self._handles: list[Any] = [
             p.register_grad_hook(functools.partial(self._on_grad, i)) for i, p in enumerate(self._params)
         ]
+        # A "sum" reduction of a gradient that already holds a reduced one would add that part once per rank:
+        # what a synchronised round adds to is set aside (``_base``) and only the new part is reduced.
+        self._synced: set[int] = set()  # parameters whose grad is what the last sync wrote
+        self._base: dict[int, Array] = {}
+        if reduce_op == "sum" and not self._torch:
+            self._handles += [
+                p.register_grad_pre_hook(functools.partial(self._before_grad, i))
+                for i, p in enumerate(self._params)
+            ]
 
     # -- wrap-time sync ----------------------------------------------------------------------------
     def _sync_state(self, params: list[Parameter]) -> None:
@@ -173,6 +182,12 @@ class DDP:
         if self._expected is not None:
             self._launch_ready()
 
+    def _before_grad(self, i: int, p: Parameter) -> None:
+        if i in self._synced:
+            self._synced.discard(i)
+            if p.grad is not None:
+                self._base[i] = p.grad.copy()
+
     def _names_of(self, i: int) -> str:
         return self._params[i].name or str(i)
 
@@ -189,7 +204,8 @@ class DDP:
 
     def _launch(self, bucket: Bucket) -> None:
         for k, i in enumerate(bucket.params):
-            bucket.pack(k, self._params[i].grad)
+            grad, base = self._params[i].grad, self._base.get(i)
+            bucket.pack(k, grad if base is None or grad is None else grad - base)
         bucket.launched = True
         wire = bucket.flat
         if (
@@ -221,6 +237,12 @@ class DDP:
                     bucket.flat[...] = bucket.wire
             for bucket in self._buckets:
                 bucket.unpack(self._params)
+            for i, base in self._base.items():
+                grad = self._params[i].grad
+                if grad is not None:
+                    grad += base
+            self._base.clear()
+            self._synced = set(range(len(self._params)))
             observed = [0] * len(self._params)
             for bucket in self._buckets:
                 for k, i in enumerate(bucket.params):
