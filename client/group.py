@@ -73,8 +73,9 @@ class ProcessGroup:
         Only those members call it, in the same order as each other (a rank grid makes every
         member create its groups in one order); see ``World.new_group``.
         """
+        members = list(members)
         picked = sorted({int(m) for m in members})
-        if len(picked) != len(list(members)) or not picked:
+        if len(picked) != len(members) or not picked:
             raise ValueError(f"new_subgroup needs distinct group ranks, got {list(members)}")
         if picked[0] < 0 or picked[-1] >= self.size:
             raise ValueError(f"new_subgroup ranks must lie in [0, {self.size}), got {list(members)}")
@@ -300,7 +301,8 @@ class ProcessGroup:
             return self._p2p_result(
                 "recv", self._e.p2p("recv", x, src, caller, blocking=not async_op), async_op
             )
-        fut = self._e.p2p("recv", np.empty(x.shape, x.dtype), src)
+        staged = np.empty(x.shape, x.dtype)
+        fut = self._e.p2p("recv", staged, src, staged)
 
         def write_back(got: np.ndarray) -> Any:
             x[...] = array_module(x).asarray(got)

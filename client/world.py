@@ -177,8 +177,9 @@ class World:
         is named by its member set, so members that create groups of the same ranks in the same
         order agree on each of them (see ``ProcessGroup.new_subgroup``).
         """
+        ranks = list(ranks)
         members = sorted({int(r) for r in ranks})
-        if len(members) != len(list(ranks)) or not members:
+        if len(members) != len(ranks) or not members:
             raise ValueError(f"new_group needs distinct ranks, got {list(ranks)}")
         if members[0] < 0 or members[-1] >= self.world_size:
             raise ValueError(f"new_group ranks must lie in [0, {self.world_size}), got {list(ranks)}")

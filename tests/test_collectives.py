@@ -54,6 +54,19 @@ def test_every_collective_matches_numpy(n: int, transport: str, env: dict[str, s
         }
 
 
+def test_hierarchical_all_reduce_of_hosts_that_disagree_on_the_shape_is_a_mismatch() -> None:
+    """5 against 6 elements make equal pieces per local rank: the cross-host step still compares shapes."""
+    world = run_world(
+        4,
+        "hierarchy.py",
+        args=["mismatch"],
+        env={"PARAMPLANE_TRANSPORT": "auto", "PARAMPLANE_TIMEOUT": "30"},
+        rank_env={r: {"PARAMPLANE_HOST_ID": "hostA" if r < 2 else "hostB"} for r in range(4)},
+        timeout=60,
+    )
+    world.check_ok(min_checks=1)
+
+
 def test_hierarchical_all_reduce_two_hosts(tmp_path: Path) -> None:
     """2 host ids x 2 local ranks with transport auto: intra-host shm + cross-host gRPC."""
     hosts = {0: "hostA", 1: "hostA", 2: "hostB", 3: "hostB"}

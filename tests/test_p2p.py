@@ -21,3 +21,9 @@ def test_timeout_and_mismatch_fail_promptly_and_bad_arguments_fail_nothing() -> 
     # The receiver's error frames reach the sender: it fails well before its own 2 s deadline could.
     assert r0["values"]["mismatch_elapsed"] < 1.5
     assert r0["values"]["direct_mismatch_elapsed"] < 1.5
+
+
+def test_recv_into_a_cupy_array_receives_the_data() -> None:
+    """The device path of ``recv`` (a stand-in cupy: no GPU needed) writes what was sent into the array."""
+    results = run_world(2, "cupy_stand_in.py", timeout=60).check_ok()
+    assert results[1]["num_checks"] == 4

@@ -37,7 +37,10 @@ class HierarchicalComm:
         bounds = [(i * piece, (i + 1) * piece) for i in range(n)]
         mine = np.empty(piece, flat.dtype)
         self.local.reduce_scatter(spec, padded, bounds, op, mine, deadline)
-        cross_spec = OpSpec(f"{spec.group}/cross", spec.seq, "all_reduce", spec.dtype, (piece,), op)
+        # The op's own shape, not the piece's: hosts whose sizes round to one piece must still mismatch.
+        cross_spec = OpSpec(
+            f"{spec.group}/cross", spec.seq, "all_reduce", spec.dtype, spec.shape, f"{op}|{piece}"
+        )
         self.cross.all_reduce(cross_spec, mine, op, deadline)
         self.local.all_gather(spec, mine, padded, deadline)
         flat[...] = padded[: flat.size]

@@ -302,8 +302,8 @@ class GrpcTransport:
         try:
             return fut.result(max(0.0, deadline - time.monotonic()))
         except concurrent.futures.TimeoutError:
-            if fut.done():
-                raise  # the op's own CollectiveTimeout (a TimeoutError too)
+            if fut.done():  # it finished meanwhile, or raised its own CollectiveTimeout (a TimeoutError too)
+                return fut.result()
         exc = self._expired()
         self.loop.loop.call_soon_threadsafe(self.plane.fail_key, self.key, exc)
         fut.cancel()

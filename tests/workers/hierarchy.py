@@ -1,6 +1,12 @@
-"""Rank worker: all_reduce across two fake hosts (PARAMPLANE_HOST_ID) with transport auto."""
+"""Rank worker: all_reduce across two fake hosts (PARAMPLANE_HOST_ID) with transport auto.
+
+``hierarchy.py mismatch`` (ranks 0-1 on one host, 2-3 on the other): the hosts all-reduce shapes of 5 and
+6 elements, which split into equal pieces per local rank; every rank gets a CollectiveMismatch naming both.
+"""
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 from _common import DTYPES, RTOL, Report, data, digest, reference, run_rank
@@ -43,8 +49,15 @@ def scenario(world: pp.World, rep: Report) -> None:
     g.barrier()
 
 
+def mismatch(world: pp.World, rep: Report) -> None:
+    shape = (5,) if world.rank < 2 else (2, 3)
+    rep.raises(
+        "hosts disagree on the shape", pp.CollectiveMismatch, lambda: world.group.all_reduce(np.ones(shape))
+    )
+
+
 def main() -> None:
-    run_rank(scenario)
+    run_rank(mismatch if sys.argv[1:] == ["mismatch"] else scenario)
 
 
 if __name__ == "__main__":
