@@ -63,9 +63,20 @@ from paramplane.optim.optimizer import Optimizer
 from paramplane.parallel.ddp_buckets import COMM_DTYPES, MIB, Bucket, assign_buckets, shard_range
 from paramplane.parallel.torch_params import is_torch_module, torch_buffers, torch_params
 
-__all__ = ["DDP", "shard_range"]
+__all__ = ["DDP", "broadcast_arrays", "shard_range"]
 
 _REDUCE_OPS = ("mean", "sum")
+
+
+def broadcast_arrays(group: ProcessGroup, arrays: list[Any]) -> None:
+    """Overwrite each array in place with group rank 0's (a non-contiguous one through a copy)."""
+    for buf in arrays:
+        if buf.flags.c_contiguous:
+            group.broadcast(buf, src=0)
+        else:
+            tmp = buf.copy()
+            group.broadcast(tmp, src=0)
+            buf[...] = tmp
 
 
 class DDP:
@@ -153,13 +164,10 @@ class DDP:
             self._broadcast_buffers()
 
     def _broadcast_buffers(self) -> None:
-        for _, buf in torch_buffers(self.module) if self._torch else self.module.named_buffers():
-            if buf.flags.c_contiguous:
-                self.group.broadcast(buf, src=0)
-            else:
-                tmp = buf.copy()
-                self.group.broadcast(tmp, src=0)
-                buf[...] = tmp
+        broadcast_arrays(
+            self.group,
+            [b for _, b in (torch_buffers(self.module) if self._torch else self.module.named_buffers())],
+        )
 
     # -- grad hooks and buckets ----------------------------------------------------------------------
     def _on_grad(self, i: int, p: Parameter) -> None:

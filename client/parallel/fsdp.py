@@ -39,9 +39,10 @@ from paramplane.nn.layers import Sequential
 from paramplane.nn.module import Array, Module, Parameter, RemovableHandle
 from paramplane.node.arrays import DTYPES, array_module, to_host, to_pinned
 from paramplane.optim.optimizer import Optimizer
+from paramplane.parallel.ddp import broadcast_arrays
 from paramplane.parallel.ddp_buckets import COMM_DTYPES
 from paramplane.parallel.fsdp_config import STRATEGIES, CPUOffload, MemoryTracker, MixedPrecision
-from paramplane.parallel.fsdp_state import FSDPState
+from paramplane.parallel.fsdp_prefetch import FSDPPrefetch
 from paramplane.parallel.fsdp_units import FlatUnit, check_same_model, concat_params
 from paramplane.parallel.mesh import Mesh
 from paramplane.parallel.torch_params import is_torch_module
@@ -49,7 +50,7 @@ from paramplane.parallel.torch_params import is_torch_module
 __all__ = ["FSDP", "STRATEGIES", "CPUOffload", "MixedPrecision"]
 
 
-class FSDP(FSDPState):
+class FSDP(FSDPPrefetch):
     """Shard ``module``'s parameters, gradients and optimizer state over ``group`` (module docstring).
 
     A ``torch.nn.Module`` (CPU tensors) is wrapped by :class:`~paramplane.parallel.fsdp_torch.TorchFSDP`,
@@ -128,12 +129,15 @@ class FSDP(FSDPState):
         self._named = named
         check_same_model(group, named)
         self.units = self._build_units(module, named, units, sync_module_states)
+        if sync_module_states and group.size > 1:  # replicated state too: frozen parameters and buffers
+            broadcast_arrays(group, [a for _, a in [*self._frozen(), *self._buffers()]])
         self._order = {id(u): i for i, u in enumerate(self.units)}
         self._wrapped = [u for u in self.units if u.module is not None]
         self._root = next((u for u in self.units if u.module is None), None)
         self._originals: list[tuple[Module, Any, Any]] = []
         for u in self._wrapped:
             self._wrap(u)
+        self._init_order()
         self._no_sync = False
         self._round_open = False
         self._forward_open = False
@@ -179,6 +183,7 @@ class FSDP(FSDPState):
             unit.shard.grad = None
         self._reduce_queue = []
         self._round_open = self._forward_open = False
+        self._used, self._backward_done = [], set()
         self._make_groups(self.shard_group.size)
         check_same_model(self.group, self._named)
         self.memory.update()
@@ -256,9 +261,7 @@ class FSDP(FSDPState):
         orig_forward, orig_backward = m.forward, m.backward
 
         def forward(x: Array) -> Array:
-            self._ensure_gathered(unit)
-            if self.forward_prefetch:
-                self._prefetch(self._neighbor(unit, +1))
+            self._enter_unit(unit)
             start = time.monotonic()
             y = orig_forward(x)
             self._mark(f"forward {unit.name}", start)
@@ -270,13 +273,13 @@ class FSDP(FSDPState):
         def backward(grad: Array) -> Array:
             self._ensure_gathered(unit)
             if self.backward_prefetch == "pre":
-                self._prefetch(self._neighbor(unit, -1))
+                self._prefetch(self._prev_in_forward(unit))
             start = time.monotonic()
             grad_in = orig_backward(grad)
             self._mark(f"backward {unit.name}", start)
             self._post_backward(unit)
             if self.backward_prefetch == "post":
-                self._prefetch(self._neighbor(unit, -1))
+                self._prefetch(self._prev_in_forward(unit))
             return grad_in
 
         self._originals.append((m, orig_forward, orig_backward))
@@ -288,56 +291,15 @@ class FSDP(FSDPState):
         if tracer is not None and hasattr(tracer, "mark"):
             tracer.mark(f"fsdp {name}", start, time.monotonic())
 
-    def _neighbor(self, unit: FlatUnit, step: int) -> FlatUnit | None:
-        i = self._wrapped.index(unit) + step
-        return self._wrapped[i] if 0 <= i < len(self._wrapped) else None
-
-    # -- gathering ---------------------------------------------------------------------------------
-    def _prefetch(self, unit: FlatUnit | None, dtype: Any = None) -> None:
-        """Start ``unit``'s all-gather unless it is gathered or on its way."""
-        if unit is None or unit.gathered or unit.gather_work is not None:
-            return
-        dtype = np.dtype(dtype) if dtype is not None else self.param_dtype
-        src = self._xp.asarray(unit.shard.data)  # an offloaded shard travels to the device here
-        src = src if src.dtype == dtype else src.astype(dtype)
-        if self.shard_group.size == 1:
-            self._use(unit, src)
-            return
-        # The group holds ``src`` while the gather runs and allocates the gathered buffer when it runs, not
-        # now: a prefetch queued behind a reduce-scatter holds no memory until that one is done and freed.
-        unit.gather_work = self.shard_group.all_gather(src, async_op=True)
-
-    def _ensure_gathered(self, unit: FlatUnit, dtype: Any = None) -> None:
-        if unit.gathered:
-            return
-        self._prefetch(unit, dtype)
-        if unit.gather_work is not None:
-            full = unit.gather_work.wait()
-            unit.gather_work = None
-            self._use(unit, full)
-
-    def _use(self, unit: FlatUnit, full: Array) -> None:
-        unit.use_full(full)
-        if full is not unit.shard.data:
-            self.memory.add("params_gathered", full.nbytes)
-
-    def _release(self, unit: FlatUnit) -> None:
-        if unit.full is not None and unit.full is not unit.shard.data:
-            self.memory.add("params_gathered", -unit.full.nbytes)
-        unit.release()
-
     # -- forward / backward ------------------------------------------------------------------------
     def forward(self, x: Array) -> Array:
-        """Run the module unit by unit: each unit is gathered for its forward (and prefetched)."""
-        for u in self.units:
-            if u.gathered and u is not self._root:
-                self._release(u)  # a previous forward without backward (eval): shards may have changed
-        if self._root is not None:
-            self._release(self._root)
-            self._ensure_gathered(self._root)
-        if self.forward_prefetch and self._wrapped:
-            self._prefetch(self._wrapped[0])
-        y = self.module.forward(x)
+        """Run the module unit by unit: each unit is gathered for its forward (and prefetched).
+
+        With mixed precision a floating-point ``x`` is cast to ``param_dtype`` (the compute dtype); the output
+        is cast to ``output_dtype`` when one is set.
+        """
+        self._begin_forward()
+        y = self.module.forward(self._cast_input(x))
         self._forward_open = True
         return y.astype(self.output_dtype) if self.output_dtype is not None else y
 
@@ -356,6 +318,7 @@ class FSDP(FSDPState):
         return grad_in
 
     def _post_backward(self, unit: FlatUnit) -> None:
+        self._backward_done.add(id(unit))
         self._release(unit)
         if self._no_sync:
             return
@@ -412,8 +375,10 @@ class FSDP(FSDPState):
     def finish_gradient_sync(self) -> None:
         """Wait for every gradient reduction and set each shard's ``grad`` (averaged over the group).
 
-        A no-op when no synchronised backward ran since the last call.
+        A no-op when no synchronised backward ran since the last call, but for waiting for and dropping
+        pending prefetched gathers (they read the shards, which an optimizer step changes next).
         """
+        self._discard_prefetches()
         if not self._round_open:
             return
         try:

@@ -1,4 +1,9 @@
-"""FSDP's state: full and sharded state dicts, loading them, and ``summon_full_params`` (a mixin of ``FSDP``)."""
+"""FSDP's state: full and sharded state dicts, loading them, and ``summon_full_params`` (a mixin of ``FSDP``).
+
+Frozen parameters (``requires_grad=False``) are not sharded: like buffers they are replicated module state,
+kept whole on every rank (broadcast from group rank 0 at wrap time with ``sync_module_states``), in the state
+dicts under their names and, in ``sharded_state_dict``, as whole arrays (a checkpoint writes them once).
+"""
 
 from __future__ import annotations
 
@@ -32,8 +37,19 @@ class FSDPState:
     def _release(self, unit: FlatUnit) -> None:
         raise NotImplementedError
 
+    def _discard_prefetches(self) -> None:
+        raise NotImplementedError
+
     def _buffers(self) -> list[tuple[str, Array]]:
         return list(self.module.named_buffers())
+
+    def _frozen(self) -> list[tuple[str, Array]]:
+        """The frozen parameters' arrays (not sharded: replicated like buffers)."""
+        return [(n, p.data) for n, p in self.module.named_parameters() if not p.requires_grad]
+
+    def _replicated(self) -> dict[str, Array]:
+        """Frozen parameters and buffers by name: the module state every rank holds whole."""
+        return {**dict(self._frozen()), **dict(self._buffers())}
 
     def _gather_master(self, unit: FlatUnit) -> Array:
         """The unit's full flat parameter in the master dtype (a collective on the shard group)."""
@@ -50,15 +66,22 @@ class FSDPState:
             full = self._gather_master(unit)
             for name, p, off in zip(unit.names, unit.params, unit.offsets):
                 values[name] = full[off : off + p.size].reshape(p.shape).copy()
-        out = {name: values[name] for name, _ in self.module.named_parameters() if name in values}
+        frozen = dict(self._frozen())
+        out = {}
+        for name, _ in self.module.named_parameters():
+            if name in values:
+                out[name] = values[name]
+            elif name in frozen:
+                out[name] = frozen[name].copy()
         for name, buf in self._buffers():
             out[name] = buf.copy()
         return out
 
     def load_state_dict(self, state: dict[str, Array]) -> None:
         """Load a full state dict: every rank keeps its shard (no communication)."""
+        self._discard_prefetches()
         wanted = {n: p.shape for u in self.units for n, p in zip(u.names, u.params)}
-        buffers = dict(self._buffers())
+        buffers = self._replicated()
         missing = sorted((set(wanted) | set(buffers)) - set(state))
         unexpected = sorted(set(state) - set(wanted) - set(buffers))
         if missing or unexpected:
@@ -84,7 +107,8 @@ class FSDPState:
         unit.shard.data[...] = on_module(array_module(unit.shard.data), flat[lo : lo + unit.shard_size])
 
     def sharded_state_dict(self) -> dict[str, ShardedArray | Array]:
-        """This rank's pieces as ``ShardedArray`` views into the live shards, plus buffers (replicated).
+        """This rank's pieces as ``ShardedArray`` views into the live shards, plus frozen parameters and
+        buffers (replicated, whole arrays).
 
         Replicas (no_shard, hybrid) hold equal ranges; a writer keeps one of them.
         """
@@ -99,12 +123,12 @@ class FSDPState:
         out: dict[str, ShardedArray | Array] = {}
         for unit in self.units:
             out.update(unit.shard.layout.views(unit.shard.data))
-        for name, buf in self._buffers():
-            out[name] = buf
+        out.update(self._replicated())
         return out
 
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
         """Copy ``state`` (as returned by :meth:`sharded_state_dict`, possibly refilled) into the shards."""
+        self._discard_prefetches()
         mine = self.sharded_state_dict()
         for key, target in mine.items():
             if key not in state:

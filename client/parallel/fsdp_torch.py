@@ -30,7 +30,7 @@ import numpy as np
 from paramplane.nn.module import Parameter, RemovableHandle
 from paramplane.parallel.fsdp import FSDP
 from paramplane.parallel.fsdp_units import FlatUnit
-from paramplane.parallel.torch_params import TorchFlatParam, TorchParam, to_torch, torch_buffers
+from paramplane.parallel.torch_params import TorchFlatParam, TorchParam, to_numpy, to_torch, torch_buffers
 
 __all__ = ["TorchFSDP"]
 
@@ -95,9 +95,7 @@ class TorchFSDP(FSDP):
         m = cast(Any, unit.module)
 
         def before(_m: Any, _args: Any) -> None:
-            self._ensure_gathered(unit)
-            if self.forward_prefetch:
-                self._prefetch(self._neighbor(unit, +1))
+            self._enter_unit(unit)
             unit.extra["forward_start"] = time.monotonic()
 
         def after(_m: Any, _args: Any, output: Any) -> None:
@@ -121,7 +119,7 @@ class TorchFSDP(FSDP):
         unit.extra["backward_start"] = time.monotonic()
         self._ensure_gathered(unit)
         if self.backward_prefetch == "pre":
-            self._prefetch(self._neighbor(unit, -1))
+            self._prefetch(self._prev_in_forward(unit))
 
     def _grad_hook(self, unit: FlatUnit) -> Callable[[Any], None]:
         def ready(_tensor: Any) -> None:
@@ -134,7 +132,7 @@ class TorchFSDP(FSDP):
                 self._mark(f"backward {unit.name}", unit.extra.pop("backward_start"))
             self._post_backward(unit)
             if self.backward_prefetch == "post" and unit.module is not None:
-                self._prefetch(self._neighbor(unit, -1))
+                self._prefetch(self._prev_in_forward(unit))
 
         return ready
 
@@ -145,13 +143,7 @@ class TorchFSDP(FSDP):
         for u in self.units:
             u.forward_done = False
             u.extra["ready"] = 0
-            if u.gathered and u is not self._root:
-                self._release(u)
-        if self._root is not None:
-            self._release(self._root)
-            self._ensure_gathered(self._root)
-        if self.forward_prefetch and self._wrapped:
-            self._prefetch(self._wrapped[0])
+        self._begin_forward()
         if self.param_dtype != self.master_dtype:
             compute = _torch_dtype(self.param_dtype)
             args = tuple(a.to(compute) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
@@ -210,3 +202,10 @@ class TorchFSDP(FSDP):
 
     def _buffers(self) -> list[tuple[str, Any]]:
         return torch_buffers(self.module)
+
+    def _frozen(self) -> list[tuple[str, Any]]:
+        return [
+            (n, to_numpy(t, f"parameter {n!r}"))
+            for n, t in self.module.named_parameters()
+            if not t.requires_grad
+        ]
