@@ -169,6 +169,12 @@ def test_buckets_reverse_order_by_dtype_and_size() -> None:
         assign_buckets(params, 0)
 
 
+def test_ranks_wrapping_different_models_fail_at_wrap_time() -> None:
+    from _world import run_world
+
+    run_world(2, "ddp_mismatch.py", env={"PARAMPLANE_TIMEOUT": "30"}, timeout=60).check_ok(min_checks=1)
+
+
 def test_ddp_gradient_compression_moves_half_precision_and_stays_close() -> None:
     from _world import run_world
 

@@ -61,6 +61,7 @@ from paramplane.nn.module import Array, LoadResult, Module, Parameter
 from paramplane.node.arrays import DTYPES
 from paramplane.optim.optimizer import Optimizer
 from paramplane.parallel.ddp_buckets import COMM_DTYPES, MIB, Bucket, assign_buckets, shard_range
+from paramplane.parallel.fsdp_units import check_same_model
 from paramplane.parallel.torch_params import is_torch_module, torch_buffers, torch_params
 
 __all__ = ["DDP", "broadcast_arrays", "shard_range"]
@@ -120,6 +121,9 @@ class DDP:
         # A torch module's parameters are duck-typed Parameters (DLPack views, torch grad hooks).
         all_params = cast(list[Parameter], torch_params(module)) if self._torch else module.parameters()
         if init_sync:
+            # Models that differ only in shapes of the same total size would otherwise train silently.
+            names = [n for n, _ in module.named_parameters()]
+            check_same_model(group, list(zip(names, all_params, strict=True)), "DDP")
             self._sync_state(all_params)
         self._params: list[Parameter] = [p for p in all_params if p.requires_grad]
         bucket_bytes = max(1, int(self.bucket_mb * MIB))

@@ -149,8 +149,9 @@ class FlatUnit:
         return any(p.grad is not None for p in self.params)
 
 
-def check_same_model(group: ProcessGroup, named: list[tuple[str, Parameter]]) -> None:
-    """CollectiveMismatch naming the first parameter whose name, shape or dtype differs across ranks."""
+def check_same_model(group: ProcessGroup, named: list[tuple[str, Parameter]], what: str = "FSDP") -> None:
+    """CollectiveMismatch naming the first parameter whose name, shape or dtype differs across ranks
+    (``what``: the wrapper, for the message)."""
     if group.size == 1:
         return
     counts = group.all_gather(np.array([len(named)], np.int64))
@@ -167,7 +168,7 @@ def check_same_model(group: ProcessGroup, named: list[tuple[str, Parameter]]) ->
             versions.setdefault(int(every[r, i]), []).append(r)
         if len(versions) > 1:
             raise CollectiveMismatch(
-                f"FSDP: parameter {name!r} differs across the group ranks of '{group.name}': ranks "
+                f"{what}: parameter {name!r} differs across the group ranks of '{group.name}': ranks "
                 f"{' vs '.join(map(str, versions.values()))} hold different names, shapes or dtypes (here, group "
                 f"rank {group.rank}: shape {p.shape}, {p.dtype}); every rank must wrap the same model"
             )
