@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import socket
@@ -34,10 +35,13 @@ from typing import Any
 from paramplane.node.errors import PeerLost, PlaneError, TransportError
 from paramplane.protos import peer_pb2
 
+_log = logging.getLogger("paramplane.lane")
+
 NONCE_BYTES = 16
 MAC_BYTES = 32
 MAX_OPENING_BYTES = 4096
 HANDSHAKE_TIMEOUT_S = 10.0
+ACCEPT_BACKOFF_S = 0.05
 FRAME_LENGTH = struct.Struct("!I")  # a frame header's length, before it
 ABSTRACT_SOCKETS = sys.platform.startswith("linux")  # Unix socket names outside the filesystem
 
@@ -145,7 +149,12 @@ class LaneServer:
     async def _accept_loop(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            conn = await _accept(loop, sock)
+            try:
+                conn = await _accept(loop, sock)
+            except OSError as exc:  # out of descriptors (EMFILE) or memory: refuse this one, keep accepting
+                _log.warning("data lane: accept failed (%s); retrying", exc)
+                await asyncio.sleep(ACCEPT_BACKOFF_S)
+                continue
             conn.setblocking(False)
             if conn.family != socket.AF_UNIX:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -156,19 +165,26 @@ class LaneServer:
     async def _handle(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         try:
-            opened = await asyncio.wait_for(self._handshake(loop, conn), HANDSHAKE_TIMEOUT_S)
-            if opened is None:
+            # Only the greeting is bounded here: admitting the opening may wait for this rank to create the
+            # group (the plane's own, longer bound), as a gRPC stream's opening does.
+            message = await asyncio.wait_for(self._greet(loop, conn), HANDSHAKE_TIMEOUT_S)
+            if message is None:
                 return
-            src, key, errors_only = opened
+            key = await self._opener(message)
+            if key is None:
+                return
+            await asyncio.wait_for(loop.sock_sendall(conn, b"\x01"), HANDSHAKE_TIMEOUT_S)
+            src, errors_only = message.src, key.endswith("#err")
             await self._serve(src, key, errors_only, LaneReader(loop, conn, *self.reader_shape))
         except (OSError, asyncio.TimeoutError, ValueError):
             pass  # a stranger or a broken handshake: just close
         finally:
             conn.close()
 
-    async def _handshake(
+    async def _greet(
         self, loop: asyncio.AbstractEventLoop, conn: socket.socket
-    ) -> tuple[int, str, bool] | None:
+    ) -> peer_pb2.StreamOpen | None:
+        """The authenticated opening of a new connection, or None (a stranger, a bad MAC, junk)."""
         nonce = os.urandom(NONCE_BYTES)
         await loop.sock_sendall(conn, nonce)
         head = bytearray(FRAME_LENGTH.size)
@@ -184,15 +200,9 @@ class LaneServer:
         if not hmac.compare_digest(mac, opening_mac(self._token, nonce, opening)):
             return None
         try:
-            message = peer_pb2.StreamOpen.FromString(opening)
+            return peer_pb2.StreamOpen.FromString(opening)
         except Exception:  # authenticated but undecodable: refuse like any bad opening
             return None
-        key = await self._opener(message)
-        if key is None:
-            return None
-        await loop.sock_sendall(conn, b"\x01")
-        errors_only = key.endswith("#err")
-        return message.src, key, errors_only
 
     async def close(self) -> None:
         for accepting in self._accepting:

@@ -33,7 +33,7 @@ from paramplane.node.failures import (
     from_failure_message,
 )
 from paramplane.node.inbox import Inbox
-from paramplane.node.lane import LaneReader, LaneServer, LaneStream
+from paramplane.node.lane import HANDSHAKE_TIMEOUT_S, LaneReader, LaneServer, LaneStream
 from paramplane.protos import peer_pb2
 from paramplane.protos.auth import TokenAuthInterceptor, token_metadata
 from paramplane.protos.net import parse_address
@@ -643,7 +643,10 @@ class PeerPlane:
                 self._streams[(dst, key)] = lane
                 opening = peer_pb2.StreamOpen(src=self.rank, job_id=self.job_id, group=key)
                 lane.opened = asyncio.ensure_future(
-                    lane.connect(self._token, opening.SerializeToString(), CONFIGURE_WAIT_S)
+                    # The receiver may wait up to CONFIGURE_WAIT_S for its group before it admits the lane.
+                    lane.connect(
+                        self._token, opening.SerializeToString(), CONFIGURE_WAIT_S + HANDSHAKE_TIMEOUT_S
+                    )
                 )
                 s = lane
         if s is None:

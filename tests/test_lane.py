@@ -391,3 +391,74 @@ def test_a_direct_lane_waits_its_timeout_reads_what_comes_and_fails_when_failed(
         lane._wait(time.monotonic() + 3e7)
     a.close()
     lane.close()
+
+
+async def test_a_lane_waits_for_a_group_its_receiver_creates_after_the_greeting_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Admitting a lane may wait for the receiver to create the group (as a gRPC stream does): only the
+    greeting has the short handshake bound, so a group created later than that still gets the message."""
+    import paramplane.node.lane as lane_module
+
+    monkeypatch.setattr(lane_module, "HANDSHAKE_TIMEOUT_S", 0.2)
+    a, b = await _two_planes()
+    try:
+        sender = GrpcChannel(a, "g", [0, 1], 0)  # registers the group on a only
+        spec = OpSpec("g", 1, "send/recv", "float32", (4,))
+        data = np.arange(4, dtype=np.float32)
+        sending = asyncio.ensure_future(sender.send(1, spec, 0, data))
+        deadline = time.monotonic() + 10
+        while "g" not in b._key_waiters:  # the opening arrived and waits to be admitted
+            assert time.monotonic() < deadline and not sending.done(), sending
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.5)  # well past the greeting bound before the group exists here
+        receiver = GrpcChannel(b, "g", [0, 1], 1)
+        got = np.zeros_like(data)
+        await bounded(asyncio.gather(sending, receiver.recv(0, spec, 0, got.nbytes, copy_into(got, 0))))
+        assert np.array_equal(got, data)
+    finally:
+        await a.close(0.5)
+        await b.close(0.5)
+
+
+async def test_the_lane_server_keeps_accepting_after_accept_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An accept that fails (out of descriptors: EMFILE) is logged and retried, not the end of the server."""
+    import errno
+
+    import paramplane.node.lane as lane_module
+
+    real, failures = lane_module._accept, [OSError(errno.EMFILE, "Too many open files")]
+
+    async def flaky(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> socket.socket:
+        if failures:
+            raise failures.pop()
+        return await real(loop, sock)
+
+    monkeypatch.setattr(lane_module, "_accept", flaky)
+    server, _ = await _server()
+    try:
+        sock, nonce = await bounded(_raw_lane(server.port))  # type: ignore[misc]
+        assert len(nonce) == lane_module.NONCE_BYTES and not failures
+        sock.close()
+    finally:
+        await server.close()
+
+
+async def test_a_header_of_an_array_numpy_cannot_make_fails_the_key_with_a_transport_error() -> None:
+    """0 x 2**62 x 2**62 announces 0 bytes (the size check passes) but numpy refuses the shape."""
+    a, b = await _two_planes()
+    try:
+        for plane in (a, b):
+            plane.register_stream_key("g", frozenset({0, 1}))
+        header = peer_pb2.FrameHeader(
+            group="g", seq=1, op="send/recv", dtype="float32", shape=[0, 2**62, 2**62], src=0, dst=1, nbytes=0
+        )
+        stream = await a.stream(1, "g")
+        await stream.send_frame([header.SerializeToString()])
+        spec = OpSpec("g", 1, "send/recv", "float32", (4,))
+        with pytest.raises(TransportError, match="cannot be made"):
+            await bounded(GrpcChannel(b, "g", [0, 1], 1).recv_array(0, spec, 0))
+        assert b.failure("g") is not None
+    finally:
+        await a.close(0.5)
+        await b.close(0.5)

@@ -236,9 +236,10 @@ class GrpcChannel:
             )
         try:
             return np.empty(shape, dtype)
-        except MemoryError:
+        except (MemoryError, ValueError) as exc:  # ValueError: over 64 dimensions, or too big with a zero
             raise TransportError(
-                f"rank {src} sent an array of {header.nbytes} bytes, which does not fit in memory"
+                f"rank {src} announced an array of {header.nbytes} bytes and shape {shape} that cannot be made "
+                f"({type(exc).__name__})"
             ) from None
 
     def fail(self, exc: PlaneError) -> PlaneError:
