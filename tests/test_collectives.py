@@ -89,3 +89,46 @@ def test_hierarchical_all_reduce_two_hosts(tmp_path: Path) -> None:
         transports = {e["args"]["transport"] for e in events if e.get("name") == "all_reduce"}
         assert transports == {"hier"}, transports
     assert world.shm_leaks() == set()
+
+
+def test_stale_shm_segments_are_swept_and_held_or_young_ones_kept() -> None:
+    """A segment nobody holds a lock on (its creator was killed during setup) is removed by the next setup's
+    sweep; one a live process holds, or one just created, is kept."""
+    import os
+    import subprocess
+    import sys
+    import uuid
+
+    from paramplane.node.transports.shm import SEGMENT_PREFIX, SHM_DIR, sweep_stale_segments
+
+    tag = uuid.uuid4().hex[:8]
+    stale, held, young = (f"{SEGMENT_PREFIX}test-{tag}-{kind}" for kind in ("stale", "held", "young"))
+    old = 3600.0
+    for name in (stale, held, young):
+        with open(os.path.join(SHM_DIR, name), "wb") as f:
+            f.truncate(4096)
+    for name in (stale, held):
+        os.utime(os.path.join(SHM_DIR, name), (os.path.getmtime(os.path.join(SHM_DIR, name)) - old,) * 2)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); "
+            "fcntl.lockf(fd, fcntl.LOCK_EX, 1, 0); print('locked', flush=True); sys.stdin.read()",
+            os.path.join(SHM_DIR, held),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        removed = sweep_stale_segments()
+        assert stale in removed and held not in removed and young not in removed
+        assert not os.path.exists(os.path.join(SHM_DIR, stale))
+        assert os.path.exists(os.path.join(SHM_DIR, held)) and os.path.exists(os.path.join(SHM_DIR, young))
+    finally:
+        holder.communicate("", timeout=30)
+        for name in (stale, held, young):
+            if os.path.exists(os.path.join(SHM_DIR, name)):
+                os.unlink(os.path.join(SHM_DIR, name))

@@ -31,6 +31,7 @@ from paramplane.node.transports.shm import (
     create_segment,
     open_segment,
     segment_size,
+    sweep_stale_segments,
     unlink_segment,
 )
 
@@ -123,6 +124,7 @@ class TransportFactory:
         async def attach() -> Segment:
             nonlocal name
             if index == 0:
+                sweep_stale_segments()  # what a rank killed during an earlier setup left on this host
                 safe = "".join(c if c.isalnum() else "_" for c in key)
                 name = f"{SEGMENT_PREFIX}{self.ctx.job_id[:12]}-{safe}-{uuid.uuid4().hex[:8]}"
                 segment = create_segment(name, size)
@@ -149,7 +151,7 @@ class TransportFactory:
                 segment.close()
             raise
         finally:
-            if index == 0 and name:
+            if name:  # every rank: the creator may have died after publishing the name
                 unlink_segment(name)
 
     def _hierarchy(self) -> HierarchicalComm:

@@ -5,8 +5,10 @@ its current op's spec, double-buffered by op parity) and two banks of one data
 slot per rank, used alternately by successive rounds so that one barrier per
 round suffices where a round's readers finish before the bank is reused.
 Ranks wait on the phase counters, spinning briefly and then backing off, and
-notice a dead peer by its pid. The segment file is unlinked as soon as every
-rank has mapped it, so a crash never leaves anything in /dev/shm.
+notice a dead peer by its liveness lock. The segment file is unlinked by every rank as soon as they
+have all mapped it (or the setup failed), so a crash after that leaves nothing in /dev/shm; a segment
+whose creator was killed during the setup, before any other rank could unlink it, is removed by the next
+group setup on the host (``sweep_stale_segments``: nobody holds its locks).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def create_segment(name: str, size: int) -> Segment:
     """Create and map /dev/shm/``name`` (which must not exist)."""
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    _mine.add(name)
     try:
         os.ftruncate(fd, size)
         return Segment(fd, size)
@@ -76,6 +79,7 @@ def create_segment(name: str, size: int) -> Segment:
 
 def open_segment(name: str, size: int) -> Segment:
     fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    _mine.add(name)
     try:
         if os.fstat(fd).st_size != size:
             raise PlaneError(f"shm segment {name} has the wrong size (another job's?)")
@@ -83,6 +87,47 @@ def open_segment(name: str, size: int) -> Segment:
     except BaseException:
         os.close(fd)
         raise
+
+
+STALE_AGE_S = 60.0
+_mine: set[str] = set()  # segments this process created or opened (its own locks do not conflict with it)
+
+
+def sweep_stale_segments() -> list[str]:
+    """Unlink paramplane segments in /dev/shm that no live process holds; returns their names.
+
+    A rank killed while its group's segment was being set up (before every rank had mapped it) leaves
+    the file behind. Every rank holds a lock on its segment while it lives, so one that nobody locks is
+    stale; files younger than ``STALE_AGE_S`` are left alone (a segment being created is not locked yet),
+    as are this process's own and files it may not open (another user's).
+    """
+    removed: list[str] = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(SEGMENT_PREFIX) or name in _mine:
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            if time.time() - os.fstat(fd).st_mtime < STALE_AGE_S:
+                continue
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 0, 0)  # the whole file: no rank holds a byte
+            except OSError:
+                continue
+            os.unlink(path)
+            removed.append(name)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
 
 
 def unlink_segment(name: str) -> None:
