@@ -16,6 +16,7 @@ import numpy as np
 
 from paramplane.node.arrays import array_module, from_foreign, is_cupy, to_host
 from paramplane.node.engine import SENT, GroupEngine, check_array
+from paramplane.node.errors import TransportError
 from paramplane.work import Work
 
 _SENT_WORK: Work[None] = Work(SENT, "send")  # every send that left at once (a done Work never changes)
@@ -309,6 +310,13 @@ class ProcessGroup:
             return caller
 
         return self._p2p_result("recv", fut, async_op, (x, write_back))
+
+    def abort_point_to_point(self, reason: str) -> None:
+        """Fail this group's point-to-point messages on every member with a ``TransportError`` naming
+        ``reason``: their pending and later ``recv``s on this group raise it at once instead of waiting out the
+        timeout (a pipeline stage that raised tells its neighbours so). The group's sends and receives are
+        over after this; its collectives are not touched."""
+        self._e.abort_p2p(TransportError(reason))
 
     def recv_array(self, src: int, *, like: Any = None, async_op: bool = False) -> Any:
         """Receive the next array ``src`` sends, in the dtype and shape it sent (its header carries them).

@@ -152,6 +152,11 @@ class GroupEngine:
 
         return self.actor.submit(op, async_op=async_op)
 
+    def abort_p2p(self, exc: PlaneError) -> None:
+        """Fail the group's point-to-point messages with ``exc`` here and on its other members (from any
+        thread but the loop's): their pending and later receives from this group raise it."""
+        self.transports.p2p.fail_soon(exc)
+
     def _failed(self, exc: PlaneError) -> PlaneError:
         """Record an op's failure as the group's (the first one stays) and return what to raise. Blocking (a
         lost peer's cause is asked of the coordinator): never on the loop."""

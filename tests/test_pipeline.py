@@ -76,15 +76,33 @@ def test_schedule_rules() -> None:
     broken = [list(reversed(schedules.build("gpipe", 0, 1, 2)))]
     with pytest.raises(ValueError, match="before its forward"):
         schedules.validate(broken, 2, 1)
-    swapped = [schedules.build("1f1b", r, 2, 2) for r in range(2)]
-    swapped[1] = [a for a in swapped[1] if a.kind != "SEND_B"]
+    unsent = [schedules.build("1f1b", r, 2, 2) for r in range(2)]
+    unsent[1] = [a for a in unsent[1] if a.kind != "SEND_B"]
+    with pytest.raises(ValueError, match=r"needs SEND_B1\.0 after it"):
+        schedules.validate(unsent, 2, 1)
+    # Rank 0 waits for a gradient before sending the forward rank 1 needs to produce it.
+    cyclic = [
+        schedules._with_transfers([("F", 0, 0), ("B", 0, 0), ("F", 0, 1), ("B", 0, 1)], 1),
+        schedules._with_transfers([("F", 1, 0), ("F", 1, 1), ("B", 1, 0), ("B", 1, 1)], 1),
+    ]
     with pytest.raises(ValueError, match="deadlocks"):
-        schedules.validate(swapped, 2, 1)
+        schedules.validate(cyclic, 2, 1)
+    # A send listed before the compute that makes it (a runtime sends after computing), an action beyond the
+    # microbatches, an unknown kind: refused.
+    early = [schedules.build("gpipe", r, 2, 2) for r in range(2)]
+    f = next(i for i, a in enumerate(early[0]) if a.kind == "F")
+    early[0][f], early[0][f + 1] = early[0][f + 1], early[0][f]
+    with pytest.raises(ValueError, match=r"needs SEND_F0\.0 after it"):
+        schedules.validate(early, 2, 1)
+    with pytest.raises(ValueError, match="outside"):
+        schedules.validate([[*schedules.build("gpipe", 0, 1, 2), schedules.Action("F", 0, 7)]], 2, 1)
+    with pytest.raises(ValueError, match="unknown action kind"):
+        schedules.validate([[*schedules.build("gpipe", 0, 1, 2), schedules.Action("W", 0, 0)]], 2, 1)
     # Receiving two gradients in another order than they are sent is fine: messages are taken by name (the
     # pipeline's receiver threads file them), and interleaved 1F1B with larger microbatch groups does so.
     crossed = [schedules.build("gpipe", r, 2, 2) for r in range(2)]
     recvs = [i for i, a in enumerate(crossed[0]) if a.kind == "RECV_B"]
-    crossed[0][recvs[0]], crossed[0][recvs[1]] = crossed[0][recvs[1]], crossed[0][recvs[0]]
+    crossed[0].insert(recvs[0], crossed[0].pop(recvs[1]))  # RECV_B0.1 first, then RECV_B0.0, B0.0, B0.1
     schedules.validate(crossed, 2, 1)
     # Microbatch groups: interleaved 1F1B's setting, at least p and dividing m; more warm-up forwards.
     for bad in (1, 3, 5):
@@ -182,7 +200,7 @@ def test_train_pipeline_example_runs_under_the_launcher() -> None:
 
 def test_pipeline_argument_errors_on_every_rank() -> None:
     world = run_world(2, "pipeline.py", args=["errors"], env={"PARAMPLANE_TIMEOUT": "30"}, timeout=90)
-    assert all(r["num_checks"] == 10 for r in world.check_ok())
+    assert all(r["num_checks"] == 16 for r in world.check_ok())
 
 
 def test_bubble_benchmark_measures_idle_from_the_traced_compute(tmp_path: Path) -> None:

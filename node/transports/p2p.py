@@ -274,7 +274,7 @@ class GrpcPointToPoint(GrpcTransport):
             except TimeoutError:
                 raise self._timed_out() from None
             except PeerLost as exc:
-                self._fail_soon(exc)
+                self.fail_soon(exc)
                 raise
             if type(header) is peer_pb2.FrameHeader and header.seq == seq:
                 dtype = DTYPES.get(header.dtype)
@@ -369,7 +369,7 @@ class GrpcPointToPoint(GrpcTransport):
     ) -> np.ndarray:
         """A receive on this thread (see ``GrpcChannel.recv_blocking``), bounded by the group's timeout."""
         try:
-            return self.channel.recv_blocking(take, src, spec, flat, self.timeout_s, self._fail_soon, first)
+            return self.channel.recv_blocking(take, src, spec, flat, self.timeout_s, self.fail_soon, first)
         except TimeoutError:
             raise self._timed_out() from None
 
@@ -379,7 +379,7 @@ class GrpcPointToPoint(GrpcTransport):
         self.loop.loop.call_soon_threadsafe(self.plane.fail_key, self.key, exc)
         return exc
 
-    def _fail_soon(self, exc: PlaneError) -> None:
+    def fail_soon(self, exc: PlaneError) -> None:
         """Fail the key with ``exc`` here and on the other members, from a thread other than the loop's."""
         try:
             self.loop.loop.call_soon_threadsafe(self.channel.fail, exc)

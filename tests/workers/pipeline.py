@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -276,15 +277,65 @@ def errors(world: Any, rep: Report) -> None:
         lambda: broken.step(np.ones((2, 1)), np.ones((2, 1))),
         "earlier step of this pipeline failed",
     )
-    # Ranks that disagree on the number of stage chunks are told so on every rank (no hang).
+    # Ranks that disagree on what to build are told so on every rank (no hang, no silently mislabeled
+    # messages): the schedule and chunks, the microbatches, interleaved 1F1B's microbatch group; a rank whose
+    # own arguments are refused raises its ValueError and the others learn of it.
     chunks = (
         [stage_module(g.rank, 4), stage_module(g.rank + 2, 4)] if g.rank == 0 else stage_module(g.rank, 4)
     )
     rep.raises(
-        "stage count mismatch",
+        "schedule mismatch",
         pp.CollectiveMismatch,
         lambda: pp.Pipeline(chunks, g, "interleaved_1f1b" if g.rank == 0 else "1f1b", 2, CrossEntropyLoss()),
-        "different numbers of stage modules",
+        "disagree on schedule",
+    )
+    rep.raises(
+        "microbatch mismatch",
+        pp.CollectiveMismatch,
+        lambda: pp.Pipeline(module, g, "1f1b", 4 if g.rank == 0 else 2, CrossEntropyLoss()),
+        "disagree on microbatches",
+    )
+    both = [stage_module(g.rank, 4), stage_module(g.rank + 2, 4)]
+    rep.raises(
+        "microbatch group mismatch",
+        pp.CollectiveMismatch,
+        lambda: pp.Pipeline(
+            both, g, "interleaved_1f1b", 8, CrossEntropyLoss(), microbatch_group=2 if g.rank == 0 else 4
+        ),
+        "disagree on microbatch_group",
+    )
+    rep.raises(
+        "one rank's bad arguments",
+        ValueError if g.rank == 0 else pp.CollectiveMismatch,
+        lambda: pp.Pipeline(module, g, "1f1b", 1 if g.rank == 0 else 4, CrossEntropyLoss()),
+        "at least as many microbatches" if g.rank == 0 else "refuses",
+    )
+    # A stage that raises tells its neighbours at once (not after their timeout, 30 s here).
+    pair = world.new_group([0, 1])
+    failing = Scale(1.0)
+    if g.rank == 1:
+        object.__setattr__(
+            failing, "forward", lambda x: (_ for _ in ()).throw(ArithmeticError("rank 1 blew up"))
+        )
+    told = pp.Pipeline(failing, pair, "1f1b", 2, MSELoss())
+    start = time.monotonic()
+    rep.raises(
+        "a neighbour's error",
+        ArithmeticError if g.rank == 1 else pp.TransportError,
+        lambda: told.step(np.ones((2, 1)) if g.rank == 0 else None, np.ones((2, 1)) if g.rank == 1 else None),
+        "blew up",
+    )
+    rep.check("told before the timeout", time.monotonic() - start < 20, f"{time.monotonic() - start:.1f} s")
+    world.barrier()  # rank 1 stays (as a script that caught its error would) until rank 0 was told
+    # memory_stats describe the last training step, whatever eval_step ran since.
+    kept = pp.Pipeline([Scale(1.0), Scale(2.0)], solo, "interleaved_1f1b", 2, MSELoss())
+    kept.step(np.ones((2, 3)), np.ones((2, 3)))
+    trained = kept.memory_stats()
+    kept.eval_step(np.ones((2, 3)))
+    rep.check(
+        "memory_stats after eval_step",
+        kept.memory_stats() == trained and trained["peak_activation_sets"] > 0,
+        str((trained, kept.memory_stats())),
     )
 
 

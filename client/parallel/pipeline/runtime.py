@@ -77,13 +77,7 @@ class Pipeline:
             raise ValueError("stage_modules must be a Module or a non-empty list of Modules (one per chunk)")
         if not isinstance(group, ProcessGroup):
             raise ValueError(f"Pipeline needs a ProcessGroup, got {type(group).__name__}")
-        schedules.check(schedule, group.size, microbatches, len(modules), microbatch_group)
-        counts = group.all_gather(np.array([len(modules)], np.int64)).tolist()
-        if len(set(counts)) != 1:
-            raise CollectiveMismatch(
-                f"pipeline ranks hold different numbers of stage modules {counts} (group '{group.name}'); "
-                "every rank must pass the same number (v chunks for interleaved_1f1b, else one)"
-            )
+        _agree(group, schedule, microbatches, len(modules), microbatch_group)
         self.modules = modules
         self.group = group
         self.schedule = schedule
@@ -194,6 +188,7 @@ class Pipeline:
             ) from self._broken
         transfers = self._transfers
         transfers.begin(self._incoming if train else self._incoming_forward_only, like)
+        track = train  # the peaks describe the last training step (eval_step keeps no states)
         # Values between stages of this rank, and loss gradients; forward states with their bytes.
         local: dict[tuple[str, int, int], Array] = {}
         states: dict[tuple[int, int], tuple[Any, int]] = {}
@@ -201,7 +196,8 @@ class Pipeline:
         finals: dict[int, Array] = {}
         last, tracer = self.num_stages - 1, self._tracer
         scale = 1.0 / self.num_microbatches if self.scale_grads else 1.0
-        self._peak_sets = self._peak_bytes = 0
+        if track:
+            self._peak_sets = self._peak_bytes = 0
         live_bytes = 0
         try:
             for op in plan:
@@ -257,6 +253,10 @@ class Pipeline:
             transfers.finish()
         except BaseException as exc:
             self._broken = exc
+            if not isinstance(exc, PlaneError):  # this stage's own error: its neighbours would wait it out
+                self.group.abort_point_to_point(
+                    f"the pipeline stage on group rank {self.group.rank} failed: {type(exc).__name__}: {exc}"
+                )
             transfers.abandon()
             # The exception's traceback keeps this frame: not the step's activations with it.
             local.clear()
@@ -288,6 +288,40 @@ class Pipeline:
         finals = self._run(self._plan_forward_only, self._split(x, "x"), None, like, {}, train=False)
         outs = [finals[i] for i in sorted(finals)]
         return array_module(outs[0]).concatenate(outs) if outs else None
+
+
+def _agree(
+    group: ProcessGroup, schedule: str, microbatches: int, chunks: int, microbatch_group: int | None
+) -> None:
+    """Every rank must build the same schedule (each derives every rank's list from its own arguments, and a
+    receiver knows a message only by its place in that list): the sizes are compared across the group
+    first. A rank whose arguments are invalid raises its ValueError, the others a CollectiveMismatch."""
+    try:
+        group_size = schedules.check(schedule, group.size, microbatches, chunks, microbatch_group)
+        error: ValueError | None = None
+    except ValueError as exc:
+        group_size, error = -1, exc
+    known = schedules.SCHEDULES.index(schedule) if schedule in schedules.SCHEDULES else -1
+    mine = np.array([error is None, known, microbatches, chunks, group_size], np.int64)
+    every = group.all_gather(mine).reshape(group.size, -1).tolist()
+    if error is not None:
+        raise error
+    bad = [r for r, row in enumerate(every) if not row[0]]
+    if bad:
+        raise CollectiveMismatch(
+            f"pipeline: group ranks {bad} of '{group.name}' passed arguments their schedule refuses (see their "
+            "ValueError); every rank must build the same pipeline"
+        )
+    names = ("schedule", "microbatches", "stage modules (chunks)", "microbatch_group")
+    for i, name in enumerate(names, start=1):
+        values = [row[i] for row in every]
+        if len(set(values)) != 1:
+            if name == "schedule":
+                values = [schedules.SCHEDULES[v] for v in values]
+            raise CollectiveMismatch(
+                f"pipeline ranks disagree on {name}: {dict(enumerate(values))} (group ranks of '{group.name}'); "
+                "every rank must pass the same schedule, microbatches, number of stage modules and group"
+            )
 
 
 def _message(action: schedules.Action, num_ranks: int) -> Message:

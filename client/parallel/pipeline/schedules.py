@@ -134,12 +134,29 @@ def check(
 
 def validate(lists: list[list[Action]], num_microbatches: int, chunks: int) -> None:
     """ValueError unless every rank's list is complete, ordered, and the ranks together cannot deadlock (a
-    receive waits for its own message, which may have been sent before others the rank takes first)."""
+    receive waits for its own message, which may have been sent before others the rank takes first).
+
+    Every compute that takes its input from another stage has that receive before it, and every compute whose
+    result another stage needs has that send after it: a runtime receives right before the compute and sends
+    right after it, which then only relaxes the order checked here."""
     p = len(lists)
     stages = p * chunks
+    last = stages - 1
     for rank, actions in enumerate(lists):
         done: set[tuple[str, int, int]] = set()
-        for a in actions:
+        at: dict[tuple[str, int, int], int] = {}
+        for i, a in enumerate(actions):
+            if a.kind not in KINDS:
+                raise ValueError(f"rank {rank}: unknown action kind {a.kind!r} (one of {', '.join(KINDS)})")
+            if not 0 <= a.stage < stages or not 0 <= a.microbatch < num_microbatches:
+                raise ValueError(
+                    f"rank {rank}: {a} is outside {stages} stages x {num_microbatches} microbatches"
+                )
+            if (a.kind in ("RECV_F", "SEND_B") and a.stage == 0) or (
+                a.kind in ("SEND_F", "RECV_B") and a.stage == last
+            ):
+                raise ValueError(f"rank {rank}: {a} has no stage at its other end")
+            at[(a.kind, a.stage, a.microbatch)] = i
             if a.stage % p != rank:
                 raise ValueError(
                     f"rank {rank} runs {a} of stage {a.stage}, which lives on rank {a.stage % p}"
@@ -156,6 +173,12 @@ def validate(lists: list[list[Action]], num_microbatches: int, chunks: int) -> N
         missing = want - {d for d in done if d[0] in ("F", "B")}
         if missing:
             raise ValueError(f"rank {rank} never runs {sorted(missing)[:4]}")
+        for kind, s, mb in sorted(want):
+            i = at[(kind, s, mb)]
+            if (s > 0 if kind == "F" else s < last) and at.get((f"RECV_{kind}", s, mb), i) >= i:
+                raise ValueError(f"rank {rank}: {kind}{s}.{mb} needs RECV_{kind}{s}.{mb} before it")
+            if (s < last if kind == "F" else s > 0) and at.get((f"SEND_{kind}", s, mb), i) <= i:
+                raise ValueError(f"rank {rank}: {kind}{s}.{mb} needs SEND_{kind}{s}.{mb} after it")
     simulate(lists, lambda _a: 0.0)  # raises where the ranks would deadlock
 
 
