@@ -59,7 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     import grpc
 
     try:
-        status = check(args.address, cli_token(args.token_file), args.timeout)
+        token = cli_token(args.token_file)
+    except ValueError as error:
+        print(f"paramplane health: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        status = check(args.address, token, args.timeout)
     except grpc.RpcError as exc:
         print(f"paramplane health: {args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1

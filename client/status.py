@@ -73,7 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     import grpc
 
     try:
-        status = fetch(args.address, cli_token(args.token_file), args.timeout)
+        token = cli_token(args.token_file)
+    except ValueError as error:
+        print(f"paramplane status: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        status = fetch(args.address, token, args.timeout)
     except grpc.RpcError as exc:
         print(f"paramplane status: {args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1

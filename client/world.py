@@ -19,7 +19,7 @@ from paramplane.group import ProcessGroup
 from paramplane.node.engine import GroupEngine
 from paramplane.node.errors import PlaneError
 from paramplane.node.peer import TlsConfig
-from paramplane.node.runtime import ENV_OF, NodeRuntime, RuntimeConfig
+from paramplane.node.runtime import ENV_OF, MAX_TIMEOUT_S, NodeRuntime, RuntimeConfig
 from paramplane.protos.fields import field_docs
 from paramplane.protos.net import resolve_token
 from paramplane.trace import ChromeTracer
@@ -101,6 +101,15 @@ def _tls() -> tuple[TlsConfig | None, bytes | None]:
     return tls, data.get("CA")
 
 
+def _check_timeout(timeout: float | None, default: float) -> float:
+    """``timeout`` (``default`` when None); ValueError unless it is positive and at most MAX_TIMEOUT_S."""
+    if timeout is None:
+        return default
+    if not 0 < timeout <= MAX_TIMEOUT_S:  # NaN fails this too
+        raise ValueError(f"timeout must be positive and at most {MAX_TIMEOUT_S:.0f} s, got {timeout}")
+    return float(timeout)
+
+
 @dataclass(frozen=True)
 class KVStore:
     """The coordinator's key/value store for this world (values are bytes)."""
@@ -111,6 +120,10 @@ class KVStore:
         self._rt.run(self._rt.coord.kv_set(key, value))
 
     def get(self, key: str, *, wait: bool = False, timeout: float | None = None) -> bytes | None:
+        """The value of ``key`` (None if absent); with ``wait``, block until it is set, at most ``timeout``
+        seconds (positive and finite; default the runtime's collective timeout)."""
+        if wait:
+            timeout = _check_timeout(timeout, self._rt.config.timeout_s)
         return self._rt.run(self._rt.coord.kv_get(key, wait=wait, timeout_s=timeout))
 
     def add(self, key: str, delta: int = 1) -> int:
@@ -127,12 +140,14 @@ class World:
     """This rank's view of the job; a context manager that shuts the plane down on exit."""
 
     def __init__(self, runtime: NodeRuntime) -> None:
-        self._num_barriers = 0
         self.group = ProcessGroup(self._adopt(runtime))
 
     def _adopt(self, runtime: NodeRuntime) -> GroupEngine:
         """Take ``runtime``'s membership as this world's; returns the engine of its world group."""
         self._rt = runtime
+        # Unnamed barriers are numbered within an epoch: every rank of a new epoch (survivor or replacement)
+        # starts again at world-1.
+        self._num_barriers = 0
         m = runtime.membership
         self.rank = m.rank
         self.world_size = m.world_size
@@ -188,10 +203,12 @@ class World:
         return ProcessGroup(self._rt.new_group(members, timeout))
 
     def barrier(self, name: str | None = None, *, timeout: float | None = None) -> None:
-        """A world barrier through the coordinator (no data plane involved)."""
+        """A world barrier through the coordinator (no data plane involved). ``timeout`` (seconds, default the
+        runtime's collective timeout) must be positive and finite; an unnamed barrier is named by its count in
+        this epoch, so every rank must call unnamed barriers in the same order."""
+        limit = _check_timeout(timeout, self._rt.config.timeout_s)
         self._num_barriers += 1
         label = name or f"world-{self._num_barriers}"
-        limit = timeout or self._rt.config.timeout_s
         self._rt.run(self._rt.coord.barrier(label, timeout_s=limit))
 
     def abort(self, reason: str, *, timeout: float = 30.0) -> None:
@@ -214,6 +231,7 @@ class World:
         load a checkpoint.
         """
         old = self._rt
+        join_timeout = _check_timeout(timeout, old.config.join_timeout_s)
         cause = old.abort_error() if old.aborted.is_set() else None
         reason = f"rank {self.rank} re-forms the world" + (f" after: {cause}" if cause else "")
         # Every survivor ends the epoch (the first call wins); after that, or once another survivor has
@@ -228,7 +246,7 @@ class World:
             old.config,
             rank_hint=self.rank,
             world_size=self.world_size,
-            join_timeout_s=timeout or old.config.join_timeout_s,
+            join_timeout_s=join_timeout,
             replacement=False,
             tracer=tracer,
         )

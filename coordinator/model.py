@@ -114,14 +114,53 @@ def group_by_host(joiners: Sequence[Joiner]) -> list[list[Joiner]]:
     hosts: dict[str, list[Joiner]] = {}
     for joiner in joiners:
         hosts.setdefault(joiner.host_id, []).append(joiner)
-    hints = sorted(j.rank_hint for j in joiners)
-    contiguous = all(
-        max(j.rank_hint for j in g) - min(j.rank_hint for j in g) == len(g) - 1 for g in hosts.values()
-    )
-    if hints == list(range(len(joiners))) and contiguous:
-        ordered = sorted(hosts.values(), key=lambda g: min(j.rank_hint for j in g))
-        return [sorted(g, key=lambda j: j.rank_hint) for g in ordered]
+    ranks = _ranks_from_hints(list(hosts.values()), len(joiners))
+    if ranks is not None:
+        ordered = sorted(hosts.values(), key=lambda g: min(ranks[j.instance_id] for j in g))
+        return [sorted(g, key=lambda j: ranks[j.instance_id]) for g in ordered]
     return [sorted(g, key=lambda j: (j.rank_hint < 0, j.rank_hint)) for g in hosts.values()]
+
+
+def _ranks_from_hints(hosts: list[list[Joiner]], size: int) -> dict[str, int] | None:
+    """Instance id -> rank that keeps every valid hint, or None when the hints cannot be kept.
+
+    The hints must be distinct ranks below ``size``. Joiners without a hint (a replacement from a multi-host
+    launcher) take the free ranks: first the gaps among their host's hinted ranks, then the free ranks next to
+    them, and joiners of hosts without any hint the lowest free ranks left. The result must give every host
+    one consecutive run of ranks; else None (first-arrival order then decides).
+    """
+    hinted = [j.rank_hint for g in hosts for j in g if j.rank_hint >= 0]
+    if len(set(hinted)) != len(hinted) or any(h >= size for h in hinted):
+        return None
+    free = set(range(size)) - set(hinted)
+    ranks = {j.instance_id: j.rank_hint for g in hosts for j in g if j.rank_hint >= 0}
+    unplaced: list[Joiner] = []
+    for g in hosts:
+        waiting = [j for j in g if j.rank_hint < 0]
+        own = [j.rank_hint for j in g if j.rank_hint >= 0]
+        if not own:
+            unplaced.extend(waiting)
+            continue
+        lo, hi = min(own), max(own)
+        while waiting:
+            gaps = [r for r in range(lo, hi + 1) if r in free]
+            if gaps:
+                rank = gaps[0]
+            elif hi + 1 in free:
+                rank = hi = hi + 1
+            elif lo - 1 in free:
+                rank = lo = lo - 1
+            else:
+                return None
+            free.discard(rank)
+            ranks[waiting.pop(0).instance_id] = rank
+    for joiner, rank in zip(unplaced, sorted(free)):
+        ranks[joiner.instance_id] = rank
+    for g in hosts:
+        mine = [ranks[j.instance_id] for j in g]
+        if max(mine) - min(mine) != len(g) - 1:
+            return None
+    return ranks
 
 
 def assign_ranks(joiners: Sequence[Joiner], epoch: int, job_id: str) -> dict[str, Assignment]:

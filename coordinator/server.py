@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -59,15 +60,20 @@ class CoordinatorConfig:
             raise ValueError("token must be a non-empty string (or None)")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both tls_cert and tls_key")
-        if self.join_timeout_s <= 0 or self.heartbeat_interval_s <= 0:
-            raise ValueError("join_timeout_s and heartbeat_interval_s must be > 0")
-        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+        # Every check is written so that NaN fails it (a comparison with NaN is False).
+        for name in ("join_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"):
+            value = getattr(self, name)
+            if not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value}")
+        if not self.heartbeat_timeout_s > self.heartbeat_interval_s:
             raise ValueError(
                 f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed heartbeat_interval_s "
                 f"({self.heartbeat_interval_s})"
             )
-        if self.progress_timeout_s < 0:
-            raise ValueError(f"progress_timeout_s must be >= 0 (0 = off), got {self.progress_timeout_s}")
+        if not 0 <= self.progress_timeout_s < math.inf:
+            raise ValueError(
+                f"progress_timeout_s must be a finite number of seconds >= 0 (0 = off), got {self.progress_timeout_s}"
+            )
         if self.max_message_bytes < MAX_VALUE_BYTES + 64 * 1024:
             raise ValueError(
                 f"max_message_bytes must be at least {MAX_VALUE_BYTES + 64 * 1024} (the largest KV value)"

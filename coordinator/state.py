@@ -92,6 +92,14 @@ class CoordinatorState:
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if not (0 < join_timeout_s < math.inf and 0 < heartbeat_timeout_s < math.inf):
+            raise ValueError(
+                f"join and heartbeat timeouts must be finite and > 0, got {join_timeout_s}, {heartbeat_timeout_s}"
+            )
+        if not 0 <= progress_timeout_s < math.inf:
+            raise ValueError(
+                f"progress_timeout_s must be finite and >= 0 (0 = off), got {progress_timeout_s}"
+            )
         self.world_size = world_size
         self.epoch = 1
         self.join_timeout_s = join_timeout_s

@@ -7,6 +7,7 @@ Every call has a deadline and carries the job token; gRPC failures become
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import time
@@ -153,6 +154,42 @@ class CoordinatorClient:
             self._channel = grpc.aio.insecure_channel(address, options=options)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self.membership: Membership | None = None
+        self._failure: PlaneError | None = None
+        self._waits: set[asyncio.Future[None]] = set()
+
+    def fail_waits(self, exc: PlaneError) -> None:
+        """End every pending and later wait on the coordinator (barrier, ``kv_get(wait=True)``) with ``exc`` at
+        once instead of at its own deadline: the rank's runtime calls this when the world ends (abort, lost peer,
+        a coordinator that stopped answering heartbeats). Other calls (abort, leave, ...) still go out. On the
+        loop."""
+        if self._failure is None:
+            self._failure = exc
+        for fut in self._waits:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def _wait(
+        self, call: str, method: grpc.aio.UnaryUnaryMultiCallable, request: object, timeout_s: float
+    ) -> object:
+        """``_call`` for a call that waits on other ranks, raced against ``fail_waits``."""
+        if self._failure is not None:
+            raise self._failure
+        failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waits.add(failed)
+        task = asyncio.ensure_future(self._call(call, method, request, timeout_s))
+        try:
+            await asyncio.wait((task, failed), return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()
+            assert self._failure is not None
+            raise self._failure
+        finally:
+            self._waits.discard(failed)
+            failed.cancel()
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
 
     def _member(self) -> Membership:
         if self.membership is None:
@@ -244,14 +281,12 @@ class CoordinatorClient:
 
     async def kv_get(self, key: str, *, wait: bool = False, timeout_s: float | None = None) -> bytes | None:
         """The value of ``key`` (None if absent); with ``wait``, block until it is set (CollectiveTimeout after timeout_s)."""
-        wait_s = _check_timeout(timeout_s or self._timeout_s) if wait else 0.0
+        wait_s = _check_timeout(self._timeout_s if timeout_s is None else timeout_s) if wait else 0.0
         request = pb.KVGetRequest(epoch=self._member().epoch, key=key, wait=wait, timeout_s=wait_s)
-        response = await self._call(
-            "kv_wait" if wait else "kv_get",
-            self._stub.KVGet,
-            request,
-            wait_s + WAIT_MARGIN_S if wait else None,
-        )
+        if wait:
+            response = await self._wait("kv_wait", self._stub.KVGet, request, wait_s + WAIT_MARGIN_S)
+        else:
+            response = await self._call("kv_get", self._stub.KVGet, request)
         assert isinstance(response, pb.KVGetResponse)
         return response.value if response.found else None
 
@@ -295,7 +330,7 @@ class CoordinatorClient:
             ranks=list(ranks or ()),
             timeout_s=_check_timeout(timeout_s),
         )
-        await self._call("barrier", self._stub.Barrier, request, timeout_s + WAIT_MARGIN_S)
+        await self._wait("barrier", self._stub.Barrier, request, timeout_s + WAIT_MARGIN_S)
 
     async def heartbeat(self, progress: Mapping[str, tuple[int, int]]) -> tuple[bool, str]:
         """Report liveness and (issued, completed) per group; answers (aborted, reason)."""

@@ -14,7 +14,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -95,7 +95,7 @@ class TlsConfig:
     """PEM material for the data plane; every rank serves with its cert and trusts ``root_cert``."""
 
     cert: bytes
-    key: bytes
+    key: bytes = field(repr=False)  # the private key: never in a repr or a traceback's locals
     root_cert: bytes
 
 

@@ -44,7 +44,7 @@ class RuntimeConfig:
     """Expected world size; 0 accepts the coordinator's."""
     rank_hint: int = -1
     """Requested rank (the launcher passes one); -1 lets the coordinator choose."""
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)
     """The job token every RPC carries (coordinator and peers)."""
     host_id: str = field(default_factory=socket.gethostname)
     """Ranks with the same host id share a host: they get consecutive ranks and use shm / NCCL."""
@@ -63,7 +63,7 @@ class RuntimeConfig:
     """auto (shm within a host, hierarchical across hosts, gRPC otherwise), grpc or shm."""
     shm_slot_mb: float = DEFAULT_SLOT_BYTES / (1 << 20)
     """Shared-memory slot per rank and bank in MiB (an op moves this much per round)."""
-    tls: TlsConfig | None = None
+    tls: TlsConfig | None = field(default=None, repr=False)
     """TLS for the data plane."""
     tcp_lane: bool = True
     """Carry data frames between ranks on raw TCP lanes (node/lane.py) instead of gRPC streams;
@@ -71,7 +71,7 @@ class RuntimeConfig:
     unix_lane: bool = True
     """Peers on the same machine (and network namespace) reach this rank's lane through an abstract Unix
     socket (Linux) instead of loopback TCP; 0 keeps TCP (to measure the inter-host path on one machine)."""
-    coordinator_root_cert: bytes | None = None
+    coordinator_root_cert: bytes | None = field(default=None, repr=False)
     """Root certificate to verify a TLS coordinator."""
     tracer: Tracer | None = None
     """Receives one record per collective (PARAMPLANE_TRACE)."""
@@ -259,6 +259,8 @@ class NodeRuntime:
                 log.error("%s", exc)
         self.aborted.set()
         self.plane.fail_all(self._abort_exc)
+        if self._coord is not None:  # a rank waiting on the coordinator (barrier, KV wait) fails now too
+            self._coord.fail_waits(self._abort_exc)
         comms = [g.transports.nccl for g in self._groups.values() if g.transports.nccl is not None]
         if comms:
             # NCCL work queued on a stream waits for peers that may never come: abort every communicator

@@ -139,7 +139,7 @@ def test_inspect_consolidate_corruption_and_prune(saved: Path, tmp_path: Path) -
 
 
 def _fix(n: int, mode: str, root: Path, **kw: Any) -> list[dict[str, Any]]:
-    world = run_world(n, "ckpt_fix_save.py", args=[mode, str(root)], env=ENV, timeout=60, **kw)
+    world = run_world(n, "checkpoint_edges.py", args=[mode, str(root)], env=ENV, timeout=60, **kw)
     return world.check_ok(min_checks=1)
 
 

@@ -101,7 +101,7 @@ def test_cpu_offload_moves_data_as_documented_without_a_gpu() -> None:
 
 
 def _fixed(scenario: str, min_checks: int) -> None:
-    _run(2, [scenario], target="fsdp_fix_bugs.py", min_checks=min_checks)
+    _run(2, [scenario], target="fsdp_edges.py", min_checks=min_checks)
 
 
 def test_prefetched_gathers_never_outlive_an_optimizer_step() -> None:

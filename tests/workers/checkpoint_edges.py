@@ -1,4 +1,4 @@
-"""Checkpoint edge cases (see tests/test_checkpoint.py). Usage: ``ckpt_fix_save.py MODE DIR``.
+"""Checkpoint edge cases (see tests/test_checkpoint.py). Usage: ``checkpoint_edges.py MODE DIR``.
 
 retry     a save into the directory of a crashed attempt (its per-rank lists and an error file left behind)
           commits only with this attempt's lists, and loads back.

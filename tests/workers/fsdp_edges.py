@@ -1,7 +1,7 @@
 """FSDP against one process where it used to differ: prefetched gathers that outlived an optimizer step,
 frozen parameters in the state dicts, replicated state at wrap time, the mixed-precision compute dtype.
 
-Usage: ``fsdp_fix_bugs.py prefetch|frozen|sync|mixed`` (world 2).
+Usage: ``fsdp_edges.py prefetch|frozen|sync|mixed`` (world 2).
 """
 
 from __future__ import annotations
