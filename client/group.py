@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from paramplane.node.arrays import array_module, from_foreign, is_cupy, to_host
+from paramplane.node.arrays import array_module, device_of, from_foreign, is_cupy, to_host
 from paramplane.node.engine import SENT, GroupEngine, check_array
 from paramplane.node.errors import TransportError
 from paramplane.work import Work
@@ -306,7 +306,8 @@ class ProcessGroup:
         fut = self._e.p2p("recv", staged, src, staged)
 
         def write_back(got: np.ndarray) -> Any:
-            x[...] = array_module(x).asarray(got)
+            with device_of(x):  # the copy lands on x's GPU, not the current one
+                x[...] = array_module(x).asarray(got)
             return caller
 
         return self._p2p_result("recv", fut, async_op, (x, write_back))

@@ -6,6 +6,7 @@ module that owns ``x``; cupy is imported lazily and is optional.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from types import ModuleType
@@ -111,6 +112,13 @@ def to_pinned(x: Any, out: np.ndarray[Any, Any] | None = None) -> np.ndarray[Any
     return out
 
 
+def device_of(x: Any) -> Any:
+    """A context manager that makes ``x``'s GPU current (cupy), or does nothing (host arrays, whose numpy
+    ``device`` is the string "cpu")."""
+    device = getattr(x, "device", None)
+    return device if hasattr(device, "__enter__") else contextlib.nullcontext()
+
+
 def on_module(xp: ModuleType, x: Any) -> Any:
     """``x`` as an array of ``xp`` (numpy or cupy), copying across host and device as needed."""
     return to_host(x) if xp is np else xp.asarray(x)
@@ -124,6 +132,8 @@ def from_foreign(x: Any) -> tuple[Any, Any]:
     if isinstance(x, np.ndarray) or is_cupy(x) or not hasattr(x, "__dlpack__"):
         return x, _same
     device_type = x.__dlpack_device__()[0] if hasattr(x, "__dlpack_device__") else 1
+    if device_type == 1 and type(x).__module__.startswith("torch"):
+        return torch_cpu_view(x), to_torch
     if device_type == 1:  # kDLCPU
         view = np.from_dlpack(x)
     else:
@@ -137,3 +147,23 @@ def from_foreign(x: Any) -> tuple[Any, Any]:
 
 def _same(x: Any) -> Any:
     return x
+
+
+def torch_cpu_view(tensor: Any) -> np.ndarray[Any, Any]:
+    """A zero-copy numpy view of a CPU torch tensor: detached (a parameter that requires grad shares its
+    storage all the same), bfloat16 through an int16 view (numpy takes no bfloat16 over DLPack)."""
+    tensor = tensor.detach()
+    if str(tensor.dtype) == "torch.bfloat16":
+        import torch
+
+        return tensor.view(torch.int16).numpy().view(DTYPES["bfloat16"])
+    return np.from_dlpack(tensor)
+
+
+def to_torch(array: np.ndarray[Any, Any]) -> Any:
+    """A zero-copy torch tensor over a numpy array (bfloat16 included)."""
+    import torch
+
+    if array.dtype == DTYPES["bfloat16"]:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)

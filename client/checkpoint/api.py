@@ -62,6 +62,7 @@ from paramplane.node.arrays import array_module, dtype_name, from_foreign, is_de
 from paramplane.node.errors import CollectiveTimeout
 from paramplane.optim.optimizer import Optimizer
 from paramplane.parallel.sharding import ShardedArray
+from paramplane.parallel.torch_params import is_torch_module
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -484,10 +485,11 @@ def _apply(
         elif hasattr(obj, "sharded_state_dict") and hasattr(obj, "load_sharded_state_dict"):
             obj.load_sharded_state_dict(mine)
         elif hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
-            obj.load_state_dict(mine)
+            if not is_torch_module(obj):  # a torch module's tensors were filled in place (DLPack views)
+                obj.load_state_dict(mine)
         else:
             saved = loaded.get(top)
-            result[top] = np.array(saved) if _is_array(saved) else saved
+            result[top] = np.array(to_host(saved)) if _is_array(saved) else saved
     return result
 
 

@@ -113,7 +113,9 @@ def sync(state: Mapping[str, Any], group: ProcessGroup, *, has_state: bool) -> d
     _agree(group, problems + _layout_problems(entries, manifest), f"cannot sync from group rank {src}")
     if group.rank == src:  # its state is the one sent: nothing to load
         _send(group, entries, manifest)
-        return {top: np.array(v) if _is_array(v) else v for top, v in entries.items() if top in state}
+        return {
+            top: np.array(to_host(v)) if _is_array(v) else v for top, v in entries.items() if top in state
+        }
     _prepare_optimizers(state, entries, manifest)
     staged = _receive(group, src, entries, manifest)
 

@@ -146,7 +146,7 @@ class DDP:
         # what a synchronised round adds to is set aside (``_base``) and only the new part is reduced.
         self._synced: set[int] = set()  # parameters whose grad is what the last sync wrote
         self._base: dict[int, Array] = {}
-        if reduce_op == "sum" and not self._torch:
+        if reduce_op == "sum":
             self._handles += [
                 p.register_grad_pre_hook(functools.partial(self._before_grad, i))
                 for i, p in enumerate(self._params)
@@ -343,7 +343,7 @@ class DDP:
         own = getattr(self.module, "load_sharded_state_dict", None)
         if own is not None:
             own(state)
-        else:
+        elif not self._torch:  # a torch module's tensors were filled in place (DLPack views of its state)
             self.module.load_state_dict(state)
 
     def train(self, mode: bool = True) -> DDP:

@@ -15,7 +15,17 @@ from typing import Any
 
 import numpy as np
 
-from paramplane.node.arrays import DTYPES
+from paramplane.node.arrays import DTYPES, to_torch, torch_cpu_view
+
+__all__ = [
+    "TorchFlatParam",
+    "TorchParam",
+    "is_torch_module",
+    "to_numpy",
+    "to_torch",
+    "torch_buffers",
+    "torch_params",
+]
 
 
 def is_torch_module(module: Any) -> bool:
@@ -27,13 +37,8 @@ def to_numpy(tensor: Any, what: str) -> np.ndarray:
     """A zero-copy numpy view of a CPU torch tensor (bfloat16 through an int16 view, as ml_dtypes')."""
     if tensor.device.type != "cpu":
         raise ValueError(f"paramplane over a torch module needs CPU tensors; {what} is on {tensor.device}")
-    tensor = tensor.detach()
-    if str(tensor.dtype) == "torch.bfloat16":
-        import torch
-
-        return tensor.view(torch.int16).numpy().view(DTYPES["bfloat16"])
     try:
-        view = np.from_dlpack(tensor)
+        view = torch_cpu_view(tensor)
     except (BufferError, TypeError, RuntimeError) as exc:
         raise ValueError(f"{what} ({tensor.dtype}) cannot be seen by numpy through DLPack: {exc}") from None
     if view.dtype not in DTYPES.values():
@@ -41,15 +46,6 @@ def to_numpy(tensor: Any, what: str) -> np.ndarray:
             f"{what} is {tensor.dtype}, which the plane does not move; use one of {', '.join(DTYPES)}"
         )
     return view
-
-
-def to_torch(array: np.ndarray) -> Any:
-    """A zero-copy torch tensor over a numpy array (bfloat16 included)."""
-    import torch
-
-    if array.dtype == DTYPES["bfloat16"]:
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
 
 
 class TorchParam:
@@ -84,6 +80,14 @@ class TorchParam:
 
     def register_grad_hook(self, fn: Callable[[TorchParam], None]) -> Any:
         return self.tensor.register_post_accumulate_grad_hook(lambda _t: fn(self))
+
+    def register_grad_pre_hook(self, fn: Callable[[TorchParam], None]) -> Any:
+        """``fn(param)`` when a backward has computed a gradient for it, before torch adds it to ``grad``."""
+
+        def hook(grad: Any) -> None:
+            fn(self)
+
+        return self.tensor.register_hook(hook)
 
 
 class TorchFlatParam(TorchParam):

@@ -62,6 +62,40 @@ def scenario(world: Any, rep: Report) -> None:
         str(target),
     )
     rep.check("checkpoint plain values come back", plain.get("step") == 7, str(plain))
+    # A torch module (with BatchNorm buffers) round-trips through a checkpoint in place, plain values too.
+    torch.manual_seed(me)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    model(torch.randn(4, 3))  # running statistics move
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    path = pp.checkpoint.save({"model": model, "step": 3}, root / f"module-{me}", world.new_group([me]))
+    with torch.no_grad():
+        for v in model.state_dict().values():
+            v.zero_()
+    plain = pp.checkpoint.load({"model": model, "step": 0}, path, world.new_group([me]))
+    rep.check(
+        "a torch module loads in place",
+        all(torch.equal(model.state_dict()[k], v) for k, v in before.items()) and plain == {"step": 3},
+        str(plain),
+    )
+    # Tensors that require grad and bfloat16 tensors pass through DLPack like the others.
+    param = torch.nn.Parameter(torch.full((3,), float(me)))
+    g.broadcast(param, src=n - 1)
+    rep.equal("broadcast into a parameter", param.detach().numpy(), np.full(3, n - 1, np.float32))
+    half = torch.full((4,), float(me + 1), dtype=torch.bfloat16)
+    g.all_reduce(half)
+    rep.equal(
+        "bfloat16 all_reduce", half.float().numpy(), np.full(4, float(sum(range(1, n + 1))), np.float32)
+    )
+    # DDP over a torch module with a "sum" reduction: two synchronised backwards accumulate (no zero_grad);
+    # the second must not sum the first one's (already summed) gradient once per rank.
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 1, bias=False).double()
+    ddp = pp.DDP(lin, g, reduce_op="sum")
+    for _ in range(2):
+        lin(torch.full((1, 3), float(me + 1), dtype=torch.float64)).sum().backward()
+        ddp.finish_gradient_sync()
+    want = 2.0 * sum(range(1, n + 1))
+    rep.equal("torch DDP sum over synced backwards", lin.weight.grad.numpy(), np.full((1, 3), want))
     g.barrier()
     if me == 0:
         shutil.rmtree(root, ignore_errors=True)

@@ -28,7 +28,7 @@ import numpy as np
 
 from paramplane.group import ProcessGroup
 from paramplane.nn.module import Array
-from paramplane.node.arrays import array_module, is_device, to_host
+from paramplane.node.arrays import array_module, device_of, is_device, to_host
 from paramplane.node.direct_lane import polling
 from paramplane.node.errors import CollectiveTimeout
 from paramplane.work import Work
@@ -155,7 +155,8 @@ class Transfers:
             else:
                 self._early[item[0]] = item[1]
         if self._like is not None:
-            return array_module(self._like).asarray(got)
+            with device_of(self._like):  # the stages' GPU, whichever is current on this thread
+                return array_module(self._like).asarray(got)
         return got
 
     def abandon(self) -> None:
