@@ -1,8 +1,8 @@
 """``paramplane health HOST:PORT``: exit 0 when the coordinator's gRPC health service says SERVING.
 
 Meant for container health checks (docker compose ``healthcheck``) and scripts. The job token
-(and ``PARAMPLANE_TLS_CA`` for a TLS coordinator) comes from ``--token-file``, ``PARAMPLANE_TOKEN_FILE`` or ``PARAMPLANE_TOKEN`` (the coordinator
-refuses calls without it); every call has a deadline.
+(and ``PARAMPLANE_TLS_CA`` for a TLS coordinator) comes from ``--token-file``, ``PARAMPLANE_TOKEN_FILE`` or ``PARAMPLANE_TOKEN``
+(health checks themselves need none: the coordinator exempts them); every call has a deadline.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from paramplane.protos.net import resolve_token
 
@@ -29,6 +30,26 @@ def channel(address: str) -> Any:
 def cli_token(token_file: str | None) -> str | None:
     """The job token from ``--token-file``, else PARAMPLANE_TOKEN_FILE / PARAMPLANE_TOKEN."""
     return resolve_token(token_file=token_file)
+
+
+T = TypeVar("T")
+
+
+def ask(prog: str, address: str, token_file: str | None, timeout_s: float, call: Callable[..., T]) -> T | int:
+    """``call(address, token, timeout_s)`` for the CLI ``paramplane prog``: its answer, or the exit code after
+    one line on stderr (2: the token cannot be read; 1: the coordinator did not answer well)."""
+    import grpc
+
+    try:
+        token = cli_token(token_file)
+    except ValueError as error:
+        print(f"paramplane {prog}: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        return call(address, token, timeout_s)
+    except grpc.RpcError as exc:
+        print(f"paramplane {prog}: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
 
 
 def check(address: str, token: str | None, timeout_s: float) -> str:
@@ -56,18 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else 2
-    import grpc
-
-    try:
-        token = cli_token(args.token_file)
-    except ValueError as error:
-        print(f"paramplane health: error: {error}", file=sys.stderr)
-        return 2
-    try:
-        status = check(args.address, token, args.timeout)
-    except grpc.RpcError as exc:
-        print(f"paramplane health: {args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return 1
+    status = ask("health", args.address, args.token_file, args.timeout, check)
+    if isinstance(status, int):
+        return status
     print(f"{args.address}: {status}")
     return 0 if status == "SERVING" else 1
 

@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any
 
-from paramplane.health import channel, cli_token
+from paramplane.health import ask, channel
 
 
 def fetch(address: str, token: str | None, timeout_s: float) -> dict[str, Any]:
@@ -70,18 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else 2
-    import grpc
-
-    try:
-        token = cli_token(args.token_file)
-    except ValueError as error:
-        print(f"paramplane status: error: {error}", file=sys.stderr)
-        return 2
-    try:
-        status = fetch(args.address, token, args.timeout)
-    except grpc.RpcError as exc:
-        print(f"paramplane status: {args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return 1
+    status = ask("status", args.address, args.token_file, args.timeout, fetch)
+    if isinstance(status, int):
+        return status
     print(json.dumps(status, indent=2) if args.json else render(status))
     return 0
 
