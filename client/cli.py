@@ -24,7 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "the main job: DDP (or --fsdp) training on 4 local ranks (scikit-learn digits)",
         "paramplane.demo",
     ),
-    "bench": ("run a benchmark from benchmarks/ (collectives, rendezvous, ddp)", "paramplane.bench"),
+    "bench": ("run a benchmark from benchmarks/ (`paramplane bench` lists them)", "paramplane.bench"),
     "trace": ("tools for PARAMPLANE_TRACE timelines (trace merge DIR)", "paramplane.trace"),
     "status": (
         "print the world as the coordinator at HOST:PORT sees it (ranks, heartbeats, progress)",

@@ -74,7 +74,7 @@ class LaunchConfig:
     heartbeat_timeout_s: float | None = None
     """Embedded coordinator: silence after which a rank counts as dead (``None``: its default)."""
     prefix: bool = True
-    """Prefix every output line with ``[rank i] ``; ``False`` passes output through untouched."""
+    """Each output line starts with ``[rank i] ``; ``--no-prefix`` (False) passes the ranks' output through untouched."""
     grace_s: float = 5.0
     """Seconds between SIGTERM and SIGKILL when stopping ranks (and the coordinator's stop grace)."""
     max_restarts: int = 0

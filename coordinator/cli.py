@@ -35,7 +35,11 @@ def _parser() -> argparse.ArgumentParser:
     for flag, name, kind in FIELD_FLAGS:
         default = default_of(CoordinatorConfig, name)
         p.add_argument(flag, type=kind, default=default, help=f"{docs[name]} (default {default})")
-    p.add_argument("--token-file", type=Path, help=f"file holding the job token (else ${TOKEN_ENV})")
+    p.add_argument(
+        "--token-file",
+        type=Path,
+        help=f"file holding the job token (else $PARAMPLANE_TOKEN_FILE, then ${TOKEN_ENV})",
+    )
     p.add_argument("--tls-cert", type=Path, help=docs["tls_cert"] + " (a PEM file, with --tls-key)")
     p.add_argument("--tls-key", type=Path, help=docs["tls_key"] + " (a PEM file, with --tls-cert)")
     p.add_argument("--port-file", type=Path, help="write the bound port to this file once listening")
