@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "bench": "recovery",
                     "world_size": world,
+                    "transport": os.environ.get("PARAMPLANE_TRANSPORT", "auto"),
                     "state_bytes": 3 * nbytes,
                     "live_s": rep["live_s"],
                     "disk_s": rep["disk_s"],

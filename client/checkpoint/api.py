@@ -55,7 +55,7 @@ from paramplane.checkpoint.files import (
     _Reader,
     _report_failure,
     _write_json,
-    _write_npy,
+    _write_npys,
 )
 from paramplane.group import ProcessGroup
 from paramplane.node.arrays import array_module, dtype_name, from_foreign, is_device, to_host
@@ -257,11 +257,11 @@ def save_async(
             records = []
             for key, piece in to_write.items():
                 name = _file_name(key, piece.start, piece.stop)
-                _write_npy(target / name, piece.local)
                 crc = _crc(piece.local)
                 records.append(
                     {"key": key, "start": piece.start, "stop": piece.stop, "file": name, "crc32": crc}
                 )
+            _write_npys([(target / _file_name(k, p.start, p.stop), p.local) for k, p in to_write.items()])
             if records:
                 _fsync_dir(target)  # the data files' names are durable before any list or the manifest
             if os.environ.get(_CRASH_ENV) == f"{group.rank}@{target.name}":

@@ -38,14 +38,22 @@ def _file_name(key: str, start: int, stop: int) -> str:
     return f"{safe}.{digest}.{start}-{stop}.npy"
 
 
-def _write_npy(path: Path, a: np.ndarray) -> None:
-    """``a`` to ``path`` durably: a temporary name, flushed and fsynced, then renamed into place."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, _storage(a), allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _write_npys(pieces: list[tuple[Path, np.ndarray]]) -> None:
+    """Each ``(path, array)`` durably: every array is written under a temporary name first, then each file is
+    fsynced and renamed into place (the writes' writeback overlaps instead of waiting file by file)."""
+    staged = []
+    for path, a in pieces:
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+        with open(tmp, "wb") as f:
+            np.save(f, _storage(a), allow_pickle=False)
+        staged.append((tmp, path))
+    for tmp, path in staged:
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
 
 
 def _crc(a: np.ndarray) -> int:
