@@ -27,7 +27,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from paramplane.node.errors import PlaneError
 from paramplane.protos.fields import default_of, field_docs
-from paramplane.protos.net import parse_address, read_token, resolve_token
+from paramplane.protos.net import check_seconds, parse_address, read_token, resolve_token
 
 if TYPE_CHECKING:
     from paramplane.coordinator.server import CoordinatorThread
@@ -114,15 +114,8 @@ class LaunchConfig:
             ("--join-timeout", self.join_timeout_s),
             ("--heartbeat-timeout", self.heartbeat_timeout_s),
         ):
-            if value is None:
-                continue
-            # The ranks' own limit, imported only when used (the runtime is a heavy import).
-            from paramplane.node.runtime import MAX_TIMEOUT_S
-
-            if not 0 < value <= MAX_TIMEOUT_S:  # NaN fails this too
-                raise ValueError(
-                    f"{name} must be a positive number of seconds, at most {MAX_TIMEOUT_S:.0f} (a year), got {value}"
-                )
+            if value is not None:
+                check_seconds(value, name)  # the ranks' own limit
         if not self.grace_s >= 0:
             raise ValueError(f"grace must be >= 0 seconds, got {self.grace_s}")
         if self.host_id is not None and (not self.host_id or any(c.isspace() for c in self.host_id)):

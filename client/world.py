@@ -19,9 +19,9 @@ from paramplane.group import ProcessGroup
 from paramplane.node.engine import GroupEngine
 from paramplane.node.errors import PlaneError
 from paramplane.node.peer import TlsConfig
-from paramplane.node.runtime import ENV_OF, MAX_TIMEOUT_S, NodeRuntime, RuntimeConfig
+from paramplane.node.runtime import ENV_OF, NodeRuntime, RuntimeConfig
 from paramplane.protos.fields import field_docs
-from paramplane.protos.net import resolve_token
+from paramplane.protos.net import check_seconds, resolve_token
 from paramplane.trace import ChromeTracer
 
 _FILE_VARS = {
@@ -102,12 +102,8 @@ def _tls() -> tuple[TlsConfig | None, bytes | None]:
 
 
 def _check_timeout(timeout: float | None, default: float) -> float:
-    """``timeout`` (``default`` when None); ValueError unless it is positive and at most MAX_TIMEOUT_S."""
-    if timeout is None:
-        return default
-    if not 0 < timeout <= MAX_TIMEOUT_S:  # NaN fails this too
-        raise ValueError(f"timeout must be positive and at most {MAX_TIMEOUT_S:.0f} s, got {timeout}")
-    return float(timeout)
+    """``timeout`` (``default`` when None); ValueError unless it is positive and at most a year."""
+    return default if timeout is None else check_seconds(timeout, "timeout")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -17,7 +16,7 @@ from paramplane.coordinator.service import CoordinatorService
 from paramplane.coordinator.state import MAX_VALUE_BYTES, CoordinatorState
 from paramplane.protos import coordinator_pb2_grpc as pb_grpc
 from paramplane.protos.auth import TokenAuthInterceptor
-from paramplane.protos.net import host_port, is_loopback
+from paramplane.protos.net import check_seconds, host_port, is_loopback
 
 log = logging.getLogger("paramplane.coordinator")
 
@@ -62,18 +61,13 @@ class CoordinatorConfig:
             raise ValueError("TLS needs both tls_cert and tls_key")
         # Every check is written so that NaN fails it (a comparison with NaN is False).
         for name in ("join_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"):
-            value = getattr(self, name)
-            if not 0 < value < math.inf:
-                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value}")
+            check_seconds(getattr(self, name), name, upper=None)
         if not self.heartbeat_timeout_s > self.heartbeat_interval_s:
             raise ValueError(
                 f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed heartbeat_interval_s "
                 f"({self.heartbeat_interval_s})"
             )
-        if not 0 <= self.progress_timeout_s < math.inf:
-            raise ValueError(
-                f"progress_timeout_s must be a finite number of seconds >= 0 (0 = off), got {self.progress_timeout_s}"
-            )
+        check_seconds(self.progress_timeout_s, "progress_timeout_s", allow_zero=True, upper=None)
         if self.max_message_bytes < MAX_VALUE_BYTES + 64 * 1024:
             raise ValueError(
                 f"max_message_bytes must be at least {MAX_VALUE_BYTES + 64 * 1024} (the largest KV value)"

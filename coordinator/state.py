@@ -25,6 +25,7 @@ from paramplane.coordinator.model import (
     StateError,
     assign_ranks,
 )
+from paramplane.protos.net import check_seconds
 
 MAX_KEY_BYTES = 1024
 MAX_VALUE_BYTES = 4 * 1024 * 1024
@@ -92,14 +93,9 @@ class CoordinatorState:
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
-        if not (0 < join_timeout_s < math.inf and 0 < heartbeat_timeout_s < math.inf):
-            raise ValueError(
-                f"join and heartbeat timeouts must be finite and > 0, got {join_timeout_s}, {heartbeat_timeout_s}"
-            )
-        if not 0 <= progress_timeout_s < math.inf:
-            raise ValueError(
-                f"progress_timeout_s must be finite and >= 0 (0 = off), got {progress_timeout_s}"
-            )
+        check_seconds(join_timeout_s, "join_timeout_s", upper=None)
+        check_seconds(heartbeat_timeout_s, "heartbeat_timeout_s", upper=None)
+        check_seconds(progress_timeout_s, "progress_timeout_s", allow_zero=True, upper=None)
         self.world_size = world_size
         self.epoch = 1
         self.join_timeout_s = join_timeout_s

@@ -132,6 +132,11 @@ def from_foreign(x: Any) -> tuple[Any, Any]:
     if isinstance(x, np.ndarray) or is_cupy(x) or not hasattr(x, "__dlpack__"):
         return x, _same
     device_type = x.__dlpack_device__()[0] if hasattr(x, "__dlpack_device__") else 1
+    if getattr(x, "requires_grad", False):
+        raise ValueError(
+            "the tensor requires grad: an in-place collective would change it behind autograd's back; pass "
+            "tensor.detach() (same storage), e.g. under torch.no_grad()"
+        )
     if device_type == 1 and type(x).__module__.startswith("torch"):
         return torch_cpu_view(x), to_torch
     if device_type == 1:  # kDLCPU
@@ -150,8 +155,9 @@ def _same(x: Any) -> Any:
 
 
 def torch_cpu_view(tensor: Any) -> np.ndarray[Any, Any]:
-    """A zero-copy numpy view of a CPU torch tensor: detached (a parameter that requires grad shares its
-    storage all the same), bfloat16 through an int16 view (numpy takes no bfloat16 over DLPack)."""
+    """A zero-copy numpy view of a CPU torch tensor: detached (for callers that own the tensor's state, such as
+    DDP over a module and checkpoints; the same storage), bfloat16 through an int16 view (numpy takes no
+    bfloat16 over DLPack)."""
     tensor = tensor.detach()
     if str(tensor.dtype) == "torch.bfloat16":
         import torch

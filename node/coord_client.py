@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import os
 import time
 from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
@@ -39,7 +38,7 @@ from paramplane.protos.auth import (
     MISMATCH_METADATA_KEY,
     token_metadata,
 )
-from paramplane.protos.net import parse_address
+from paramplane.protos.net import check_seconds, parse_address
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # Trailing metadata set by the coordinator (coordinator/server.py uses the same keys).
@@ -119,9 +118,7 @@ def _plane_error(e: grpc.aio.AioRpcError, address: str, call: str) -> PlaneError
 
 
 def _check_timeout(timeout_s: float) -> float:
-    if not 0 < timeout_s < math.inf:
-        raise ValueError(f"timeout_s must be finite and > 0, got {timeout_s}")
-    return timeout_s
+    return check_seconds(timeout_s, "timeout_s")
 
 
 class CoordinatorClient:

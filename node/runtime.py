@@ -29,7 +29,7 @@ from paramplane.node.peer import PeerPlane, TlsConfig
 from paramplane.node.topology import Topology
 from paramplane.node.transports.base import POLICIES, TransportPolicy
 from paramplane.node.transports.shm import DEFAULT_SLOT_BYTES, slot_bytes
-from paramplane.protos.net import is_loopback, parse_address
+from paramplane.protos.net import check_seconds, is_loopback, parse_address
 
 log = logging.getLogger("paramplane.node")
 
@@ -80,11 +80,8 @@ class RuntimeConfig:
         parse_address(self.coordinator, "coordinator (PARAMPLANE_COORDINATOR)")
         if self.world_size < 0:
             raise ValueError(f"world_size must be >= 0, got {self.world_size}")
-        if not (0 < self.timeout_s <= MAX_TIMEOUT_S and 0 < self.join_timeout_s <= MAX_TIMEOUT_S):
-            raise ValueError(
-                f"timeouts must be positive and at most {MAX_TIMEOUT_S:.0f} s (a year), got "
-                f"{self.timeout_s} and {self.join_timeout_s} (PARAMPLANE_TIMEOUT, PARAMPLANE_JOIN_TIMEOUT)"
-            )
+        check_seconds(self.timeout_s, "timeout_s (PARAMPLANE_TIMEOUT)")
+        check_seconds(self.join_timeout_s, "join_timeout_s (PARAMPLANE_JOIN_TIMEOUT)")
         slot_bytes(self.shm_slot_mb)  # ValueError for a bad size
         if self.transport not in POLICIES:
             raise ValueError(
@@ -97,8 +94,6 @@ class RuntimeConfig:
 
 
 SHUTDOWN_GRACE_S = 5.0
-# The longest timeout a setting may ask for (finite: every wait converts it for the OS).
-MAX_TIMEOUT_S = 365 * 24 * 3600.0
 # How long after a peer's "left" event its plane may still open lanes to flush what it sent (its shutdown grace
 # bounds that), after which a receive still waiting for a lane from it fails.
 LEFT_FLUSH_S = SHUTDOWN_GRACE_S + 10.0
@@ -251,15 +246,18 @@ class NodeRuntime:
             if not self._closed:
                 log.warning("lost the coordinator's watch stream: %s", exc)
 
-    def _abort(self, exc: PlaneError) -> None:
-        """Fail every pending and later op with ``exc`` (call on the loop)."""
+    def _abort(self, exc: PlaneError, *, waits: bool = True) -> None:
+        """Fail every pending and later op with ``exc`` (call on the loop); ``waits``: the waits on the
+        coordinator too (not while this rank's own abort is on its way there, see ``_abort_world``)."""
         if self._abort_exc is None:
             self._abort_exc = exc
             if not self._closed:
                 log.error("%s", exc)
         self.aborted.set()
         self.plane.fail_all(self._abort_exc)
-        if self._coord is not None:  # a rank waiting on the coordinator (barrier, KV wait) fails now too
+        if (
+            waits and self._coord is not None
+        ):  # a rank waiting on the coordinator (barrier, KV wait) fails now
             self._coord.fail_waits(self._abort_exc)
         comms = [g.transports.nccl for g in self._groups.values() if g.transports.nccl is not None]
         if comms:
@@ -292,9 +290,15 @@ class NodeRuntime:
         return exc
 
     async def _abort_world(self, exc: PlaneError) -> None:
-        self._abort(exc)
-        with contextlib.suppress(PlaneError, asyncio.TimeoutError):
-            await asyncio.wait_for(self.coord.abort(f"rank {self.rank}: {exc}"), 10)
+        # This rank's waits on the coordinator end once the abort is there: ended first, the rank could go
+        # on and leave before its abort arrived, and the others would learn only that it left.
+        self._abort(exc, waits=False)
+        try:
+            with contextlib.suppress(PlaneError, asyncio.TimeoutError):
+                await asyncio.wait_for(self.coord.abort(f"rank {self.rank}: {exc}"), 10)
+        finally:
+            if self._coord is not None:
+                self._coord.fail_waits(self._abort_exc or exc)
 
     def _device_comm_error(self) -> PlaneError | None:
         """The first asynchronous error of this rank's NCCL communicators (NCCL reports them only when asked)."""
@@ -365,10 +369,8 @@ class NodeRuntime:
         member, so members that create their groups in the same order agree without talking to
         ranks outside the group.
         """
-        if timeout_s is not None and not 0 < timeout_s <= MAX_TIMEOUT_S:
-            raise ValueError(
-                f"a group's timeout must be positive and at most {MAX_TIMEOUT_S:.0f} s, got {timeout_s}"
-            )
+        if timeout_s is not None:
+            check_seconds(timeout_s, "a group's timeout")
         members = tuple(sorted(int(r) for r in ranks))
         if self.rank not in members:
             raise ValueError(f"rank {self.rank} is not a member of the new group {list(members)}")

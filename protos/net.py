@@ -4,6 +4,7 @@ runtime and the CLIs (kept beside the protos for the same reason as ``auth.py``)
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 from pathlib import Path
 
@@ -57,3 +58,20 @@ def resolve_token(token: str | None = None, token_file: str | os.PathLike[str] |
     if env_file:
         return read_token(env_file, TOKEN_FILE_ENV)
     return os.environ.get(TOKEN_ENV) or None
+
+
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
+"""The longest timeout any setting may ask for (a year): every wait hands it to the OS, so it must be finite."""
+
+
+def check_seconds(
+    value: float, what: str, *, allow_zero: bool = False, upper: float | None = MAX_TIMEOUT_S
+) -> float:
+    """``value`` as a float; ValueError naming ``what`` unless it is finite, > 0 (>= 0 with ``allow_zero``, 0
+    meaning off) and at most ``upper`` seconds (None: no bound but finiteness). NaN fails every comparison."""
+    low = value >= 0 if allow_zero else value > 0
+    if not (low and math.isfinite(value) and (upper is None or value <= upper)):
+        bound = ">= 0 (0 = off)" if allow_zero else "> 0"
+        most = f", at most {upper:.0f} (a year)" if upper is not None else ""
+        raise ValueError(f"{what} must be a finite number of seconds {bound}{most}, got {value}")
+    return float(value)

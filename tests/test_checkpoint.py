@@ -138,28 +138,28 @@ def test_inspect_consolidate_corruption_and_prune(saved: Path, tmp_path: Path) -
     assert (root / "partial").is_dir() and not (root / "step_0").exists()
 
 
-def _fix(n: int, mode: str, root: Path, **kw: Any) -> list[dict[str, Any]]:
+def _edge_case(n: int, mode: str, root: Path, **kw: Any) -> list[dict[str, Any]]:
     world = run_world(n, "checkpoint_edges.py", args=[mode, str(root)], env=ENV, timeout=60, **kw)
     return world.check_ok(min_checks=1)
 
 
 def test_a_retried_save_ignores_the_lists_of_a_crashed_attempt(tmp_path: Path) -> None:
-    _fix(2, "retry", tmp_path)
+    _edge_case(2, "retry", tmp_path)
 
 
 @pytest.mark.parametrize("mode", ["fail_io", "fail_json"])
 def test_a_rank_that_cannot_write_fails_every_rank_at_once(tmp_path: Path, mode: str) -> None:
-    results = _fix(2, mode, tmp_path)
+    results = _edge_case(2, mode, tmp_path)
     if mode == "fail_io":
         assert results[0]["values"]["error"].startswith("SaveFailed: "), results[0]
 
 
 def test_save_async_copies_values_numpy_scalars_and_strided_targets_load(tmp_path: Path) -> None:
-    _fix(1, "values", tmp_path)
+    _edge_case(1, "values", tmp_path)
 
 
 def test_bfloat16_round_trips_and_consolidates(tmp_path: Path) -> None:
-    _fix(1, "bf16", tmp_path)
+    _edge_case(1, "bf16", tmp_path)
     out = subprocess.run(
         [
             sys.executable,
@@ -181,16 +181,16 @@ def test_bfloat16_round_trips_and_consolidates(tmp_path: Path) -> None:
 
 
 def test_data_files_are_fsynced_before_the_commit(tmp_path: Path) -> None:
-    _fix(1, "fsync", tmp_path)
+    _edge_case(1, "fsync", tmp_path)
 
 
 def test_keys_with_the_same_safe_name_keep_separate_files(tmp_path: Path) -> None:
-    _fix(1, "names", tmp_path)
+    _edge_case(1, "names", tmp_path)
 
 
 def test_sync_fills_non_contiguous_targets(tmp_path: Path) -> None:
-    _fix(2, "sync", tmp_path)
+    _edge_case(2, "sync", tmp_path)
 
 
 def test_a_damaged_file_one_rank_needs_fails_every_rank_before_any_change(tmp_path: Path) -> None:
-    _fix(2, "crc", tmp_path)
+    _edge_case(2, "crc", tmp_path)

@@ -183,11 +183,11 @@ async def test_bad_addresses_and_timeouts_are_value_errors() -> None:
     for address in ("127.0.0.1", ":80", "127.0.0.1:port"):
         with pytest.raises(ValueError, match="must be HOST:PORT"):
             CoordinatorClient(address)
-    with pytest.raises(ValueError, match="finite and > 0"):
+    with pytest.raises(ValueError, match="finite number of seconds > 0"):
         CoordinatorClient("127.0.0.1:1", call_timeout_s=0)
     async with CoordinatorClient(f"127.0.0.1:{closed_port()}") as c:
         for bad in (0.0, -1.0, float("nan"), float("inf")):
-            with pytest.raises(ValueError, match="finite and > 0"):
+            with pytest.raises(ValueError, match="finite number of seconds > 0"):
                 await within(5, join(c, timeout_s=bad))
         with pytest.raises(RendezvousError, match=r"not joined: call join\(\) before"):
             await c.kv_set("k", b"v")

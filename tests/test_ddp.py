@@ -169,10 +169,13 @@ def test_buckets_reverse_order_by_dtype_and_size() -> None:
         assign_buckets(params, 0)
 
 
-def test_ranks_wrapping_different_models_fail_at_wrap_time() -> None:
+@pytest.mark.parametrize("mode", ["mismatch", "sum_untouched"])
+def test_ddp_edges(mode: str) -> None:
+    """Ranks wrapping different models fail at wrap time; a "sum" reduction keeps an untouched gradient."""
     from _world import run_world
 
-    run_world(2, "ddp_mismatch.py", env={"PARAMPLANE_TIMEOUT": "30"}, timeout=60).check_ok(min_checks=1)
+    world = run_world(2, "ddp_edges.py", args=[mode], env={"PARAMPLANE_TIMEOUT": "30"}, timeout=60)
+    world.check_ok(min_checks=2)
 
 
 def test_ddp_gradient_compression_moves_half_precision_and_stays_close() -> None:

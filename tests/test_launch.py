@@ -298,7 +298,7 @@ def test_second_signal_skips_the_grace(pids_dir: Path) -> None:
         ({"world_size": 1}, "smaller than -n"),
         ({"coordinator": None, "standalone": True, "world_size": 4}, "--world-size must equal -n"),
         ({"heartbeat_timeout_s": 5.0}, "--standalone coordinator only"),
-        ({"timeout_s": 0.0}, "--timeout must be a positive"),
+        ({"timeout_s": 0.0}, "--timeout must be a finite number of seconds > 0"),
         ({"host_id": "a b"}, "--host-id"),
         ({"target": "no/such/script.py"}, "no such script"),
     ],

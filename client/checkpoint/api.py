@@ -58,7 +58,7 @@ from paramplane.checkpoint.files import (
     _write_npys,
 )
 from paramplane.group import ProcessGroup
-from paramplane.node.arrays import array_module, dtype_name, from_foreign, is_device, to_host
+from paramplane.node.arrays import DTYPES, array_module, dtype_name, from_foreign, is_device, to_host
 from paramplane.node.errors import CollectiveTimeout
 from paramplane.optim.optimizer import Optimizer
 from paramplane.parallel.sharding import ShardedArray
@@ -82,6 +82,8 @@ def _leaf(value: Any) -> Any:
         return value.item()
     if isinstance(value, (np.ndarray, ShardedArray)) or is_device(value) or not hasattr(value, "__dlpack__"):
         return value
+    if getattr(value, "requires_grad", False):  # a parameter: loaded in place like torch's load_state_dict
+        value = value.detach()
     return from_foreign(value)[0]
 
 
@@ -386,6 +388,12 @@ def prune(root: str | os.PathLike[str], keep: int) -> list[Path]:
     return doomed
 
 
+def _saved_scalar(manifest: dict[str, Any], key: str) -> bool:
+    """``key`` is a 0-d array in ``manifest``: what versions before numpy scalars became plain values saved."""
+    saved = manifest["arrays"].get(key)
+    return saved is not None and saved["global_shape"] == []
+
+
 def _problems(
     entries: dict[str, Any], manifest: dict[str, Any], optim_tops: set[str]
 ) -> tuple[list[str], list[str]]:
@@ -411,7 +419,7 @@ def _problems(
                 problems.append(
                     f"{key!r} is {saved['dtype']} in the checkpoint, {dtype_name(piece.dtype)} here"
                 )
-        elif key not in saved_values and "/" not in key:
+        elif key not in saved_values and "/" not in key and not _saved_scalar(manifest, key):
             problems.append(f"missing key {key!r} (not in the checkpoint)")
     extra = [
         k
@@ -428,8 +436,9 @@ def _problems(
 
 
 def _materialize(opt: Optimizer, top: str, manifest: dict[str, Any]) -> None:
+    keys = opt.param_keys()
     for i, p in enumerate(opt.params):
-        names = [opt.param_key(i)] + ([e.key for e in p.layout.entries] if p.layout is not None else [])
+        names = [keys[i]] + ([e.key for e in p.layout.entries] if p.layout is not None else [])
         prefixes = tuple(f"{top}/state.{n}." for n in names)
         arrays = {k.rsplit(".", 1)[1] for k in manifest["arrays"] if k.startswith(prefixes)}
         values = {k.rsplit(".", 1)[1]: v for k, v in manifest["values"].items() if k.startswith(prefixes)}
@@ -475,6 +484,11 @@ def _apply(
             loaded[key] = target
         elif key in manifest["values"]:
             loaded[key] = manifest["values"][key]
+        elif _saved_scalar(manifest, key):  # a numpy scalar that older versions saved as a 0-d array
+            entry = manifest["arrays"][key]
+            scalar = np.empty((), DTYPES[entry["dtype"]])
+            fill(key, entry, ShardedArray((), 0, scalar.reshape(-1)))
+            loaded[key] = scalar.item()
     result: dict[str, Any] = {}
     for top, obj in state.items():
         prefix = f"{top}/"
@@ -520,7 +534,9 @@ def load(state: Mapping[str, Any], path: str | os.PathLike[str], group: ProcessG
     reader = _Reader(root)
     unreadable = []
     for key, target in entries.items():
-        if key in manifest["arrays"] and (isinstance(target, ShardedArray) or _is_array(target)):
+        if _saved_scalar(manifest, key) and not (isinstance(target, ShardedArray) or _is_array(target)):
+            unreadable.append(reader.check(key, manifest["arrays"][key], 0, 1))
+        elif key in manifest["arrays"] and (isinstance(target, ShardedArray) or _is_array(target)):
             start, stop = (
                 (target.start, target.stop) if isinstance(target, ShardedArray) else (0, target.size)
             )

@@ -115,8 +115,9 @@ class Parameter:
                 f"gradient for parameter {self.name or '<unnamed>'} has shape {tuple(g.shape)}, "
                 f"expected {self.shape}"
             )
-        for hook in list(self._pre_grad_hooks.values()):
-            hook(self)
+        if self._pre_grad_hooks:  # none in most training: no list built per contribution
+            for hook in list(self._pre_grad_hooks.values()):
+                hook(self)
         if self.grad is None:
             if take and g.dtype == self.data.dtype:
                 self.grad = g

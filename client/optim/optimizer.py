@@ -144,9 +144,10 @@ class Optimizer:
         """The name of parameter ``index``'s state in checkpoints: the parameter's ``name`` (its index when it has
         none); a later parameter of the same name (the chunks of a pipeline name theirs alike) gets
         ``name#n`` for the n-th repeat, so no two parameters share state."""
-        return self._param_keys()[index]
+        return self.param_keys()[index]
 
-    def _param_keys(self) -> list[str]:
+    def param_keys(self) -> list[str]:
+        """:meth:`param_key` of every parameter, in order (one pass)."""
         keys: list[str] = []
         repeats: dict[str, int] = {}
         for i, p in enumerate(self.params):
@@ -176,7 +177,7 @@ class Optimizer:
         last axis); other arrays are whole (replicated). Values are live: a loader writes into them.
         """
         out: dict[str, Any] = {f"hyperparams.{k}": getattr(self, k) for k in self.HYPERPARAMS}
-        for i, (p, key) in enumerate(zip(self.params, self._param_keys(), strict=True)):
+        for i, (p, key) in enumerate(zip(self.params, self.param_keys(), strict=True)):
             # Sorted: ranks that created state in another order still run a sliced array's collectives alike.
             for name, value in sorted(self.state.get(i, {}).items()):
                 if hasattr(value, "shape") and p.layout is not None:
@@ -219,7 +220,7 @@ class Optimizer:
                 and not hasattr(value, "global_shape")
             ):
                 saved.setdefault(key.rsplit(".", 1)[1], []).append(value)
-        for i, (p, key) in enumerate(zip(self.params, self._param_keys(), strict=True)):
+        for i, (p, key) in enumerate(zip(self.params, self.param_keys(), strict=True)):
             if set(self._state_keys(i, p, key)) & dropped:
                 self.state.pop(i, None)
                 continue

@@ -216,6 +216,8 @@ class DDP:
 
     def _launch(self, bucket: Bucket) -> None:
         for k, i in enumerate(bucket.params):
+            if i in self._synced:  # no contribution since the last sync: what it holds is reduced already
+                self._before_grad(i, self._params[i])
             grad, base = self._params[i].grad, self._base.get(i)
             bucket.pack(k, grad if base is None or grad is None else grad - base)
         bucket.launched = True
@@ -254,7 +256,8 @@ class DDP:
                 if grad is not None:
                     grad += base
             self._base.clear()
-            self._synced = set(range(len(self._params)))
+            if self.reduce_op == "sum":  # what the next round may add to (see __init__)
+                self._synced = set(range(len(self._params)))
             observed = [0] * len(self._params)
             for bucket in self._buckets:
                 for k, i in enumerate(bucket.params):

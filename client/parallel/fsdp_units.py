@@ -157,7 +157,7 @@ def check_same_model(group: ProcessGroup, named: list[tuple[str, Parameter]], wh
     counts = group.all_gather(np.array([len(named)], np.int64))
     if len(set(counts.tolist())) != 1:
         raise CollectiveMismatch(
-            f"FSDP: ranks wrap models with different numbers of parameters: {dict(enumerate(counts.tolist()))} "
+            f"{what}: ranks wrap models with different numbers of parameters: {dict(enumerate(counts.tolist()))} "
             f"(group ranks of '{group.name}'); every rank must wrap the same model"
         )
     sigs = np.array([zlib.crc32(f"{n}|{p.shape}|{p.dtype}".encode()) for n, p in named], np.int64)

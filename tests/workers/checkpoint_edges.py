@@ -123,6 +123,12 @@ def values(world: Any, rep: Report, root: Path) -> None:
     rep.check("lr", opt.lr == 0.05, str(opt.lr))
     rep.check("step", got["step"] == 7, str(got))
     rep.equal("a transposed target is filled", strided, table)
+    # Older versions saved a numpy scalar as a 0-d array: such a checkpoint still loads into a scalar's place.
+    pp.checkpoint.save({"step": np.array(7)}, root / "c", g)
+    rep.check(
+        "a 0-d array for a plain value",
+        pp.checkpoint.load({"step": np.int64(0)}, root / "c", g) == {"step": 7},
+    )
 
 
 def bf16(world: Any, rep: Report, root: Path) -> None:

@@ -77,10 +77,20 @@ def scenario(world: Any, rep: Report) -> None:
         all(torch.equal(model.state_dict()[k], v) for k, v in before.items()) and plain == {"step": 3},
         str(plain),
     )
-    # Tensors that require grad and bfloat16 tensors pass through DLPack like the others.
+    # A tensor that requires grad is refused by collectives (autograd would not see the change: pass
+    # .detach()) but saved and loaded in place by checkpoints; bfloat16 tensors pass like the others.
     param = torch.nn.Parameter(torch.full((3,), float(me)))
-    g.broadcast(param, src=n - 1)
-    rep.equal("broadcast into a parameter", param.detach().numpy(), np.full(3, n - 1, np.float32))
+    rep.raises(
+        "a parameter in a collective", ValueError, lambda: g.broadcast(param, src=n - 1), "requires grad"
+    )
+    g.broadcast(param.detach(), src=n - 1)
+    rep.equal("broadcast into a detached parameter", param.detach().numpy(), np.full(3, n - 1, np.float32))
+    alone = world.new_group([me])
+    kept = pp.checkpoint.save({"p": param}, root / f"param-{me}", alone)
+    with torch.no_grad():
+        param.zero_()
+    pp.checkpoint.load({"p": param}, kept, alone)
+    rep.equal("a parameter loads in place", param.detach().numpy(), np.full(3, n - 1, np.float32))
     half = torch.full((4,), float(me + 1), dtype=torch.bfloat16)
     g.all_reduce(half)
     rep.equal(

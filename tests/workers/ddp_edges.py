@@ -1,0 +1,53 @@
+"""Rank worker for tests/test_ddp.py (2 ranks).
+
+``mismatch``: ranks that wrap different models with the same number of elements get a CollectiveMismatch
+naming the parameter when DDP wraps them, before any training; different numbers of parameters likewise.
+``sum_untouched``: with ``reduce_op="sum"`` and no zero_grad between synchronised rounds, a parameter that gets
+no gradient in the second round keeps the first round's sum (not that sum once per rank).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+from _common import Report, run_rank
+
+import paramplane as pp
+from paramplane.nn import Linear, Module, Parameter
+
+
+def mismatch(world: Any, rep: Report) -> None:
+    model = Linear(6, 2, bias=False, rng=0) if world.rank == 0 else Linear(4, 3, bias=False, rng=0)
+    rep.raises(
+        "different models", pp.CollectiveMismatch, lambda: pp.DDP(model, world.group), "'weight'", "DDP"
+    )
+    other = Linear(6, 2, bias=world.rank == 0, rng=0)
+    rep.raises(
+        "different counts", pp.CollectiveMismatch, lambda: pp.DDP(other, world.group), "DDP: ranks wrap"
+    )
+
+
+class Two(Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = Parameter(np.zeros(3))
+        self.b = Parameter(np.zeros(3))
+
+
+def sum_untouched(world: Any, rep: Report) -> None:
+    m = Two()
+    ddp = pp.DDP(m, world.group, reduce_op="sum")
+    m.a.accumulate_grad(np.ones(3))
+    m.b.accumulate_grad(np.ones(3))
+    ddp.finish_gradient_sync()
+    m.a.accumulate_grad(np.ones(3))  # b gets nothing this round
+    ddp.finish_gradient_sync()
+    n = world.world_size
+    rep.equal("touched twice", m.a.grad, np.full(3, 2.0 * n))
+    rep.equal("touched once, then kept", m.b.grad, np.full(3, 1.0 * n))
+
+
+if __name__ == "__main__":
+    run_rank(mismatch if sys.argv[1] == "mismatch" else sum_untouched)
