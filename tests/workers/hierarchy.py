@@ -54,6 +54,7 @@ def mismatch(world: pp.World, rep: Report) -> None:
     rep.raises(
         "hosts disagree on the shape", pp.CollectiveMismatch, lambda: world.group.all_reduce(np.ones(shape))
     )
+    world.barrier()  # no rank leaves before every rank was told (a departure would read as PeerLost)
 
 
 def main() -> None:
