@@ -200,6 +200,7 @@ class PeerPlane:
         self.direct = DirectLanes()
         self._stream_members: dict[str, frozenset[int]] = {}
         self._failures: dict[str, PlaneError] = {}
+        self._telling: set[asyncio.Future[None]] = set()  # error frames on their way to other ranks
         self._global_failure: PlaneError | None = None
         self._closing = False
         self._departed: set[int] = set()
@@ -285,6 +286,17 @@ class PeerPlane:
         if src not in self._stream_members[base]:
             return f"rank {src} is not a member of group {base!r}"
         return None
+
+    def telling(self, task: asyncio.Future[None]) -> None:
+        """Keep ``task`` (an error frame to another rank) until it is done: ``told`` waits for it."""
+        self._telling.add(task)
+        task.add_done_callback(self._telling.discard)
+
+    async def told(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until the error frames on their way have gone out: a rank that leaves
+        first would reach its peers as a departure (PeerLost) instead of the error it found."""
+        if self._telling:
+            await asyncio.wait(list(self._telling), timeout=timeout_s)
 
     async def close(self, grace: float = 1.0) -> None:
         """Finish every outbound stream (delivering what was written), then stop the server."""

@@ -343,6 +343,7 @@ class NodeRuntime:
         self._closed = True
         for t in self._tasks:
             t.cancel()
+        await self.plane.told(min(grace, 3.0))  # errors this rank found reach its peers before its leaving
         if self._coord is not None:
             if hasattr(self, "membership"):
                 with contextlib.suppress(Exception):

@@ -54,7 +54,6 @@ class GrpcChannel:
         self.me = me
         self.index = self.ranks.index(me)
         self.n = len(self.ranks)
-        self._background: set[asyncio.Future[None]] = set()
         plane.register_stream_key(key, frozenset(self.ranks), direct=direct)
 
     # -- frames ----------------------------------------------------------------------------------
@@ -248,9 +247,7 @@ class GrpcChannel:
         header = peer_pb2.FrameHeader(src=self.me, failure=failure_message(exc))
         for idx in range(self.n):
             if idx != self.index and self.ranks[idx] not in self.plane.lost:
-                task = asyncio.ensure_future(self._send_error(idx, header.SerializeToString()))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self.plane.telling(asyncio.ensure_future(self._send_error(idx, header.SerializeToString())))
         return exc
 
     async def _send_error(self, idx: int, frame: bytes) -> None:
