@@ -255,9 +255,8 @@ class NodeRuntime:
                 log.error("%s", exc)
         self.aborted.set()
         self.plane.fail_all(self._abort_exc)
-        if (
-            waits and self._coord is not None
-        ):  # a rank waiting on the coordinator (barrier, KV wait) fails now
+        # A rank waiting on the coordinator (barrier, KV wait) fails now too.
+        if waits and self._coord is not None:
             self._coord.fail_waits(self._abort_exc)
         comms = [g.transports.nccl for g in self._groups.values() if g.transports.nccl is not None]
         if comms:

@@ -256,14 +256,15 @@ def save_async(
     def write() -> None:
         start = time.monotonic()
         try:
-            records = []
+            records, files = [], []
             for key, piece in to_write.items():
                 name = _file_name(key, piece.start, piece.stop)
                 crc = _crc(piece.local)
                 records.append(
                     {"key": key, "start": piece.start, "stop": piece.stop, "file": name, "crc32": crc}
                 )
-            _write_npys([(target / _file_name(k, p.start, p.stop), p.local) for k, p in to_write.items()])
+                files.append((target / name, piece.local))
+            _write_npys(files)
             if records:
                 _fsync_dir(target)  # the data files' names are durable before any list or the manifest
             if os.environ.get(_CRASH_ENV) == f"{group.rank}@{target.name}":

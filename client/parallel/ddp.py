@@ -344,10 +344,8 @@ class DDP:
 
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
         own = getattr(self.module, "load_sharded_state_dict", None)
-        if own is not None:
+        if own is not None:  # a torch module has none: its tensors were filled in place (DLPack views)
             own(state)
-        elif not self._torch:  # a torch module's tensors were filled in place (DLPack views of its state)
-            self.module.load_state_dict(state)
 
     def train(self, mode: bool = True) -> DDP:
         self.module.train(mode)
