@@ -224,15 +224,24 @@ class ProcessGroup:
         """Group rank ``src`` passes one array per rank; every rank receives its own (returned).
 
         On ``src``, ``chunks`` is a sequence of ``size`` arrays of one shape and dtype; on the
-        other ranks it is the receive buffer (an array of that shape and dtype).
+        other ranks it is the receive buffer (an array of that shape and dtype), filled in place. Any
+        ``__dlpack__`` tensor (torch, JAX) may stand for an array: the result is then one of its library.
         """
         e = self._e
         e.check_root(src, "src")
         if e.rank == src:
-            if isinstance(chunks, (np.ndarray,)) or is_cupy(chunks) or len(chunks) != e.size:
+            if isinstance(chunks, (np.ndarray,)) or is_cupy(chunks) or hasattr(chunks, "__dlpack__"):
                 raise ValueError(
                     f"scatter on the source rank needs a sequence of {e.size} arrays (one per rank)"
                 )
+            chunks = list(chunks)
+            if len(chunks) != e.size:
+                raise ValueError(
+                    f"scatter on the source rank needs a sequence of {e.size} arrays (one per rank), "
+                    f"got {len(chunks)}"
+                )
+            foreign = [from_foreign(c) for c in chunks]
+            chunks, wrap = [c for c, _ in foreign], foreign[0][1]
             for i, c in enumerate(chunks):
                 check_array(c, f"chunks[{i}]", writable=False)
                 if c.shape != chunks[0].shape or c.dtype != chunks[0].dtype:
@@ -241,18 +250,21 @@ class ProcessGroup:
                         f"{chunks[0].shape} and {chunks[0].dtype}: every chunk must match"
                     )
             out = array_module(chunks[0]).empty_like(chunks[0])
-            pieces: Sequence[Any] | None = list(chunks)
+            pieces: Sequence[Any] | None = chunks
+            result = None
         else:
-            if not (isinstance(chunks, np.ndarray) or is_cupy(chunks)):
+            if not (isinstance(chunks, np.ndarray) or is_cupy(chunks) or hasattr(chunks, "__dlpack__")):
                 raise ValueError(
                     "scatter on a non-source rank needs the receive buffer (an array) as `chunks`"
                 )
-            check_array(chunks, "chunks")
-            out, pieces = chunks, None
+            result = chunks
+            out, _ = from_foreign(chunks)
+            check_array(out, "chunks")
+            pieces = None
 
         def body(seq: int) -> Any:
             e.scatter(e.spec(seq, "scatter", out, f"src={src}"), pieces, src, out)
-            return out
+            return wrap(out) if result is None else result
 
         return self._issue("scatter", out, body, async_op)
 

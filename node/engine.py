@@ -301,12 +301,21 @@ class GroupEngine:
             else:
                 np.true_divide(x, self.size, out=x, casting="unsafe")
 
+    def _divides_first(self, x: Any, op: str) -> bool:
+        """A float16 ``mean`` divides each rank's values before the sum (as NCCL's ``ncclAvg`` does): a sum of
+        float16 values overflows past 65504 where their mean need not (gradients averaged over ranks). Wider
+        types sum first, which keeps their smallest values exact."""
+        return op == "mean" and self.size > 1 and x.dtype == np.float16
+
     def all_reduce(self, spec: OpSpec, x: Any, op: str) -> None:
         comm = self._comm(x, "all_reduce")
         s = _Staged(x, comm)
+        first = self._divides_first(x, op)
+        if first:
+            self._mean(s.flat)  # in place: the op overwrites x anyway
         comm.all_reduce(spec, s.flat, "sum" if op == "mean" else op, self.deadline())
         s.write_back()
-        if op == "mean":
+        if op == "mean" and not first:
             self._mean(x)
 
     def broadcast(self, spec: OpSpec, x: Any, root: int) -> None:
@@ -324,11 +333,13 @@ class GroupEngine:
     def reduce_scatter(self, spec: OpSpec, x: Any, bounds: Bounds, op: str, out: Any) -> None:
         comm = self._comm(x, "reduce_scatter")
         flat, result = _Staged(x, comm), _Staged(out, comm, copy_in=False)
-        comm.reduce_scatter(
-            spec, flat.flat, bounds, "sum" if op == "mean" else op, result.flat, self.deadline()
-        )
+        first = self._divides_first(x, op)
+        source = flat.flat
+        if first:
+            source = source / self.size  # a copy: the caller's input stays as it was
+        comm.reduce_scatter(spec, source, bounds, "sum" if op == "mean" else op, result.flat, self.deadline())
         result.write_back()
-        if op == "mean":
+        if op == "mean" and not first:
             self._mean(out)
 
     def gather(self, spec: OpSpec, x: Any, root: int, out: Any | None) -> None:

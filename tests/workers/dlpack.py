@@ -33,6 +33,15 @@ def scenario(world: Any, rep: Report) -> None:
     got = g.reduce_scatter(torch.ones(2 * n, dtype=torch.float32), out=out)
     rep.check("reduce_scatter into out", got is out, type(got).__name__)
     rep.equal("reduce_scatter", out.numpy(), np.full(2, float(n), np.float32))
+    # scatter: torch pieces on the source, a torch buffer elsewhere (filled in place); each rank gets its row.
+    if me == 0:
+        mine = g.scatter([torch.full((2,), float(r), dtype=torch.float64) for r in range(n)], src=0)
+    else:
+        buffer = torch.zeros(2, dtype=torch.float64)
+        mine = g.scatter(buffer, src=0)
+        rep.check("scatter fills the caller's tensor", mine is buffer, type(mine).__name__)
+    rep.check("scatter gives a tensor", isinstance(mine, torch.Tensor), type(mine).__name__)
+    rep.equal("scatter", np.asarray(mine), np.full(2, float(me)))
     if me == 0:
         g.send(torch.arange(4, dtype=torch.int32), 1)
     elif me == 1:

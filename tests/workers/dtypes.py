@@ -3,7 +3,7 @@
 float16, bfloat16, float32, float64, int8, int32, int64, uint8 and bool: all_reduce (sum, max),
 broadcast, all_gather and reduce_scatter, at a small size and at one just over a 1 MiB chunk
 (so gRPC takes its ring path and shm several rounds). Integers and bool must be exact; floats
-within their precision of a float64 reference.
+within their precision of a float64 reference. Then a float16 mean whose sum overflows float16.
 """
 
 from __future__ import annotations
@@ -57,6 +57,15 @@ def scenario(world: Any, rep: Report) -> None:
             part = g.reduce_scatter(ins[me], "sum")
             want = total[rows[0] : rows[-1] + 1] if len(rows) else total[:0]
             check(rep, f"{tag} reduce_scatter", part, want.astype(dtype) if name not in RTOL else want, name)
+    # A float16 mean whose sum would overflow (65504) but whose mean does not: it divides before summing.
+    big = np.full(7, 40000 + 1000 * me, np.float16)
+    want = np.full(7, 40000 + 1000 * (n - 1) / 2)
+    x = big.copy()
+    g.all_reduce(x, "mean")
+    rep.equal("float16 all_reduce mean past the sum's range", x, want, rtol=1e-3)
+    part = g.reduce_scatter(big, "mean")
+    rep.equal("float16 reduce_scatter mean past the sum's range", part, want[: len(part)], rtol=1e-3)
+    rep.equal("reduce_scatter leaves its input", big, np.full(7, 40000 + 1000 * me, np.float16))
 
 
 if __name__ == "__main__":
