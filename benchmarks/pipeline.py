@@ -3,9 +3,12 @@
     python benchmarks/pipeline.py [--compute-ms 20] [--steps 5] [--schedules gpipe,1f1b,interleaved_1f1b]
                                   [--poll-us 0] [--no-torch] [--out benchmarks/results/pipeline.jsonl]
 
-p = 2 ranks, one stage each (interleaved: v = 2 chunks each). Every stage spends a fixed, known
-time per microbatch in forward and in backward (``--compute-ms``; each chunk of an interleaved
-rank gets half, so a rank's work per microbatch is the same). The time is a wait, not arithmetic:
+p = 2 ranks, one stage each (interleaved: v = 2 chunks each, the p*v stages placed stage s on rank
+s mod p). Every stage spends a fixed, known time per microbatch in forward and in backward
+(``--compute-ms``), a chunk of an interleaved rank as well (``stage_ms``); interleaved 1F1B runs once more
+with each rank's work split over its chunks (``split_rank_work``: ``--compute-ms`` / v per chunk, the same
+work per rank and microbatch as GPipe and 1F1B, so twice the relative weight of each transfer). The time is
+a wait, not arithmetic:
 two ranks spinning on this 2-core machine would distort the schedule with core contention, which
 is not what this measures. Bubble fraction = idle time / step time, where a rank's busy time is the
 sum of its forward and backward spans in the pipeline's trace events (``PARAMPLANE_TRACE``) and
@@ -52,13 +55,15 @@ from paramplane.benchmarks._jsonl import emit
 from paramplane.benchmarks._ranks import run_ranks
 
 P = 2
-# (schedule, chunks per rank, microbatch_group): interleaved 1F1B at its default groups of p microbatches, and
-# at groups of 2p (more slack for each transfer, more live activations on the first stage).
-CONFIGS: list[tuple[str, int, int | None]] = [
-    ("gpipe", 1, None),
-    ("1f1b", 1, None),
-    ("interleaved_1f1b", 2, None),
-    ("interleaved_1f1b", 2, 2 * P),
+# (schedule, chunks per rank, microbatch_group, split_rank_work): interleaved 1F1B at its default groups of p
+# microbatches, at groups of 2p (more slack for each transfer, more live activations on the first stage), and at
+# its default groups with each rank's work split over its chunks instead of every chunk a whole stage's.
+CONFIGS: list[tuple[str, int, int | None, bool]] = [
+    ("gpipe", 1, None, False),
+    ("1f1b", 1, None, False),
+    ("interleaved_1f1b", 2, None, False),
+    ("interleaved_1f1b", 2, 2 * P, False),
+    ("interleaved_1f1b", 2, None, True),
 ]
 
 
@@ -85,8 +90,9 @@ def worker(args: argparse.Namespace) -> None:
     with pp.init() as world:
         one_way = p2p_one_way_s(world.group)
         cold = cold_code_s()
-        for schedule, v, group, m in _configs(args):
-            chunks = [Wait(args.compute_ms / 1000 / v) for _ in range(v)]
+        for schedule, v, group, split, m in _configs(args):
+            stage_s = _stage_ms(args, v, split) / 1000
+            chunks = [Wait(stage_s) for _ in range(v)]
             pipe = pp.Pipeline(
                 chunks if v > 1 else chunks[0],
                 world.group,
@@ -116,9 +122,10 @@ def worker(args: argparse.Namespace) -> None:
                     v,
                     times,
                     cpu,
+                    split,
                     microbatch_group=group,
                     spans=spans[1:],
-                    compute_s=m * 2 * args.compute_ms / 1000,
+                    compute_s=m * v * 2 * stage_s,
                     peak_activation_sets=pipe.memory_stats()["peak_activation_sets"],
                     p2p_one_way_s=one_way,
                     cold_code_s=cold,
@@ -170,13 +177,12 @@ def worker_torch(args: argparse.Namespace) -> None:
             return WaitFn.apply(x + self.w * 0, self.seconds)
 
     rows = []
-    for schedule, v, group, m in _configs(args):
+    for schedule, v, group, split, m in _configs(args):
         if group is not None:
             continue  # torch's interleaved schedule has no microbatch group setting
+        stage_s = _stage_ms(args, v, split) / 1000
         stages = [
-            pipelining.PipelineStage(
-                Wait(args.compute_ms / 1000 / v), rank + c * P, P * v, torch.device("cpu")
-            )
+            pipelining.PipelineStage(Wait(stage_s), rank + c * P, P * v, torch.device("cpu"))
             for c in range(v)
         ]
         pipe = getattr(pipelining, TORCH_SCHEDULES[schedule])(
@@ -199,28 +205,43 @@ def worker_torch(args: argparse.Namespace) -> None:
                 f"expected {2 * m * v} compute spans, got {len(spans)}"
             )
             busy.append(sum(spans))
-        rows.append(_measured(schedule, m, v, times, cpu, busy_s=busy[1:], torch_version=torch.__version__))
+        rows.append(
+            _measured(schedule, m, v, times, cpu, split, busy_s=busy[1:], torch_version=torch.__version__)
+        )
     dist.barrier()
     dist.destroy_process_group()
     print(json.dumps(rows), flush=True)
 
 
 def _measured(
-    schedule: str, m: int, v: int, times: list[float], cpu: list[float], **more: Any
+    schedule: str, m: int, v: int, times: list[float], cpu: list[float], split: bool, **more: Any
 ) -> dict[str, Any]:
     """One rank's measurements of one configuration (its first, warm-up step left out)."""
-    return {"schedule": schedule, "m": m, "v": v, "step_s": times[1:], "cpu_s": cpu[1:], **more}
+    return {
+        "schedule": schedule,
+        "m": m,
+        "v": v,
+        "split_rank_work": split,
+        "step_s": times[1:],
+        "cpu_s": cpu[1:],
+        **more,
+    }
 
 
-def _configs(args: argparse.Namespace) -> list[tuple[str, int, int | None, int]]:
-    """The (schedule, chunks per rank, microbatch group, microbatches) this run measures."""
+def _configs(args: argparse.Namespace) -> list[tuple[str, int, int | None, bool, int]]:
+    """The (schedule, chunks per rank, microbatch group, split_rank_work, microbatches) this run measures."""
     return [
-        (schedule, v, group, m)
-        for schedule, v, group in CONFIGS
+        (schedule, v, group, split, m)
+        for schedule, v, group, split in CONFIGS
         if schedule in args.schedules.split(",")
         for m in [int(x) for x in args.microbatches.split(",")]
         if not ((schedule != "gpipe" and m < P) or (group is not None and m % group))
     ]
+
+
+def _stage_ms(args: argparse.Namespace, v: int, split: bool) -> float:
+    """Each stage's (chunk's) compute per microbatch, forward and backward each."""
+    return args.compute_ms / v if split else args.compute_ms
 
 
 def cold_code_s(rounds: int = 50) -> float:
@@ -280,7 +301,9 @@ def _span(durations: dict[str, float], action: Any) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--compute-ms", type=float, default=20.0)
+    parser.add_argument(
+        "--compute-ms", type=float, default=20.0, help="each stage's forward (and backward) per microbatch"
+    )
     parser.add_argument("--microbatches", default="2,4,8,16")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b", help="comma-separated")
@@ -308,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="paramplane-pipeline-trace-") as trace:
         env = dict(os.environ, PARAMPLANE_TRACE=trace)
         per_rank = run_ranks(lambda _r: [*cmd, "--worker", "paramplane"], P, env, what="pipeline benchmark")
-    peer: dict[tuple[str, int], dict[str, Any]] = {}
+    peer: dict[tuple[str, int, bool], dict[str, Any]] = {}
     if not args.no_torch and importlib.util.find_spec("torch") is not None:
         with tempfile.TemporaryDirectory(prefix="paramplane-pipeline-torch-") as tmp:
             store = ["--worker", "torch", "--store", os.path.join(tmp, "store")]
@@ -317,11 +340,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         for rows in zip(*torch_ranks):
             row = _torch_row(rows, args)
-            peer[(row["schedule"], row["m"])] = row
+            peer[(row["schedule"], row["m"], row["split_rank_work"])] = row
     lines = []
     for rows in zip(*per_rank):
         row = _row(rows, args)
-        theirs = peer.get((row["schedule"], row["m"])) if row["microbatch_group"] is None else None
+        key = (row["schedule"], row["m"], row["split_rank_work"])
+        theirs = peer.get(key) if row["microbatch_group"] is None else None
         if theirs is not None:
             row["torch_measured_over_theory"] = theirs["measured_over_theory"]
             row["bubble_over_torch"] = row["bubble_measured"] / theirs["bubble_measured"]
@@ -353,6 +377,8 @@ def _row(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> dict[str, 
         "m": m,
         "v": v,
         "compute_ms": args.compute_ms,
+        "split_rank_work": first["split_rank_work"],
+        "stage_ms": _stage_ms(args, v, first["split_rank_work"]),
         "step_s": step,
         "bubble_measured": measured,
         "bubble_nominal": 1.0 - first["compute_s"] / step,
@@ -386,6 +412,8 @@ def _torch_row(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> dict
         "m": m,
         "v": v,
         "compute_ms": args.compute_ms,
+        "split_rank_work": first["split_rank_work"],
+        "stage_ms": _stage_ms(args, v, first["split_rank_work"]),
         "step_s": float(np.median([max(r["step_s"][i] for r in rows) for i in range(len(bubble))])),
         "bubble_measured": measured,
         "bubble_theory": theory,

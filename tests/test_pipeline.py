@@ -214,16 +214,25 @@ def test_bubble_benchmark_measures_idle_from_the_traced_compute(tmp_path: Path) 
     assert proc.returncode == 0, proc.stderr[-3000:]
     every = [json.loads(line) for line in out.read_text().splitlines()]
     rows = [r for r in every if r["impl"] == "paramplane"]
-    configs = {(s, None, m) for s in schedules.SCHEDULES for m in (2, 4)} | {("interleaved_1f1b", 4, 4)}
-    assert {(r["schedule"], r["microbatch_group"], r["m"]) for r in rows} == configs
-    peer = {(r["schedule"], r["m"]): r for r in every if r["impl"] == "torch"}
+    # Every stage computes 4 ms, a chunk of an interleaved rank too, and once more with a rank's 4 ms split.
+    split = {("interleaved_1f1b", None, True, m) for m in (2, 4)}
+    configs = {(s, None, False, m) for s in schedules.SCHEDULES for m in (2, 4)} | split
+    configs.add(("interleaved_1f1b", 4, False, 4))
+    assert {(r["schedule"], r["microbatch_group"], r["split_rank_work"], r["m"]) for r in rows} == configs
+    for r in rows:
+        assert r["stage_ms"] == (2.0 if r["split_rank_work"] else 4.0), r
+    peer = {(r["schedule"], r["m"], r["split_rank_work"]): r for r in every if r["impl"] == "torch"}
     if importlib.util.find_spec("torch") is not None:
         # The peer ran the same schedules (torch has no microbatch group) and is measured the same way.
-        assert set(peer) == {(s, m) for s in schedules.SCHEDULES for m in (2, 4)}
-        for (schedule, m), t in peer.items():
+        assert set(peer) == {(s, m, split_work) for s, g, split_work, m in configs if g is None}
+        for (schedule, m, split_work), t in peer.items():
             assert 0 < t["bubble_measured"] < 1 and t["measured_over_theory"] > 0.5, t
+            assert t["stage_ms"] == (2.0 if split_work else 4.0), t
             ours = next(
-                r for r in rows if (r["schedule"], r["m"], r["microbatch_group"]) == (schedule, m, None)
+                r
+                for r in rows
+                if (r["schedule"], r["m"], r["microbatch_group"], r["split_rank_work"])
+                == (schedule, m, None, split_work)
             )
             assert ours["bubble_over_torch"] == pytest.approx(ours["bubble_measured"] / t["bubble_measured"])
     else:
@@ -242,15 +251,16 @@ def test_bubble_benchmark_measures_idle_from_the_traced_compute(tmp_path: Path) 
         assert r["runtime_ms_per_step"] > -1.0, r
         assert r["poll_us"] == 0 and r["cpu_ms_per_step"] > 0, r
     peak = {
-        (r["schedule"], r["microbatch_group"]): r["peak_activation_sets_first_stage"]
+        (r["schedule"], r["microbatch_group"], r["split_rank_work"]): r["peak_activation_sets_first_stage"]
         for r in rows
         if r["m"] == 4
     }
     assert peak == {
-        ("gpipe", None): 4,
-        ("1f1b", None): 2,
-        ("interleaved_1f1b", None): 5,
-        ("interleaved_1f1b", 4): 7,
+        ("gpipe", None, False): 4,
+        ("1f1b", None, False): 2,
+        ("interleaved_1f1b", None, False): 5,
+        ("interleaved_1f1b", 4, False): 7,
+        ("interleaved_1f1b", None, True): 5,
     }
 
 
