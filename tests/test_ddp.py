@@ -169,9 +169,10 @@ def test_buckets_reverse_order_by_dtype_and_size() -> None:
         assign_buckets(params, 0)
 
 
-@pytest.mark.parametrize("mode", ["mismatch", "sum_untouched"])
+@pytest.mark.parametrize("mode", ["mismatch", "sum_untouched", "buffers"])
 def test_ddp_edges(mode: str) -> None:
-    """Ranks wrapping different models fail at wrap time; a "sum" reduction keeps an untouched gradient."""
+    """Ranks wrapping different models fail at wrap time; a "sum" reduction keeps an untouched gradient; buffers
+    follow rank 0 on training forwards only outside no_sync."""
     from _world import run_world
 
     world = run_world(2, "ddp_edges.py", args=[mode], env={"PARAMPLANE_TIMEOUT": "30"}, timeout=60)

@@ -303,10 +303,22 @@ class DDP:
 
     # -- pass-through ------------------------------------------------------------------------------
     def forward(self, x: Any) -> Any:
-        """``module.forward(x)``; first re-broadcasts buffers from rank 0 when ``broadcast_buffers``."""
-        if self.broadcast_buffers and self.module.training and self.group.size > 1:
+        """``module.forward(x)``; first re-broadcasts buffers from rank 0 when ``broadcast_buffers``, in training
+        mode, outside ``no_sync`` (and, for a torch module, with grad enabled), as torch DDP does."""
+        if self._syncs_buffers():
             self._broadcast_buffers()
         return self.module(x) if self._torch else self.module.forward(x)
+
+    def _syncs_buffers(self) -> bool:
+        if not (
+            self.broadcast_buffers and self.module.training and not self._no_sync and self.group.size > 1
+        ):
+            return False
+        if self._torch:
+            import torch
+
+            return bool(torch.is_grad_enabled())
+        return True
 
     def __call__(self, x: Any) -> Any:
         return self.forward(x)

@@ -4,6 +4,7 @@
 naming the parameter when DDP wraps them, before any training; different numbers of parameters likewise.
 ``sum_untouched``: with ``reduce_op="sum"`` and no zero_grad between synchronised rounds, a parameter that gets
 no gradient in the second round keeps the first round's sum (not that sum once per rank).
+``buffers``: a forward re-broadcasts rank 0's buffers only in training mode outside ``no_sync`` (as torch DDP).
 """
 
 from __future__ import annotations
@@ -49,5 +50,33 @@ def sum_untouched(world: Any, rep: Report) -> None:
     rep.equal("touched once, then kept", m.b.grad, np.full(3, 1.0 * n))
 
 
+class WithBuffer(Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = Parameter(np.ones(3))
+        self.register_buffer("stat", np.zeros(3))
+
+    def forward(self, x: Any) -> Any:
+        return x * self.w.data
+
+
+def buffers(world: Any, rep: Report) -> None:
+    m = WithBuffer()
+    ddp = pp.DDP(m, world.group)
+    mine = float(10 + world.rank)
+    m.stat[...] = mine
+    with ddp.no_sync():
+        ddp.forward(np.ones(3))
+    rep.equal("no_sync forward leaves the buffers", m.stat, np.full(3, mine))
+    m.eval()
+    ddp.forward(np.ones(3))
+    rep.equal("eval forward leaves the buffers", m.stat, np.full(3, mine))
+    m.train()
+    ddp.forward(np.ones(3))
+    rep.equal("training forward takes rank 0's buffers", m.stat, np.full(3, 10.0))
+
+
+MODES = {"mismatch": mismatch, "sum_untouched": sum_untouched, "buffers": buffers}
+
 if __name__ == "__main__":
-    run_rank(mismatch if sys.argv[1] == "mismatch" else sum_untouched)
+    run_rank(MODES[sys.argv[1]])
