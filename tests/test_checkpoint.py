@@ -46,6 +46,26 @@ def test_manifest_records_every_piece(saved: Path) -> None:
     assert not list((saved / "step_3").glob(".rank-*")), "per-rank lists are removed at commit"
 
 
+def test_each_rank_writes_one_data_file(saved: Path) -> None:
+    """One data file per rank (not one per piece), nothing else but the manifest; each piece at an aligned
+    offset inside it, none overlapping another."""
+    folder = saved / "step_3"
+    m = read_manifest(folder)
+    assert m["format"] == 2
+    names = [f"rank-{r}.data" for r in range(4)]
+    assert sorted(p.name for p in folder.iterdir()) == sorted([*names, "manifest.json"])
+    spans: dict[str, list[tuple[int, int]]] = {name: [] for name in names}
+    for entry in m["arrays"].values():
+        size = np.dtype(entry["dtype"]).itemsize
+        for rec in entry["pieces"]:
+            assert rec["offset"] % 64 == 0, rec
+            spans[rec["file"]].append((rec["offset"], rec["offset"] + (rec["stop"] - rec["start"]) * size))
+    for name, used in spans.items():
+        used.sort()
+        assert used and all(b <= c for (_, b), (c, _) in itertools.pairwise(used)), name
+        assert used[-1][1] == (folder / name).stat().st_size, name
+
+
 @pytest.mark.parametrize(
     ("n", "strategy", "hosts"),
     [
@@ -109,12 +129,13 @@ def test_inspect_consolidate_corruption_and_prune(saved: Path, tmp_path: Path) -
     full, want = np.load(npz), np.load(saved / "saved_model.npz")
     for key in want.files:
         assert np.array_equal(full[f"model/{key}"], want[key]), key
-    # One flipped byte in one shard file: caught by its checksum.
+    # One flipped byte inside one piece of a rank's data file: caught by that piece's checksum.
     broken = tmp_path / "broken" / "step_3"
     shutil.copytree(saved / "step_3", broken)
-    victim = sorted(broken.glob("model__0.weight.*.npy"))[0]
+    rec = min(read_manifest(broken)["arrays"]["model/0.weight"]["pieces"], key=lambda p: p["start"])
+    victim = broken / rec["file"]
     data = bytearray(victim.read_bytes())
-    data[-1] ^= 0xFF
+    data[rec["offset"] + 8] ^= 0xFF  # in its second float64
     victim.write_bytes(bytes(data))
     out = subprocess.run(
         [*cli, "consolidate", str(broken), str(tmp_path / "x.npz")],
@@ -122,7 +143,25 @@ def test_inspect_consolidate_corruption_and_prune(saved: Path, tmp_path: Path) -
         text=True,
         timeout=60,
     )
-    assert out.returncode == 1 and "corrupted" in out.stderr, out
+    assert out.returncode == 1 and f"{victim} is corrupted" in out.stderr, out
+    assert "'model/0.weight'[0:" in out.stderr, out
+    # A data file cut short, or missing: a CheckpointError naming it, not a crash (the files are mmapped).
+    victim.write_bytes(bytes(data[: rec["offset"] + 4]))
+    out = subprocess.run(
+        [*cli, "consolidate", str(broken), str(tmp_path / "x.npz")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1 and f"{victim} is truncated" in out.stderr, out
+    victim.unlink()
+    out = subprocess.run(
+        [*cli, "consolidate", str(broken), str(tmp_path / "x.npz")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1 and f"{victim} cannot be read" in out.stderr, out
     # prune keeps the newest K complete checkpoints; a directory without a manifest is not one.
     root = tmp_path / "many"
     for i in range(3):
@@ -194,3 +233,30 @@ def test_sync_fills_non_contiguous_targets(tmp_path: Path) -> None:
 
 def test_a_damaged_file_one_rank_needs_fails_every_rank_before_any_change(tmp_path: Path) -> None:
     _edge_case(2, "crc", tmp_path)
+
+
+def test_a_checkpoint_of_the_previous_layout_loads(tmp_path: Path) -> None:
+    """Format 1 (one .npy file per piece, records without an offset) loads, reshards and consolidates to the
+    same arrays as the checkpoint it was made from."""
+    _edge_case(2, "old", tmp_path)
+    assert read_manifest(tmp_path / "old")["format"] == 1
+    full = {}
+    for name in ("new", "old"):
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "paramplane.checkpoint",
+                "consolidate",
+                str(tmp_path / name),
+                str(tmp_path / f"{name}.npz"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        full[name] = np.load(tmp_path / f"{name}.npz")
+    assert sorted(full["old"].files) == sorted(full["new"].files) and "h" in full["old"].files
+    for key in full["new"].files:
+        assert np.array_equal(full["old"][key], full["new"][key]), key

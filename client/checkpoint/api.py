@@ -1,30 +1,32 @@
 """Sharded, atomic checkpoints that reshard: ``save``, ``save_async``, ``load``, ``latest``, ``prune``.
 
 A checkpoint is a directory on a filesystem every rank sees. Each rank writes only what it owns
-as ``.npy`` files (FSDP shards and optimizer-state shards, one file per piece, named by the key, a
-hash of the exact key and the flat range; replicated state once, by group rank 0), each to a
-temporary name, fsynced and renamed, then fsyncs the directory and writes a small
-``.rank-<r>.json`` listing its pieces with a CRC32 each and the save's id (chosen by group rank 0
-for this attempt; rank 0 first removes lists and error reports a crashed attempt left, and lists
-of another id never count). Group rank 0 waits for every rank's list, writes ``manifest.json``
-(every array's global shape, dtype and the flat ranges each file holds; plain values; who wrote
-it) to a temporary name, fsyncs it and renames it into place: that rename commits the checkpoint.
+(FSDP shards and optimizer-state shards; replicated state once, by group rank 0) into one data file,
+``rank-<r>.data``: its pieces back to back as raw bytes, each at an offset aligned to 64 bytes,
+written to a temporary name, fsynced once and renamed; then it fsyncs the directory and writes a
+small ``.rank-<r>.json`` listing its pieces (key, flat range, file, byte offset, CRC32) and the
+save's id (chosen by group rank 0 for this attempt; rank 0 first removes the lists, error reports,
+data files and temporaries a crashed attempt left, and lists of another id never count). Group rank 0
+waits for every rank's list, writes ``manifest.json`` (every array's global shape, dtype and the
+pieces that hold it; plain values; who wrote it) to a temporary name, fsyncs it and renames it into
+place: that rename commits the checkpoint.
 A directory without a manifest is not a checkpoint, so a save killed half way leaves the previous
 one as ``latest()``. A rank whose writing fails leaves ``.rank-<r>.error``; the other ranks' waits
 see it and raise ``SaveFailed`` (a CheckpointError) naming that rank and its error at once.
 
 Plain values are copied through JSON while staging, on every rank before any collective returns
 (so ``save_async``'s caller may change them afterwards); one JSON cannot hold fails every rank with
-CheckpointError naming the key. Numpy scalars (``np.float64(0.1)``) are plain values. Dtypes
-``.npy`` cannot describe (bfloat16) are stored as same-size unsigned ints and read back as the
-manifest's dtype.
+CheckpointError naming the key. Numpy scalars (``np.float64(0.1)``) are plain values. The data files
+hold raw bytes: the manifest's dtype (bfloat16 too) decides how they are read back.
 
 ``load`` reads the manifest, checks every key, global shape and dtype on every rank, then each rank
-opens and CRC-checks every file holding the ranges it owns now and checks they are covered (any
-problem on any rank fails every rank before anything is modified); then each rank copies those
-ranges in, from whichever files hold them, so a checkpoint written by N ranks loads on M.
-Arrays whose flat view is a copy (non-contiguous) are filled through a buffer copied back.
-Nothing is unpickled: ``np.load(..., allow_pickle=False)``.
+memory-maps every file holding the ranges it owns now, CRC-checks every piece it will read and checks
+they are covered (a missing, truncated or corrupted file, or any other problem on any rank, fails every
+rank before anything is modified); then each rank copies those ranges in, from whichever pieces hold
+them, so a checkpoint written by N ranks loads on M. Arrays whose flat view is a copy (non-contiguous)
+are filled through a buffer copied back. Checkpoints of format 1 (one ``.npy`` file per piece, records
+without an offset; bfloat16 stored as same-size unsigned ints) load as before. Nothing is unpickled:
+``np.load(..., allow_pickle=False)``.
 
 What ``state`` may hold: objects with ``sharded_state_dict()`` / ``load_sharded_state_dict()``
 (``pp.FSDP``, ``pp.optim`` optimizers), objects with ``state_dict()`` / ``load_state_dict()``
@@ -49,13 +51,13 @@ from paramplane.checkpoint.files import (
     CheckpointError,
     SaveFailed,
     _check_failures,
-    _crc,
-    _file_name,
+    _data_file_name,
     _fsync_dir,
     _Reader,
+    _remove_leftovers,
     _report_failure,
+    _write_data_file,
     _write_json,
-    _write_npys,
 )
 from paramplane.group import ProcessGroup
 from paramplane.node.arrays import DTYPES, array_module, dtype_name, from_foreign, is_device, to_host
@@ -65,7 +67,8 @@ from paramplane.parallel.sharding import ShardedArray
 from paramplane.parallel.torch_params import is_torch_module
 
 MANIFEST = "manifest.json"
-FORMAT = 1
+FORMAT = 2  # 2: one data file per rank, records with a byte offset; 1: one .npy file per piece
+READABLE = (1, 2)
 # Tests: "<rank>@<checkpoint folder name>" exits that rank after its shards of that save, before the commit.
 _CRASH_ENV = "PARAMPLANE_TEST_CRASH_IN_SAVE"
 
@@ -243,8 +246,7 @@ def save_async(
     to_write = {k: a for k, a in arrays.items() if first.get((k, a.start, a.stop)) == group.rank}
     if group.rank == 0:
         target.mkdir(parents=True, exist_ok=True)
-        for leftover in target.glob(".rank-*"):  # lists and errors of an earlier, crashed attempt
-            leftover.unlink(missing_ok=True)
+        _remove_leftovers(target)  # lists, errors, data files and temporaries of a crashed attempt
     group.barrier()
     meta = {"format": FORMAT, "world_size": group.size, "save_id": save_id, "values": values, "arrays": kinds}
     errors: list[BaseException] = []
@@ -256,17 +258,21 @@ def save_async(
     def write() -> None:
         start = time.monotonic()
         try:
-            records, files = [], []
-            for key, piece in to_write.items():
-                name = _file_name(key, piece.start, piece.stop)
-                crc = _crc(piece.local)
-                records.append(
-                    {"key": key, "start": piece.start, "stop": piece.stop, "file": name, "crc32": crc}
-                )
-                files.append((target / name, piece.local))
-            _write_npys(files)
-            if records:
-                _fsync_dir(target)  # the data files' names are durable before any list or the manifest
+            name, records = _data_file_name(group.rank), []
+            if to_write:
+                placed = _write_data_file(target / name, [piece.local for piece in to_write.values()])
+                for (key, piece), (offset, crc) in zip(to_write.items(), placed, strict=True):
+                    records.append(
+                        {
+                            "key": key,
+                            "start": piece.start,
+                            "stop": piece.stop,
+                            "file": name,
+                            "offset": offset,
+                            "crc32": crc,
+                        }
+                    )
+                _fsync_dir(target)  # the data file's name is durable before any list or the manifest
             if os.environ.get(_CRASH_ENV) == f"{group.rank}@{target.name}":
                 os._exit(17)
             _write_json(
@@ -352,9 +358,10 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not file.is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MANIFEST}; an interrupted save?)")
     manifest: dict[str, Any] = json.loads(file.read_text())
-    if manifest.get("format") != FORMAT:
+    if manifest.get("format") not in READABLE:
         raise CheckpointError(
-            f"{path}: checkpoint format {manifest.get('format')!r}, this paramplane reads {FORMAT}"
+            f"{path}: checkpoint format {manifest.get('format')!r}, this paramplane reads "
+            f"{', '.join(map(str, READABLE))}"
         )
     return manifest
 

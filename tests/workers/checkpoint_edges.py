@@ -1,22 +1,27 @@
 """Checkpoint edge cases (see tests/test_checkpoint.py). Usage: ``checkpoint_edges.py MODE DIR``.
 
-retry     a save into the directory of a crashed attempt (its per-rank lists and an error file left behind)
-          commits only with this attempt's lists, and loads back.
+retry     a save into the directory of a crashed attempt (its per-rank lists, an error file, data files and
+          a temporary left behind) commits only with this attempt's lists and files, and loads back.
 fail_io   rank 1 cannot write (ENOSPC): every rank fails at once, rank 0 naming rank 1 and the error.
 fail_json a plain value JSON cannot hold: every rank raises CheckpointError naming the key, nothing written.
 values    save_async copies plain values; numpy scalars are plain values; a non-contiguous target loads.
-bf16      bfloat16 arrays round-trip (stored as uint16 files).
-fsync     every data file is fsynced before it is renamed into place, and the directory before the commit.
-names     keys that make the same safe file name ("lr sched", "lr_sched") keep separate files.
+bf16      bfloat16 arrays round-trip (their raw bytes in the data file, read back as the manifest's dtype).
+fsync     the rank's one data file is fsynced before it is renamed into place, the directory before the commit.
+names     keys that make the same safe file name ("lr sched", "lr_sched") keep separate pieces.
 sync      live sync fills non-contiguous targets (small ones, packed, and large ones, sent alone).
-crc       a damaged file only rank 1 reads: every rank refuses the load before modifying anything.
+crc       a flipped byte in one piece only rank 1 reads, then a truncated data file: every rank refuses the
+          load before modifying anything.
+old       a checkpoint in the previous layout (format 1: one .npy file per piece, records without an offset,
+          bfloat16 as uint16) loads, resharded, into FSDP + AdamW and plain arrays; a damaged one is refused.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -42,48 +47,67 @@ def _piece(world: Any, fill: float) -> ShardedArray:
 
 def retry(world: Any, rep: Report, root: Path) -> None:
     g, path = world.group, root / "step_2"
-    if world.rank == 0:  # what a crashed attempt left: both ranks' lists and a stale error report
+    if world.rank == 0:  # what a crashed attempt (of 4 ranks) left: lists, an error, data files, a temporary
         path.mkdir(parents=True)
         stale = {
             "meta": None,
-            "pieces": [{"key": "w", "start": 5, "stop": 10, "file": "gone.npy", "crc32": 0}],
+            "pieces": [{"key": "w", "start": 5, "stop": 10, "file": "rank-1.data", "offset": 0, "crc32": 0}],
         }
         (path / ".rank-1.json").write_text(json.dumps({**stale, "save_id": "old"}))
         (path / ".rank-1.error").write_text(json.dumps({"save_id": "old", "rank": 1, "error": "old"}))
+        for name in (
+            "rank-1.data",
+            "rank-3.data",
+            ".rank-2.data.0badf00d.tmp",
+            ".manifest.json.0badf00d.tmp",
+        ):
+            (path / name).write_bytes(b"stale" * 20)
     g.barrier()
     if world.rank == 1:  # a slow disk: rank 0 must wait for this rank's list, not commit with the stale one
-        real = np.save
+        real = os.fsync
 
-        def slow_save(*args: Any, **kwargs: Any) -> Any:
+        def slow_fsync(fd: int) -> None:  # its data file's: the first
+            os.fsync = real
             deadline = time.monotonic() + 1.0
             while time.monotonic() < deadline and not (path / "manifest.json").exists():
                 time.sleep(0.01)
             rep.check("no commit before rank 1 wrote its pieces", not (path / "manifest.json").exists())
-            return real(*args, **kwargs)
+            real(fd)
 
-        np.save = slow_save  # type: ignore[assignment]
-    pp.checkpoint.save({"w": _piece(world, 0.5), "step": 2}, path, g)
+        os.fsync = slow_fsync
+    try:
+        pp.checkpoint.save({"w": _piece(world, 0.5), "step": 2}, path, g)
+    finally:
+        if world.rank == 1:
+            os.fsync = real
     target = _piece(world, -100.0)
     got = pp.checkpoint.load({"w": target, "step": 0}, path, g)
     rep.equal("loaded this attempt's pieces", target.local, _piece(world, 0.5).local)
     rep.check("values", got["step"] == 2, str(got))
-    rep.check("no list or error left", not list(path.glob(".rank-*")), str(list(path.iterdir())))
+    left = sorted(p.name for p in path.iterdir())
+    rep.check(
+        "only this attempt's files left", left == ["manifest.json", "rank-0.data", "rank-1.data"], str(left)
+    )
 
 
 def fail_io(world: Any, rep: Report, root: Path) -> None:
-    if world.rank == 1:
+    real = os.fsync
+    if world.rank == 1:  # its data file's writeback fails
 
-        def full(*args: Any, **kwargs: Any) -> Any:
+        def full(fd: int) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        np.save = full  # type: ignore[assignment]
+        os.fsync = full
     start = time.monotonic()
-    exc = rep.raises(
-        "every rank fails",
-        pp.checkpoint.CheckpointError if world.rank == 0 else OSError,
-        lambda: pp.checkpoint.save({"w": _piece(world, 0.0), "step": 1}, root / "s", world.group),
-        *(["group rank 1", "No space left on device"] if world.rank == 0 else []),
-    )
+    try:
+        exc = rep.raises(
+            "every rank fails",
+            pp.checkpoint.CheckpointError if world.rank == 0 else OSError,
+            lambda: pp.checkpoint.save({"w": _piece(world, 0.0), "step": 1}, root / "s", world.group),
+            *(["group rank 1", "No space left on device"] if world.rank == 0 else []),
+        )
+    finally:
+        os.fsync = real
     rep.values["error"] = f"{type(exc).__name__}: {exc}"
     rep.check("at once, not after the group timeout", time.monotonic() - start < 10.0)
     rep.check("nothing committed", not (root / "s" / "manifest.json").exists())
@@ -134,8 +158,11 @@ def values(world: Any, rep: Report, root: Path) -> None:
 def bf16(world: Any, rep: Report, root: Path) -> None:
     w = (np.arange(6) / 3).astype(ml_dtypes.bfloat16)
     pp.checkpoint.save({"w": w}, root / "s", world.group)
-    (rec,) = pp.checkpoint.read_manifest(root / "s")["arrays"]["w"]["pieces"]
-    rep.check("stored as uint16", np.load(root / "s" / rec["file"]).dtype == np.uint16)
+    entry = pp.checkpoint.read_manifest(root / "s")["arrays"]["w"]
+    (rec,) = entry["pieces"]
+    raw = (root / "s" / rec["file"]).read_bytes()[rec["offset"] : rec["offset"] + 12]
+    rep.check("its raw bytes, read as the manifest's dtype", entry["dtype"] == "bfloat16", str(entry))
+    rep.equal("the bytes in the data file", np.frombuffer(raw, np.uint16), w.view(np.uint16))
     target = np.zeros(6, ml_dtypes.bfloat16)
     pp.checkpoint.load({"w": target}, root / "s", world.group)
     rep.equal("bfloat16 round trip", target, w)
@@ -158,8 +185,10 @@ def fsync(world: Any, rep: Report, root: Path) -> None:
         pp.checkpoint.save({"w": np.arange(1000.0), "b": np.ones(3), "step": 1}, root / "s", world.group)
     finally:
         os.fsync, os.replace = real_fsync, real_replace  # type: ignore[assignment]
-    data = [p.name for p in (root / "s").glob("*.npy")]
-    rep.check("two data files", len(data) == 2, str(data))
+    data = [p.name for p in (root / "s").iterdir() if p.name != "manifest.json"]
+    rep.check("one data file for the rank's two arrays", data == ["rank-0.data"], str(data))
+    synced = [t for k, t in events if k == "fsync" and ".data." in t]
+    rep.check("fsynced once", len(synced) == 1, str(events))
     commit = next(i for i, (k, t) in enumerate(events) if k == "rename" and t.endswith("/manifest.json"))
     for name in data:
         renamed = [i for i, (k, t) in enumerate(events) if k == "rename" and t.endswith(f"/{name}")]
@@ -173,7 +202,7 @@ def fsync(world: Any, rep: Report, root: Path) -> None:
             bool(renamed and synced) and synced[0] < renamed[0] < commit,
             str(events),
         )
-    last = max(i for i, (k, t) in enumerate(events) if k == "rename" and t.endswith(".npy"))
+    last = max(i for i, (k, t) in enumerate(events) if k == "rename" and t.endswith(".data"))
     rep.check(
         "directory fsynced after the data files",
         any(k == "fsync" and t == str(root / "s") for k, t in events[last:commit]),
@@ -183,6 +212,9 @@ def fsync(world: Any, rep: Report, root: Path) -> None:
 
 def names(world: Any, rep: Report, root: Path) -> None:
     pp.checkpoint.save({"lr sched": np.arange(4.0), "lr_sched": np.ones(4)}, root / "s", world.group)
+    arrays = pp.checkpoint.read_manifest(root / "s")["arrays"]
+    places = {(p["file"], p["offset"]) for a in arrays.values() for p in a["pieces"]}
+    rep.check("two pieces at different offsets", len(places) == 2, str(places))
     a, b = np.zeros(4), np.zeros(4)
     pp.checkpoint.load({"lr sched": a, "lr_sched": b}, root / "s", world.group)
     rep.equal("lr sched", a, np.arange(4.0))
@@ -215,10 +247,14 @@ def crc(world: Any, rep: Report, root: Path) -> None:
     opt.zero_grad()
     pp.checkpoint.save({"model": fsdp, "optim": opt}, root / "s", g)
     if world.rank == 0:  # the bias's state lies in rank 1's half of the flat shard
-        (victim,) = (root / "s").glob("optim__state.0.bias.exp_avg.*.npy")
+        shutil.copytree(root / "s", root / "t")
+        (rec,) = pp.checkpoint.read_manifest(root / "s")["arrays"]["optim/state.0.bias.exp_avg"]["pieces"]
+        victim = root / "s" / rec["file"]
         data = bytearray(victim.read_bytes())
-        data[-1] ^= 0xFF
+        data[rec["offset"] + 8 * (rec["stop"] - rec["start"]) - 1] ^= 0xFF  # its last byte
         victim.write_bytes(bytes(data))
+        with open(root / "t" / "rank-1.data", "r+b") as f:  # a data file cut short (a full disk, a copy)
+            f.truncate(f.seek(0, os.SEEK_END) - 1)
     g.barrier()
     fresh = pp.FSDP(Sequential(Linear(4, 4, dtype=np.float64, rng=np.random.default_rng(9))), g)
     fresh_opt = AdamW(fresh.parameters(), lr=0.5)
@@ -228,6 +264,18 @@ def crc(world: Any, rep: Report, root: Path) -> None:
         pp.checkpoint.CheckpointError,
         lambda: pp.checkpoint.load({"model": fresh, "optim": fresh_opt}, root / "s", g),
         "corrupted",
+        "rank-1.data",
+        "optim/state.0.bias.exp_avg",
+        "nothing was modified",
+        "group rank 1",
+    )
+    rep.equal("model unchanged", fresh.units[0].shard.data, before)
+    rep.check("optimizer unchanged", not fresh_opt.state and fresh_opt.lr == 0.5, str(fresh_opt.state))
+    rep.raises(
+        "a truncated data file: every rank refuses",
+        pp.checkpoint.CheckpointError,
+        lambda: pp.checkpoint.load({"model": fresh, "optim": fresh_opt}, root / "t", g),
+        "rank-1.data is truncated",
         "nothing was modified",
         "group rank 1",
     )
@@ -235,10 +283,91 @@ def crc(world: Any, rep: Report, root: Path) -> None:
     rep.check("optimizer unchanged", not fresh_opt.state and fresh_opt.lr == 0.5, str(fresh_opt.state))
 
 
+def _old_file_name(key: str, start: int, stop: int) -> str:
+    """How the previous version named a piece's .npy file."""
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in key.replace("/", "__"))[:120]
+    digest = hashlib.blake2s(key.encode(), digest_size=4).hexdigest()
+    return f"{safe}.{digest}.{start}-{stop}.npy"
+
+
+def _to_old_layout(new: Path, old: Path) -> None:
+    """Rewrite the checkpoint at ``new`` as the previous version wrote it: format 1, every piece in a .npy file
+    of its own (dtypes np.save cannot write, bfloat16, as same-size unsigned ints), records without offset."""
+    old.mkdir()
+    manifest = pp.checkpoint.read_manifest(new)
+    for key, entry in manifest["arrays"].items():
+        dtype = np.dtype(ml_dtypes.bfloat16) if entry["dtype"] == "bfloat16" else np.dtype(entry["dtype"])
+        for rec in entry["pieces"]:
+            count = rec["stop"] - rec["start"]
+            piece = np.fromfile(new / rec.pop("file"), dtype, count, offset=rec.pop("offset"))
+            name = _old_file_name(key, rec["start"], rec["stop"])
+            stored = piece if piece.dtype.kind in "biufc" else piece.view(np.dtype(f"u{dtype.itemsize}"))
+            np.save(old / name, stored, allow_pickle=False)
+            rec["file"] = name
+    (old / "manifest.json").write_text(json.dumps({**manifest, "format": 1}))
+
+
+def old(world: Any, rep: Report, root: Path) -> None:
+    g = world.group
+    fsdp = pp.FSDP(Sequential(Linear(4, 4, dtype=np.float64, rng=np.random.default_rng(1))), g)
+    opt = AdamW(fsdp.parameters(), lr=0.01)
+    fsdp.attach(opt)
+    y = fsdp(np.ones((2, 4)))
+    fsdp.backward(np.ones_like(y))
+    opt.step()
+    opt.zero_grad()
+    h = (np.arange(6) / 3).astype(ml_dtypes.bfloat16)
+    state = {"model": fsdp, "optim": opt, "w": _piece(world, 0.5), "h": h, "step": 4}
+    pp.checkpoint.save(state, root / "new", g)
+    if world.rank == 0:
+        _to_old_layout(root / "new", root / "old")
+    g.barrier()
+    files = sorted(p.suffix for p in (root / "old").iterdir())
+    rep.check(
+        "the old layout", files == [".json"] + [".npy"] * (len(files) - 1) and len(files) > 6, str(files)
+    )
+    records = [r for a in pp.checkpoint.read_manifest(root / "old")["arrays"].values() for r in a["pieces"]]
+    rep.check("records without an offset", not any("offset" in r for r in records), str(records))
+    fresh = pp.FSDP(Sequential(Linear(4, 4, dtype=np.float64, rng=np.random.default_rng(9))), g)
+    fresh_opt = AdamW(fresh.parameters(), lr=0.5)
+    # w resharded: saved as halves [0, 5) and [5, 10), loaded as [0, 7) and [7, 10).
+    a, b = (0, 7) if world.rank == 0 else (7, 10)
+    w, h_back = ShardedArray((10,), a, np.zeros(b - a)), np.zeros(6, ml_dtypes.bfloat16)
+    got = pp.checkpoint.load(
+        {"model": fresh, "optim": fresh_opt, "w": w, "h": h_back, "step": 0}, root / "old", g
+    )
+    rep.check("plain values", got["step"] == 4, str(got))
+    rep.equal("w resharded", w.local, np.arange(a, b, dtype=np.float64) + 0.5)
+    rep.equal("bfloat16 from uint16 files", h_back, h)
+    now = fresh.state_dict()
+    for key, value in fsdp.state_dict().items():
+        rep.equal(f"model {key}", now[key], value)
+    for i, s in opt.state.items():
+        for name, value in s.items():
+            if isinstance(value, np.ndarray):
+                rep.equal(f"optimizer {i} {name}", fresh_opt.state[i][name], value)
+    rep.check("lr", fresh_opt.lr == 0.01, str(fresh_opt.lr))
+    if world.rank == 0:  # a flipped byte in an old-layout file is still caught by its checksum
+        shutil.copytree(root / "old", root / "damaged")
+        victim = root / "damaged" / _old_file_name("w", 5, 10)
+        data = bytearray(victim.read_bytes())
+        data[-1] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    g.barrier()
+    rep.raises(
+        "a damaged old-layout file",
+        pp.checkpoint.CheckpointError,
+        lambda: pp.checkpoint.load({"w": ShardedArray((10,), a, np.zeros(b - a))}, root / "damaged", g),
+        f"{_old_file_name('w', 5, 10)} is corrupted",
+        "nothing was modified",
+        "group rank 1",
+    )
+
+
 def main() -> None:
     mode, root = sys.argv[1], Path(sys.argv[2])
     modes = {"retry": retry, "fail_io": fail_io, "fail_json": fail_json, "values": values, "bf16": bf16}
-    modes.update({"fsync": fsync, "names": names, "sync": sync, "crc": crc})
+    modes.update({"fsync": fsync, "names": names, "sync": sync, "crc": crc, "old": old})
     run_rank(lambda world, rep: modes[mode](world, rep, root))
 
 
