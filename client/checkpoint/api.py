@@ -193,7 +193,12 @@ class SaveHandle:
 
 
 def save_async(
-    state: Mapping[str, Any], path: str | os.PathLike[str], group: ProcessGroup, *, keep: int | None = None
+    state: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    group: ProcessGroup,
+    *,
+    keep: int | None = None,
+    _copy: bool = True,
 ) -> SaveHandle:
     """Stage ``state`` to host memory now and write it in a background thread (see the module docstring).
 
@@ -215,7 +220,10 @@ def save_async(
         for key, value in entries.items():
             if isinstance(value, ShardedArray) or _is_array(value):
                 piece = _as_sharded(value)
-                arrays[key] = ShardedArray(piece.global_shape, piece.start, np.array(to_host(piece.local)))
+                local = to_host(piece.local)  # a device array is copied here, a host one only when asked
+                arrays[key] = ShardedArray(
+                    piece.global_shape, piece.start, np.array(local) if _copy else local
+                )
             else:
                 values[key] = _plain(key, value)  # a deep copy: the caller may change it once we return
         kinds = {
@@ -308,9 +316,10 @@ def save(
 ) -> Path:
     """Save ``state`` to ``path`` (a new directory) and return it once committed on every rank.
 
-    ``keep=K`` then deletes all but the K newest complete checkpoints next to it.
+    ``keep=K`` then deletes all but the K newest complete checkpoints next to it. Unlike ``save_async`` it
+    writes the host arrays as they are, without a staging copy: the caller waits, so they do not change.
     """
-    return save_async(state, path, group, keep=keep).wait()
+    return save_async(state, path, group, keep=keep, _copy=False).wait()
 
 
 def _await(path: Path, target: Path, save_id: str, deadline: float, what: str, group: ProcessGroup) -> Any:
