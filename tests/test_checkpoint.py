@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -114,6 +115,8 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path: Path) -
     assert r0["values"].get("save_error") in ("PeerLost", "WorldAborted"), r0
     assert latest(tmp_path) == tmp_path / "step_1"
     assert (tmp_path / "step_2").is_dir() and not (tmp_path / "step_2" / "manifest.json").exists()
+    # Rank 0 saw the lost peer and removed its own data file (nothing references it); rank 1 died.
+    assert not (tmp_path / "step_2" / "rank-0.data").exists(), sorted(os.listdir(tmp_path / "step_2"))
     assert read_manifest(tmp_path / "step_1")["values"]["step"] == 1
 
 
@@ -145,7 +148,7 @@ def test_inspect_consolidate_corruption_and_prune(saved: Path, tmp_path: Path) -
     )
     assert out.returncode == 1 and f"{victim} is corrupted" in out.stderr, out
     assert "'model/0.weight'[0:" in out.stderr, out
-    # A data file cut short, or missing: a CheckpointError naming it, not a crash (the files are mmapped).
+    # A data file cut short, or missing: a CheckpointError naming it, not a crash.
     victim.write_bytes(bytes(data[: rec["offset"] + 4]))
     out = subprocess.run(
         [*cli, "consolidate", str(broken), str(tmp_path / "x.npz")],
@@ -260,3 +263,24 @@ def test_a_checkpoint_of_the_previous_layout_loads(tmp_path: Path) -> None:
     assert sorted(full["old"].files) == sorted(full["new"].files) and "h" in full["old"].files
     for key in full["new"].files:
         assert np.array_equal(full["old"][key], full["new"][key]), key
+
+
+def test_ranks_staging_different_dtypes_or_shapes_for_a_key_fail_the_save(tmp_path: Path) -> None:
+    """The data files hold raw bytes and the manifest one dtype and global shape per key: a rank that
+    disagrees would be read back as rank 0's kind, so every rank refuses before anything is written."""
+    _edge_case(2, "kinds", tmp_path)
+
+
+def test_a_file_cut_short_or_unreadable_while_loading_is_a_checkpoint_error(tmp_path: Path) -> None:
+    """Loads read with pread, not through a memory map: a file truncated after the check, or a read error,
+    is a CheckpointError naming the file instead of a SIGBUS; the load's files are closed either way."""
+    _edge_case(2, "reads", tmp_path)
+
+
+def test_a_damaged_manifest_record_fails_every_rank(tmp_path: Path) -> None:
+    _edge_case(2, "records", tmp_path)
+
+
+def test_a_rank_giving_up_after_rank_0_decided_to_commit_keeps_its_data_file(tmp_path: Path) -> None:
+    """Ranks remove their data file when a save fails, but only once it can no longer commit."""
+    _edge_case(2, "late", tmp_path)

@@ -13,20 +13,28 @@ place: that rename commits the checkpoint.
 A directory without a manifest is not a checkpoint, so a save killed half way leaves the previous
 one as ``latest()``. A rank whose writing fails leaves ``.rank-<r>.error``; the other ranks' waits
 see it and raise ``SaveFailed`` (a CheckpointError) naming that rank and its error at once.
+A rank whose save fails (its own error, or SaveFailed, a timeout or a lost peer while waiting) removes
+its data file, which nothing references, unless the save may still commit: a verdict file created
+exclusively (``.verdict-<save id>``) decides between a rank giving up ("abort") and rank 0 about to
+write the manifest ("commit"), and nothing is removed from a directory that holds a manifest.
 
 Plain values are copied through JSON while staging, on every rank before any collective returns
 (so ``save_async``'s caller may change them afterwards); one JSON cannot hold fails every rank with
 CheckpointError naming the key. Numpy scalars (``np.float64(0.1)``) are plain values. The data files
-hold raw bytes: the manifest's dtype (bfloat16 too) decides how they are read back.
+hold raw bytes: the manifest's dtype (bfloat16 too) decides how they are read back, so every rank's
+global shape and dtype of each key are compared while staging, and ranks that differ fail every rank
+with CheckpointError naming the key, the ranks and what differs, before anything is written.
 
 ``load`` reads the manifest, checks every key, global shape and dtype on every rank, then each rank
-memory-maps every file holding the ranges it owns now, CRC-checks every piece it will read and checks
-they are covered (a missing, truncated or corrupted file, or any other problem on any rank, fails every
-rank before anything is modified); then each rank copies those ranges in, from whichever pieces hold
-them, so a checkpoint written by N ranks loads on M. Arrays whose flat view is a copy (non-contiguous)
-are filled through a buffer copied back. Checkpoints of format 1 (one ``.npy`` file per piece, records
-without an offset; bfloat16 stored as same-size unsigned ints) load as before. Nothing is unpickled:
-``np.load(..., allow_pickle=False)``.
+validates the records of every key it loads and reads (``pread``, in chunks, nothing kept) and
+CRC-checks every piece it will read and checks they are covered (a damaged record, a missing,
+truncated or corrupted file, or any other problem on any rank, fails every rank before anything is
+modified); then each rank reads those ranges in, straight into the target where it can, from
+whichever pieces hold them, so a checkpoint written by N ranks loads on M. Nothing is memory-mapped:
+a file cut short or a read error during the load is a CheckpointError naming the file, not a SIGBUS.
+Arrays whose flat view is a copy (non-contiguous) are filled through a buffer copied back.
+Checkpoints of format 1 (one ``.npy`` file per piece, records without an offset; bfloat16 stored as
+same-size unsigned ints) load as before, read the same way after their header. Nothing is unpickled.
 
 What ``state`` may hold: objects with ``sharded_state_dict()`` / ``load_sharded_state_dict()``
 (``pp.FSDP``, ``pp.optim`` optimizers), objects with ``state_dict()`` / ``load_state_dict()``
@@ -52,10 +60,13 @@ from paramplane.checkpoint.files import (
     SaveFailed,
     _check_failures,
     _data_file_name,
+    _decide,
     _fsync_dir,
+    _overrule,
     _Reader,
     _remove_leftovers,
     _report_failure,
+    _verdict_path,
     _write_data_file,
     _write_json,
 )
@@ -237,15 +248,23 @@ def save_async(
         if a.local.size and (isinstance(entries[k], ShardedArray) or group.rank == 0)
     ]
     # Group rank 0 picks this attempt's id: only lists carrying it count (not those of a crashed attempt).
-    offer = {"pieces": mine, "problem": problem, "save_id": uuid.uuid4().hex if group.rank == 0 else None}
+    # Every rank's kinds too: the manifest takes rank 0's, and the data files hold raw bytes, so a rank
+    # staging another dtype or global shape for a key would be read back as rank 0's without a word.
+    offer = {
+        "pieces": mine,
+        "problem": problem,
+        "kinds": kinds,
+        "save_id": uuid.uuid4().hex if group.rank == 0 else None,
+    }
     claimed = _gather_json(group, offer)
     failing: dict[str, list[int]] = {}
     for r, c in enumerate(claimed):
         if c["problem"]:
             failing.setdefault(c["problem"], []).append(r)
-    if failing:
-        text = "; ".join(f"group rank {', '.join(map(str, r))}: {p}" for p, r in failing.items())
-        raise CheckpointError(f"cannot save {target} (nothing was written): {text}")
+    texts = [f"group rank {', '.join(map(str, r))}: {p}" for p, r in failing.items()]
+    texts += _kind_conflicts([c["kinds"] for c in claimed])
+    if texts:
+        raise CheckpointError(f"cannot save {target} (nothing was written): {'; '.join(texts)}")
     save_id: str = claimed[0]["save_id"]
     first: dict[tuple[str, int, int], int] = {}
     for r, c in enumerate(claimed):
@@ -300,8 +319,15 @@ def save_async(
                 )
         except BaseException as exc:
             errors.append(exc)
+            gave_up = _give_up(target, group.rank, save_id)
             if not isinstance(exc, SaveFailed):
                 _report_failure(target, group.rank, save_id, exc)
+            if gave_up:  # nothing will reference them: a full disk gets its space back
+                for name in (_data_file_name(group.rank), f".rank-{group.rank}.json"):
+                    try:
+                        (target / name).unlink(missing_ok=True)
+                    except OSError:
+                        pass
         finally:
             if tracer is not None:
                 tracer.mark("checkpoint write", start, time.monotonic(), path=str(target))
@@ -309,6 +335,51 @@ def save_async(
     thread = threading.Thread(target=write, name="paramplane-checkpoint", daemon=True)
     thread.start()
     return SaveHandle(target, thread, errors)
+
+
+def _kind_conflicts(kinds: list[dict[str, Any]]) -> list[str]:
+    """Each key that group ranks stage with different global shapes or dtypes (``kinds``: every rank's, in
+    group order): the key, what differs, and which ranks have what."""
+    seen: dict[str, dict[tuple[tuple[int, ...], str], list[int]]] = {}
+    for r, mine in enumerate(kinds):
+        for key, kind in mine.items():
+            seen.setdefault(key, {}).setdefault((tuple(kind["global_shape"]), kind["dtype"]), []).append(r)
+    out = []
+    for key, by_kind in seen.items():
+        if len(by_kind) > 1:
+            differs = [
+                what
+                for what, values in (
+                    ("global shape", {s for s, _ in by_kind}),
+                    ("dtype", {d for _, d in by_kind}),
+                )
+                if len(values) > 1
+            ]
+            held = "; ".join(
+                f"{dtype} {shape} on group rank {', '.join(map(str, ranks))}"
+                for (shape, dtype), ranks in by_kind.items()
+            )
+            out.append(f"{key!r} has a different {' and '.join(differs)} on different ranks: {held}")
+    return out
+
+
+def _give_up(target: Path, rank: int, save_id: str) -> bool:
+    """This rank's part of save ``save_id`` failed (its own error, or SaveFailed, a timeout or a lost peer
+    while waiting): whether the save can no longer commit, so that this rank may remove its data file.
+    Never once ``target`` holds a manifest; otherwise records the verdict "abort" unless group rank 0
+    already recorded "commit" (then the manifest may be on its way), which rank 0 itself overrules when
+    its commit failed before the manifest was in place."""
+    manifest = target / MANIFEST
+    if manifest.exists():
+        return False
+    try:
+        verdict = _decide(target, save_id, "abort")
+        if verdict == "commit" and rank == 0 and not manifest.exists():
+            _overrule(target, save_id)  # only rank 0 commits, and it did not
+            verdict = "abort"
+    except OSError:
+        return False
+    return verdict == "abort" and not manifest.exists()
 
 
 def save(
@@ -354,9 +425,14 @@ def _commit(target: Path, group: ProcessGroup, save_id: str, deadline: float, ke
         for rec in listing["pieces"]:
             arrays[rec.pop("key")]["pieces"].append(rec)
     manifest = {**meta, "arrays": arrays, "saved_at": time.time()}
+    # A rank that gave the save up in the meantime removes its data file: commit only if none did.
+    if _decide(target, save_id, "commit") != "commit":
+        _check_failures(target, save_id)
+        raise SaveFailed(f"saving {target} failed: a group rank gave it up before the commit")
     _write_json(target / MANIFEST, manifest)
     for r in range(num_ranks):
         (target / f".rank-{r}.json").unlink(missing_ok=True)
+    _verdict_path(target, save_id).unlink(missing_ok=True)
     if keep is not None:
         prune(target.parent, keep)
 
@@ -548,21 +624,21 @@ def load(state: Mapping[str, Any], path: str | os.PathLike[str], group: ProcessG
     _prepare_optimizers(state, entries, manifest)
     # Every file this rank will read is opened and CRC-checked, and its ranges covered, before any rank
     # modifies anything: a damaged or missing file fails every rank, the fresh optimizer state is undone.
-    reader = _Reader(root)
-    unreadable = []
-    for key, target in entries.items():
-        if _saved_scalar(manifest, key) and not (isinstance(target, ShardedArray) or _is_array(target)):
-            unreadable.append(reader.check(key, manifest["arrays"][key], 0, 1))
-        elif key in manifest["arrays"] and (isinstance(target, ShardedArray) or _is_array(target)):
-            start, stop = (
-                (target.start, target.stop) if isinstance(target, ShardedArray) else (0, target.size)
-            )
-            unreadable.append(reader.check(key, manifest["arrays"][key], start, int(stop)))
-    try:
-        _agree(group, [p for p in unreadable if p is not None], f"cannot load {root}")
-    except CheckpointError:
-        for opt, had in zip(optimizers, fresh, strict=True):
-            for index in set(opt.state) - had:
-                del opt.state[index]
-        raise
-    return _apply(state, entries, manifest, dropped, reader.fill)
+    with _Reader(root) as reader:  # every data file opened once, closed when the load ends or fails
+        unreadable = []
+        for key, target in entries.items():
+            if _saved_scalar(manifest, key) and not (isinstance(target, ShardedArray) or _is_array(target)):
+                unreadable.append(reader.check(key, manifest["arrays"][key], 0, 1))
+            elif key in manifest["arrays"] and (isinstance(target, ShardedArray) or _is_array(target)):
+                start, stop = (
+                    (target.start, target.stop) if isinstance(target, ShardedArray) else (0, target.size)
+                )
+                unreadable.append(reader.check(key, manifest["arrays"][key], start, int(stop)))
+        try:
+            _agree(group, [p for p in unreadable if p is not None], f"cannot load {root}")
+        except CheckpointError:
+            for opt, had in zip(optimizers, fresh, strict=True):
+                for index in set(opt.state) - had:
+                    del opt.state[index]
+            raise
+        return _apply(state, entries, manifest, dropped, reader.fill)

@@ -2,7 +2,8 @@
 
 retry     a save into the directory of a crashed attempt (its per-rank lists, an error file, data files and
           a temporary left behind) commits only with this attempt's lists and files, and loads back.
-fail_io   rank 1 cannot write (ENOSPC): every rank fails at once, rank 0 naming rank 1 and the error.
+fail_io   rank 1 cannot write (ENOSPC): every rank fails at once, rank 0 naming rank 1 and the error; rank 0
+          removes its complete data file (nothing will reference it).
 fail_json a plain value JSON cannot hold: every rank raises CheckpointError naming the key, nothing written.
 values    save_async copies plain values; numpy scalars are plain values; a non-contiguous target loads.
 bf16      bfloat16 arrays round-trip (their raw bytes in the data file, read back as the manifest's dtype).
@@ -13,6 +14,14 @@ crc       a flipped byte in one piece only rank 1 reads, then a truncated data f
           load before modifying anything.
 old       a checkpoint in the previous layout (format 1: one .npy file per piece, records without an offset,
           bfloat16 as uint16) loads, resharded, into FSDP + AdamW and plain arrays; a damaged one is refused.
+kinds     ranks staging another dtype or global shape for a key: every rank refuses the save naming the key,
+          the ranks and what differs, before anything is written.
+reads     a data file cut short after the load checked it (no SIGBUS), and a read error while checking (EIO):
+          a CheckpointError naming the file; the load's files are closed either way.
+records   a manifest record that is valid JSON but not a record (float stop, no crc32, a bool offset, ...) of a
+          piece only rank 1 reads: every rank refuses the load, naming the key.
+late      rank 1 gives the save up (a timeout) after rank 0 decided to commit: it keeps its data file, and the
+          committed checkpoint loads.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Report, run_rank
 
 import paramplane as pp
+from paramplane.checkpoint import api, files
 from paramplane.nn import Linear, Sequential
 from paramplane.optim import AdamW
 from paramplane.parallel.sharding import ShardedArray
@@ -55,6 +65,7 @@ def retry(world: Any, rep: Report, root: Path) -> None:
         }
         (path / ".rank-1.json").write_text(json.dumps({**stale, "save_id": "old"}))
         (path / ".rank-1.error").write_text(json.dumps({"save_id": "old", "rank": 1, "error": "old"}))
+        (path / ".verdict-old").write_text("abort")
         for name in (
             "rank-1.data",
             "rank-3.data",
@@ -111,6 +122,9 @@ def fail_io(world: Any, rep: Report, root: Path) -> None:
     rep.values["error"] = f"{type(exc).__name__}: {exc}"
     rep.check("at once, not after the group timeout", time.monotonic() - start < 10.0)
     rep.check("nothing committed", not (root / "s" / "manifest.json").exists())
+    world.group.barrier()  # both saves have returned
+    left = sorted(p.name for p in (root / "s").iterdir())
+    rep.check("no data file left behind", not [n for n in left if n.endswith(".data")], str(left))
 
 
 def fail_json(world: Any, rep: Report, root: Path) -> None:
@@ -364,10 +378,198 @@ def old(world: Any, rep: Report, root: Path) -> None:
     )
 
 
+def kinds(world: Any, rep: Report, root: Path) -> None:
+    g, r = world.group, world.rank
+    # Same itemsize: without the check rank 1's int32 bytes would be read back as float32.
+    w = ShardedArray((4,), 2 * r, np.array([2 * r + 1, 2 * r + 2], np.float32 if r == 0 else np.int32))
+    rep.raises(
+        "a dtype that differs between ranks",
+        pp.checkpoint.CheckpointError,
+        lambda: pp.checkpoint.save({"w": w, "b": np.ones(3)}, root / "a", g),
+        "nothing was written",
+        "'w' has a different dtype",
+        "float32 (4,) on group rank 0",
+        "int32 (4,) on group rank 1",
+    )
+    v = ShardedArray((10,) if r == 0 else (2, 5), 5 * r, np.arange(5.0))
+    rep.raises(
+        "a global shape that differs between ranks",
+        pp.checkpoint.CheckpointError,
+        lambda: pp.checkpoint.save({"v": v}, root / "b", g),
+        "'v' has a different global shape",
+        "float64 (10,) on group rank 0",
+        "float64 (2, 5) on group rank 1",
+    )
+    table = np.zeros((2, 3) if r == 0 else (3, 2), np.float32 if r == 0 else np.float64)
+    rep.raises(
+        "a replicated array that differs between ranks",
+        pp.checkpoint.CheckpointError,
+        lambda: pp.checkpoint.save({"table": table}, root / "c", g),
+        "'table' has a different global shape and dtype",
+    )
+    g.barrier()
+    rep.check("nothing written", not any((root / d).exists() for d in "abc"), str(list(root.iterdir())))
+
+
+def _open_files(root: Path) -> list[str]:
+    """The files under ``root`` this process holds open."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile (the listing's own fd)
+            continue
+        if target.startswith(str(root)):
+            found.append(target)
+    return found
+
+
+def reads(world: Any, rep: Report, root: Path) -> None:
+    g, n = world.group, 3 << 20  # 24 MiB a rank: checked and read in several chunks
+
+    def big(fill: float) -> ShardedArray:
+        return ShardedArray((2 * n,), n * world.rank, np.arange(n, dtype=np.float64) + fill)
+
+    pp.checkpoint.save({"big": big(0.5), "small": np.ones(7)}, root / "s", g)
+    data = root / "s" / f"rank-{world.rank}.data"
+    # Rank 1's file cut short after the load checked it (a copy over it, a full disk): with a memory map,
+    # reading it would kill the rank with SIGBUS.
+    real_fill = files._Reader.fill
+
+    def cut_then_fill(self: Any, key: str, entry: Any, target: Any) -> None:
+        if world.rank == 1 and data.stat().st_size > 4096:
+            os.truncate(data, 4096)
+        real_fill(self, key, entry, target)
+
+    files._Reader.fill = cut_then_fill  # type: ignore[method-assign]
+    target = big(-100.0)
+    try:
+        if world.rank == 1:
+            rep.raises(
+                "a file cut short while loading",
+                pp.checkpoint.CheckpointError,
+                lambda: pp.checkpoint.load({"big": target, "small": np.zeros(7)}, root / "s", g),
+                f"{data} is truncated",
+            )
+        else:
+            pp.checkpoint.load({"big": target, "small": np.zeros(7)}, root / "s", g)
+            rep.equal("rank 0 loads its own file", target.local, big(0.5).local)
+    finally:
+        files._Reader.fill = real_fill  # type: ignore[method-assign]
+    rep.check("its files closed after the failure", not _open_files(root), str(_open_files(root)))
+    g.barrier()
+    pp.checkpoint.save({"big": big(0.5), "small": np.ones(7)}, root / "t", g)
+    # A read error (a bad disk, NFS) on rank 1 while checking: every rank refuses, nothing modified.
+    real_preadv = os.preadv
+
+    def eio(fd: int, buffers: Any, offset: int, *flags: int) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    if world.rank == 1:
+        os.preadv = eio
+    target = big(-100.0)
+    try:
+        rep.raises(
+            "a read error",
+            pp.checkpoint.CheckpointError,
+            lambda: pp.checkpoint.load({"big": target, "small": np.zeros(7)}, root / "t", g),
+            "nothing was modified",
+            "group rank 1",
+            "rank-1.data cannot be read",
+            "Input/output error",
+        )
+    finally:
+        os.preadv = real_preadv
+    rep.equal("target unchanged", target.local, big(-100.0).local)
+    rep.check("its files closed after the refusal", not _open_files(root), str(_open_files(root)))
+    small = np.zeros(7)
+    pp.checkpoint.load({"big": target, "small": small}, root / "t", g)
+    rep.equal("then it loads", target.local, big(0.5).local)
+    rep.equal("small", small, np.ones(7))
+    rep.check("its files closed after the load", not _open_files(root), str(_open_files(root)))
+
+
+def records(world: Any, rep: Report, root: Path) -> None:
+    g = world.group
+    pp.checkpoint.save({"w": _piece(world, 0.5)}, root / "s", g)
+    damages: dict[str, Any] = {
+        "a float stop": lambda rec: rec.update(stop=float(rec["stop"])),
+        "no crc32": lambda rec: rec.pop("crc32"),
+        "a bool offset": lambda rec: rec.update(offset=True),
+        "a string start": lambda rec: rec.update(start="5"),
+        "start after stop": lambda rec: rec.update(start=11),
+        "a file that is not a name": lambda rec: rec.update(file=None),
+    }
+    for i, (what, damage) in enumerate(damages.items()):
+        path = root / f"d{i}"
+        if world.rank == 0:  # rank 1's piece: only rank 1 reads it, every rank must refuse
+            shutil.copytree(root / "s", path)
+            manifest = json.loads((path / "manifest.json").read_text())
+            (rec,) = [p for p in manifest["arrays"]["w"]["pieces"] if p["start"] == 5]
+            damage(rec)
+            (path / "manifest.json").write_text(json.dumps(manifest))
+        g.barrier()
+        target = _piece(world, -100.0)
+        rep.raises(
+            what,
+            pp.checkpoint.CheckpointError,
+            lambda t=target, p=path: pp.checkpoint.load({"w": t}, p, g),
+            "nothing was modified",
+            "group rank 0",
+            "group rank 1",
+            "'w'",
+        )
+        rep.equal(f"{what}: unchanged", target.local, _piece(world, -100.0).local)
+
+
+def late(world: Any, rep: Report, root: Path) -> None:
+    g, path = world.group, root / "s"
+    real_write_json, real_await = api._write_json, api._await
+
+    def slow_commit(file: Path, obj: Any) -> None:  # rank 0 decided to commit; rank 1 gives up meanwhile
+        if file.name == "manifest.json":
+            deadline = time.monotonic() + 10.0
+            while not (file.parent / ".rank-1.error").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.3)  # while rank 1 removes what it may
+        real_write_json(file, obj)
+
+    def give_up(file: Path, target: Path, save_id: str, *args: Any) -> Any:
+        if file.name == "manifest.json":
+            deadline = time.monotonic() + 10.0
+            while not list(target.glob(".verdict-*")) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            raise pp.CollectiveTimeout("gave up waiting for the commit (test)")
+        return real_await(file, target, save_id, *args)
+
+    if world.rank == 0:
+        api._write_json = slow_commit
+    else:
+        api._await = give_up
+    try:
+        if world.rank == 0:
+            rep.check("rank 0 commits", pp.checkpoint.save({"w": _piece(world, 0.5)}, path, g) == path)
+        else:
+            rep.raises(
+                "rank 1 gave up",
+                pp.CollectiveTimeout,
+                lambda: pp.checkpoint.save({"w": _piece(world, 0.5)}, path, g),
+                "gave up",
+            )
+    finally:
+        api._write_json, api._await = real_write_json, real_await
+    g.barrier()
+    rep.check("rank 1 kept its data file", (path / "rank-1.data").exists(), str(list(path.iterdir())))
+    target = _piece(world, -100.0)
+    pp.checkpoint.load({"w": target}, path, g)
+    rep.equal("the committed checkpoint loads", target.local, _piece(world, 0.5).local)
+
+
 def main() -> None:
     mode, root = sys.argv[1], Path(sys.argv[2])
     modes = {"retry": retry, "fail_io": fail_io, "fail_json": fail_json, "values": values, "bf16": bf16}
     modes.update({"fsync": fsync, "names": names, "sync": sync, "crc": crc, "old": old})
+    modes.update({"kinds": kinds, "reads": reads, "records": records, "late": late})
     run_rank(lambda world, rep: modes[mode](world, rep, root))
 
 
