@@ -271,6 +271,13 @@ def test_ranks_staging_different_dtypes_or_shapes_for_a_key_fail_the_save(tmp_pa
     _edge_case(2, "kinds", tmp_path)
 
 
+def test_state_that_differs_per_rank_is_saved_under_keys_of_its_own(tmp_path: Path) -> None:
+    """Pipeline stages: keys only one rank holds (its stage, its optimizer, its values) are saved and load back
+    on that rank; a key that is not sharded but differs between ranks (two stages under one name) fails the
+    save on every rank instead of keeping rank 0's copy for both."""
+    _edge_case(2, "per_rank", tmp_path)
+
+
 def test_a_file_cut_short_or_unreadable_while_loading_is_a_checkpoint_error(tmp_path: Path) -> None:
     """Loads read with pread, not through a memory map: a file truncated after the check, or a read error,
     is a CheckpointError naming the file instead of a SIGBUS; the load's files are closed either way."""

@@ -1,7 +1,8 @@
 """Sharded, atomic checkpoints that reshard: ``save``, ``save_async``, ``load``, ``latest``, ``prune``.
 
 A checkpoint is a directory on a filesystem every rank sees. Each rank writes only what it owns
-(FSDP shards and optimizer-state shards; replicated state once, by group rank 0) into one data file,
+(FSDP shards and optimizer-state shards; replicated state once, by the lowest group rank holding it, after
+checking every rank holding it holds the same) into one data file,
 ``rank-<r>.data``: its pieces back to back as raw bytes, each at an offset aligned to 64 bytes,
 written to a temporary name, fsynced once and renamed; then it fsyncs the directory and writes a
 small ``.rank-<r>.json`` listing its pieces (key, flat range, file, byte offset, CRC32) and the
@@ -43,12 +44,14 @@ What ``state`` may hold: objects with ``sharded_state_dict()`` / ``load_sharded_
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -63,6 +66,7 @@ from paramplane.checkpoint.files import (
     _decide,
     _fsync_dir,
     _overrule,
+    _raw,
     _Reader,
     _remove_leftovers,
     _report_failure,
@@ -242,18 +246,23 @@ def save_async(
         }
     except ValueError as exc:
         problem, kinds = str(exc), {}
-    mine = [
-        [k, a.start, a.stop]
-        for k, a in arrays.items()
-        if a.local.size and (isinstance(entries[k], ShardedArray) or group.rank == 0)
-    ]
+    # Every rank offers every piece it holds; the lowest group rank that holds one writes it, so a key only
+    # some ranks hold (a pipeline stage's) is saved too. Whole arrays and plain values count as replicated:
+    # every rank holding one must hold the same (fingerprints, compared below), or the checkpoint would keep
+    # one rank's and load it everywhere.
+    mine = [[k, a.start, a.stop] for k, a in arrays.items() if a.local.size]
+    replicated = {
+        k: _fingerprint(a.local) for k, a in arrays.items() if not isinstance(entries[k], ShardedArray)
+    }
     # Group rank 0 picks this attempt's id: only lists carrying it count (not those of a crashed attempt).
-    # Every rank's kinds too: the manifest takes rank 0's, and the data files hold raw bytes, so a rank
-    # staging another dtype or global shape for a key would be read back as rank 0's without a word.
+    # Every rank's kinds too: the data files hold raw bytes, so a rank staging another dtype or global shape
+    # for a key would be read back as another rank's without a word.
     offer = {
         "pieces": mine,
         "problem": problem,
         "kinds": kinds,
+        "replicated": replicated,
+        "values": {k: _digest(v) for k, v in values.items()},
         "save_id": uuid.uuid4().hex if group.rank == 0 else None,
     }
     claimed = _gather_json(group, offer)
@@ -263,6 +272,8 @@ def save_async(
             failing.setdefault(c["problem"], []).append(r)
     texts = [f"group rank {', '.join(map(str, r))}: {p}" for p, r in failing.items()]
     texts += _kind_conflicts([c["kinds"] for c in claimed])
+    texts += _replica_conflicts([c["replicated"] for c in claimed], "array")
+    texts += _replica_conflicts([c["values"] for c in claimed], "value")
     if texts:
         raise CheckpointError(f"cannot save {target} (nothing was written): {'; '.join(texts)}")
     save_id: str = claimed[0]["save_id"]
@@ -271,11 +282,20 @@ def save_async(
         for k, a, b in c["pieces"]:
             first.setdefault((k, a, b), r)
     to_write = {k: a for k, a in arrays.items() if first.get((k, a.start, a.stop)) == group.rank}
+    value_owner: dict[str, int] = {}
+    for r, c in enumerate(claimed):
+        for k in c["values"]:
+            value_owner.setdefault(k, r)
+    my_values = {k: v for k, v in values.items() if value_owner[k] == group.rank}
+    every_kind: dict[str, Any] = {}
+    for c in claimed:
+        for k, kind in c["kinds"].items():
+            every_kind.setdefault(k, kind)
     if group.rank == 0:
         target.mkdir(parents=True, exist_ok=True)
         _remove_leftovers(target)  # lists, errors, data files and temporaries of a crashed attempt
     group.barrier()
-    meta = {"format": FORMAT, "world_size": group.size, "save_id": save_id, "values": values, "arrays": kinds}
+    meta = {"format": FORMAT, "world_size": group.size, "save_id": save_id, "arrays": every_kind}
     errors: list[BaseException] = []
     deadline = time.monotonic() + group.timeout
     tracer = group.tracer if hasattr(group.tracer, "mark") else None
@@ -304,7 +324,12 @@ def save_async(
                 os._exit(17)
             _write_json(
                 target / f".rank-{group.rank}.json",
-                {"save_id": save_id, "meta": meta if group.rank == 0 else None, "pieces": records},
+                {
+                    "save_id": save_id,
+                    "meta": meta if group.rank == 0 else None,
+                    "values": my_values,
+                    "pieces": records,
+                },
             )
             if group.rank == 0:
                 _commit(target, group, save_id, deadline, keep)
@@ -361,6 +386,42 @@ def _kind_conflicts(kinds: list[dict[str, Any]]) -> list[str]:
             )
             out.append(f"{key!r} has a different {' and '.join(differs)} on different ranks: {held}")
     return out
+
+
+def _fingerprint(a: np.ndarray) -> str:
+    """A checksum of ``a``'s bytes, sampled where it is large (up to 16 spread blocks of 64 KiB): what
+    tells replicas that differ apart (a pipeline stage saved under a key another stage uses too) without
+    reading every replicated array on every rank."""
+    raw = _raw(a)
+    block = 1 << 16
+    if raw.size <= 16 * block:
+        return f"{raw.size}:{zlib.crc32(raw.data)}"
+    crc = 0
+    for start in np.linspace(0, raw.size - block, 16).astype(np.int64):
+        crc = zlib.crc32(raw[start : start + block].data, crc)
+    return f"{raw.size}:{crc}"
+
+
+def _digest(value: Any) -> str:
+    return hashlib.blake2s(json.dumps(value, sort_keys=True).encode(), digest_size=8).hexdigest()
+
+
+def _replica_conflicts(held: list[dict[str, str]], what: str) -> list[str]:
+    """Each key that group ranks hold with different contents (``held``: every rank's fingerprints, in group
+    order) although it is not sharded."""
+    seen: dict[str, dict[str, list[int]]] = {}
+    for r, mine in enumerate(held):
+        for key, fingerprint in mine.items():
+            seen.setdefault(key, {}).setdefault(fingerprint, []).append(r)
+    return [
+        f"{what} {key!r} differs between group ranks "
+        f"{' / '.join(', '.join(map(str, ranks)) for ranks in by_content.values())} but is not sharded: a key "
+        "that is not sharded must hold the same on every rank that has it; state that differs per rank (a "
+        "pipeline stage's module and optimizer) needs keys of its own, e.g. "
+        "{f'stage{stage}': module, f'optim{stage}': optimizer}"
+        for key, by_content in seen.items()
+        if len(by_content) > 1
+    ]
 
 
 def _give_up(target: Path, rank: int, save_id: str) -> bool:
@@ -421,10 +482,12 @@ def _commit(target: Path, group: ProcessGroup, save_id: str, deadline: float, ke
     ]
     meta = lists[0]["meta"]
     arrays = {k: dict(v, pieces=[]) for k, v in meta["arrays"].items()}
+    values: dict[str, Any] = {}
     for listing in lists:
+        values.update(listing["values"])  # each value from the lowest group rank holding it
         for rec in listing["pieces"]:
             arrays[rec.pop("key")]["pieces"].append(rec)
-    manifest = {**meta, "arrays": arrays, "saved_at": time.time()}
+    manifest = {**meta, "values": values, "arrays": arrays, "saved_at": time.time()}
     # A rank that gave the save up in the meantime removes its data file: commit only if none did.
     if _decide(target, save_id, "commit") != "commit":
         _check_failures(target, save_id)

@@ -411,6 +411,64 @@ def kinds(world: Any, rep: Report, root: Path) -> None:
     rep.check("nothing written", not any((root / d).exists() for d in "abc"), str(list(root.iterdir())))
 
 
+def per_rank(world: Any, rep: Report, root: Path) -> None:
+    """State that differs per rank (pipeline stages): keys only some ranks hold are saved by them and load
+    back on each; a key every rank holds with different contents but not sharded fails every rank."""
+    from paramplane.optim import SGD
+
+    g, r = world.group, world.rank
+    stage = Linear(3, 2, rng=10 + r)  # each rank's own stage: same parameter names, different weights
+    opt = SGD(stage.parameters(), lr=0.1, momentum=0.9)
+    stage.weight.accumulate_grad(np.full((2, 3), float(r + 1)))
+    opt.step()
+    state = {"shared": np.arange(4.0), f"stage{r}": stage, f"optim{r}": opt, f"note{r}": {"rank": r}}
+    saved = pp.checkpoint.save(state, root / "ok", g)
+    manifest = pp.checkpoint.read_manifest(saved)
+    want = {"shared", "stage0/weight", "stage1/weight", "stage0/bias", "stage1/bias"}
+    rep.check("every rank's keys saved", want <= set(manifest["arrays"]), str(sorted(manifest["arrays"])))
+    rep.check(
+        "every rank's values saved", {"note0", "note1"} <= set(manifest["values"]), str(manifest["values"])
+    )
+    fresh = Linear(3, 2, rng=99)
+    fresh_opt = SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    plain = pp.checkpoint.load(
+        {"shared": np.zeros(4), f"stage{r}": fresh, f"optim{r}": fresh_opt, f"note{r}": {}}, saved, g
+    )
+    rep.equal("this rank's stage loads its own weights", fresh.weight.data, stage.weight.data)
+    rep.equal(
+        "and its own optimizer state", fresh_opt.state[0]["momentum_buffer"], opt.state[0]["momentum_buffer"]
+    )
+    rep.check("and its own values", plain[f"note{r}"] == {"rank": r}, str(plain))
+    rep.raises(
+        "the same key with different weights on each rank",
+        pp.checkpoint.CheckpointError,
+        lambda: pp.checkpoint.save({"model": stage}, root / "clash", g),
+        "nothing was written",
+        "array 'model/weight' differs between group ranks 0 / 1 but is not sharded",
+        "keys of its own",
+    )
+    rep.raises(
+        "the same plain value with different contents",
+        pp.checkpoint.CheckpointError,
+        lambda: pp.checkpoint.save({"epoch": r}, root / "clash_value", g),
+        "value 'epoch' differs between group ranks 0 / 1",
+    )
+    big = np.zeros(3_000_000)
+    big[-1] = r  # past the first blocks: the sampled fingerprint still covers the array's end
+    rep.raises(
+        "a large replicated array differing at its end",
+        pp.checkpoint.CheckpointError,
+        lambda: pp.checkpoint.save({"big": big}, root / "clash_big", g),
+        "array 'big' differs",
+    )
+    g.barrier()
+    rep.check(
+        "nothing written for the clashes",
+        not any((root / d).exists() for d in ("clash", "clash_value", "clash_big")),
+        str(list(root.iterdir())),
+    )
+
+
 def _open_files(root: Path) -> list[str]:
     """The files under ``root`` this process holds open."""
     found = []
@@ -569,7 +627,7 @@ def main() -> None:
     mode, root = sys.argv[1], Path(sys.argv[2])
     modes = {"retry": retry, "fail_io": fail_io, "fail_json": fail_json, "values": values, "bf16": bf16}
     modes.update({"fsync": fsync, "names": names, "sync": sync, "crc": crc, "old": old})
-    modes.update({"kinds": kinds, "reads": reads, "records": records, "late": late})
+    modes.update({"kinds": kinds, "reads": reads, "records": records, "late": late, "per_rank": per_rank})
     run_rank(lambda world, rep: modes[mode](world, rep, root))
 
 
