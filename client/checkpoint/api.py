@@ -251,8 +251,11 @@ def save_async(
     # every rank holding one must hold the same (fingerprints, compared below), or the checkpoint would keep
     # one rank's and load it everywhere.
     mine = [[k, a.start, a.stop] for k, a in arrays.items() if a.local.size]
+    buffers = _buffer_keys(state)  # replicated, but may differ until the next forward re-broadcasts them
     replicated = {
-        k: _fingerprint(a.local) for k, a in arrays.items() if not isinstance(entries[k], ShardedArray)
+        k: _fingerprint(a.local)
+        for k, a in arrays.items()
+        if not isinstance(entries[k], ShardedArray) and k not in buffers
     }
     # Group rank 0 picks this attempt's id: only lists carrying it count (not those of a crashed attempt).
     # Every rank's kinds too: the data files hold raw bytes, so a rank staging another dtype or global shape
@@ -385,6 +388,23 @@ def _kind_conflicts(kinds: list[dict[str, Any]]) -> list[str]:
                 for (shape, dtype), ranks in by_kind.items()
             )
             out.append(f"{key!r} has a different {' and '.join(differs)} on different ranks: {held}")
+    return out
+
+
+def _buffer_keys(state: Mapping[str, Any]) -> set[str]:
+    """The keys of module buffers in ``state`` (``top/name``; through wrappers' ``module``): a DDP replica's
+    buffers (BatchNorm statistics) move with its own batches and are re-broadcast from group rank 0 at the
+    next training forward, so they may differ between ranks; the lowest rank's copy is saved, as torch's."""
+    out: set[str] = set()
+    for top, obj in state.items():
+        module = obj
+        while module is not None and not hasattr(module, "named_buffers"):
+            module = getattr(module, "module", None)
+        if module is not None:
+            try:
+                out.update(f"{top}/{name}" for name, _ in module.named_buffers())
+            except Exception:  # not a module after all: no buffers to allow for
+                pass
     return out
 
 

@@ -453,6 +453,16 @@ def per_rank(world: Any, rep: Report, root: Path) -> None:
         lambda: pp.checkpoint.save({"epoch": r}, root / "clash_value", g),
         "value 'epoch' differs between group ranks 0 / 1",
     )
+    # A DDP replica's buffers (BatchNorm statistics) move with its own batches until the next forward
+    # re-broadcasts rank 0's: they may differ, and rank 0's copy is saved (as torch DDP with DCP).
+    ddp = pp.DDP(Linear(3, 2, rng=5), g)
+    ddp.module.register_buffer("running", np.full(2, float(r)))
+    kept = pp.checkpoint.save({"model": ddp}, root / "buffers", g)
+    again = Linear(3, 2, rng=6)
+    again.register_buffer("running", np.full(2, 7.0))
+    pp.checkpoint.load({"model": again}, kept, g)
+    rep.equal("replica buffers may differ: rank 0's saved", again.running, np.zeros(2))
+    rep.equal("and the parameters", again.weight.data, ddp.module.weight.data)
     big = np.zeros(3_000_000)
     big[-1] = r  # past the first blocks: the sampled fingerprint still covers the array's end
     rep.raises(
