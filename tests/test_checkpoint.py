@@ -121,13 +121,10 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path: Path) -
 
 
 def test_inspect_consolidate_corruption_and_prune(saved: Path, tmp_path: Path) -> None:
-    cli = [sys.executable, "-m", "paramplane.checkpoint"]
-    out = subprocess.run([*cli, "inspect", str(saved / "step_3")], capture_output=True, text=True, timeout=60)
+    out = _cli("inspect", saved / "step_3")
     assert out.returncode == 0 and "written by 4 ranks" in out.stdout and "model/0.weight" in out.stdout, out
     npz = tmp_path / "full.npz"
-    out = subprocess.run(
-        [*cli, "consolidate", str(saved / "step_3"), str(npz)], capture_output=True, text=True, timeout=60
-    )
+    out = _cli("consolidate", saved / "step_3", npz)
     assert out.returncode == 0, out.stderr
     full, want = np.load(npz), np.load(saved / "saved_model.npz")
     for key in want.files:
@@ -140,30 +137,15 @@ def test_inspect_consolidate_corruption_and_prune(saved: Path, tmp_path: Path) -
     data = bytearray(victim.read_bytes())
     data[rec["offset"] + 8] ^= 0xFF  # in its second float64
     victim.write_bytes(bytes(data))
-    out = subprocess.run(
-        [*cli, "consolidate", str(broken), str(tmp_path / "x.npz")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = _cli("consolidate", broken, tmp_path / "x.npz")
     assert out.returncode == 1 and f"{victim} is corrupted" in out.stderr, out
     assert "'model/0.weight'[0:" in out.stderr, out
     # A data file cut short, or missing: a CheckpointError naming it, not a crash.
     victim.write_bytes(bytes(data[: rec["offset"] + 4]))
-    out = subprocess.run(
-        [*cli, "consolidate", str(broken), str(tmp_path / "x.npz")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = _cli("consolidate", broken, tmp_path / "x.npz")
     assert out.returncode == 1 and f"{victim} is truncated" in out.stderr, out
     victim.unlink()
-    out = subprocess.run(
-        [*cli, "consolidate", str(broken), str(tmp_path / "x.npz")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = _cli("consolidate", broken, tmp_path / "x.npz")
     assert out.returncode == 1 and f"{victim} cannot be read" in out.stderr, out
     # prune keeps the newest K complete checkpoints; a directory without a manifest is not one.
     root = tmp_path / "many"
@@ -178,6 +160,16 @@ def test_inspect_consolidate_corruption_and_prune(saved: Path, tmp_path: Path) -
     assert latest(root) == root / "step_1"
     assert sorted(d.name for d in deleted) == ["step_0", "step_2"]
     assert (root / "partial").is_dir() and not (root / "step_0").exists()
+
+
+def _cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    """``python -m paramplane.checkpoint ARGS``, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "paramplane.checkpoint", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def _edge_case(n: int, mode: str, root: Path, **kw: Any) -> list[dict[str, Any]]:
@@ -202,19 +194,7 @@ def test_save_async_copies_values_numpy_scalars_and_strided_targets_load(tmp_pat
 
 def test_bfloat16_round_trips_and_consolidates(tmp_path: Path) -> None:
     _edge_case(1, "bf16", tmp_path)
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "paramplane.checkpoint",
-            "consolidate",
-            str(tmp_path / "s"),
-            str(tmp_path / "f.npz"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = _cli("consolidate", tmp_path / "s", tmp_path / "f.npz")
     assert out.returncode == 0 and "float32" in out.stdout, out
     full = np.load(tmp_path / "f.npz")["w"]
     assert full.dtype == np.float32 and np.array_equal(
@@ -245,19 +225,7 @@ def test_a_checkpoint_of_the_previous_layout_loads(tmp_path: Path) -> None:
     assert read_manifest(tmp_path / "old")["format"] == 1
     full = {}
     for name in ("new", "old"):
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "paramplane.checkpoint",
-                "consolidate",
-                str(tmp_path / name),
-                str(tmp_path / f"{name}.npz"),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        out = _cli("consolidate", tmp_path / name, tmp_path / f"{name}.npz")
         assert out.returncode == 0, out.stderr
         full[name] = np.load(tmp_path / f"{name}.npz")
     assert sorted(full["old"].files) == sorted(full["new"].files) and "h" in full["old"].files

@@ -250,8 +250,8 @@ def sync(world: Any, rep: Report, root: Path) -> None:
     rep.check("scalar", got["lr"] == 0.5, str(got))
 
 
-def crc(world: Any, rep: Report, root: Path) -> None:
-    g = world.group
+def _trained_fsdp(g: Any) -> tuple[Any, AdamW]:
+    """A one-layer FSDP model and its AdamW after one step (optimizer state in every rank's shard)."""
     fsdp = pp.FSDP(Sequential(Linear(4, 4, dtype=np.float64, rng=np.random.default_rng(1))), g)
     opt = AdamW(fsdp.parameters(), lr=0.01)
     fsdp.attach(opt)
@@ -259,6 +259,12 @@ def crc(world: Any, rep: Report, root: Path) -> None:
     fsdp.backward(np.ones_like(y))
     opt.step()
     opt.zero_grad()
+    return fsdp, opt
+
+
+def crc(world: Any, rep: Report, root: Path) -> None:
+    g = world.group
+    fsdp, opt = _trained_fsdp(g)
     pp.checkpoint.save({"model": fsdp, "optim": opt}, root / "s", g)
     if world.rank == 0:  # the bias's state lies in rank 1's half of the flat shard
         shutil.copytree(root / "s", root / "t")
@@ -323,13 +329,7 @@ def _to_old_layout(new: Path, old: Path) -> None:
 
 def old(world: Any, rep: Report, root: Path) -> None:
     g = world.group
-    fsdp = pp.FSDP(Sequential(Linear(4, 4, dtype=np.float64, rng=np.random.default_rng(1))), g)
-    opt = AdamW(fsdp.parameters(), lr=0.01)
-    fsdp.attach(opt)
-    y = fsdp(np.ones((2, 4)))
-    fsdp.backward(np.ones_like(y))
-    opt.step()
-    opt.zero_grad()
+    fsdp, opt = _trained_fsdp(g)
     h = (np.arange(6) / 3).astype(ml_dtypes.bfloat16)
     state = {"model": fsdp, "optim": opt, "w": _piece(world, 0.5), "h": h, "step": 4}
     pp.checkpoint.save(state, root / "new", g)
