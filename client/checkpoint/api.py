@@ -244,19 +244,20 @@ def save_async(
         kinds = {
             k: {"global_shape": list(a.global_shape), "dtype": dtype_name(a.dtype)} for k, a in arrays.items()
         }
-    except ValueError as exc:
-        problem, kinds = str(exc), {}
-    # Every rank offers every piece it holds; the lowest group rank that holds one writes it, so a key only
-    # some ranks hold (a pipeline stage's) is saved too. Whole arrays and plain values count as replicated:
-    # every rank holding one must hold the same (fingerprints, compared below), or the checkpoint would keep
-    # one rank's and load it everywhere.
+        # Every rank offers every piece it holds; the lowest group rank that holds one writes it, so a key
+        # only some ranks hold (a pipeline stage's) is saved too. Ranks offering the same piece (a whole array,
+        # a replica's shard) must hold the same, as must ranks holding the same plain value (fingerprints and
+        # digests, compared below): else the checkpoint would keep one rank's and load it everywhere. Module
+        # buffers are the exception: replicas' may differ until the next forward re-broadcasts rank 0's.
+        buffers = _buffer_keys(state)
+        replicated = {
+            _piece_name(k, a, entries[k]): _fingerprint(a.local)
+            for k, a in arrays.items()
+            if k not in buffers
+        }
+    except (ValueError, TypeError) as exc:
+        problem, kinds, replicated = str(exc), {}, {}
     mine = [[k, a.start, a.stop] for k, a in arrays.items() if a.local.size]
-    buffers = _buffer_keys(state)  # replicated, but may differ until the next forward re-broadcasts them
-    replicated = {
-        k: _fingerprint(a.local)
-        for k, a in arrays.items()
-        if not isinstance(entries[k], ShardedArray) and k not in buffers
-    }
     # Group rank 0 picks this attempt's id: only lists carrying it count (not those of a crashed attempt).
     # Every rank's kinds too: the data files hold raw bytes, so a rank staging another dtype or global shape
     # for a key would be read back as another rank's without a word.
@@ -408,10 +409,14 @@ def _buffer_keys(state: Mapping[str, Any]) -> set[str]:
     return out
 
 
+def _piece_name(key: str, piece: ShardedArray, entry: Any) -> str:
+    return f"{key}[{piece.start}:{piece.stop}]" if isinstance(entry, ShardedArray) else key
+
+
 def _fingerprint(a: np.ndarray) -> str:
-    """A checksum of ``a``'s bytes, sampled where it is large (up to 16 spread blocks of 64 KiB): what
-    tells replicas that differ apart (a pipeline stage saved under a key another stage uses too) without
-    reading every replicated array on every rank."""
+    """A checksum of ``a``'s bytes, sampled where it is large (up to 16 spread blocks of 64 KiB): what tells
+    apart arrays that are not replicas at all (two pipeline stages saved under one key) without reading every
+    replicated array on every rank; it does not prove replicas bit for bit equal."""
     raw = _raw(a)
     block = 1 << 16
     if raw.size <= 16 * block:
@@ -427,17 +432,17 @@ def _digest(value: Any) -> str:
 
 
 def _replica_conflicts(held: list[dict[str, str]], what: str) -> list[str]:
-    """Each key that group ranks hold with different contents (``held``: every rank's fingerprints, in group
-    order) although it is not sharded."""
+    """Each key (or piece) that group ranks hold with different contents (``held``: every rank's fingerprints,
+    in group order) although they hold it as replicas."""
     seen: dict[str, dict[str, list[int]]] = {}
     for r, mine in enumerate(held):
         for key, fingerprint in mine.items():
             seen.setdefault(key, {}).setdefault(fingerprint, []).append(r)
     return [
         f"{what} {key!r} differs between group ranks "
-        f"{' / '.join(', '.join(map(str, ranks)) for ranks in by_content.values())} but is not sharded: a key "
-        "that is not sharded must hold the same on every rank that has it; state that differs per rank (a "
-        "pipeline stage's module and optimizer) needs keys of its own, e.g. "
+        f"{' / '.join(', '.join(map(str, ranks)) for ranks in by_content.values())}, which hold it as replicas: "
+        "a key that is not sharded (or a piece several ranks hold) must hold the same on every rank that has it; "
+        "state that differs per rank (a pipeline stage's module and optimizer) needs keys of its own, e.g. "
         "{f'stage{stage}': module, f'optim{stage}': optimizer}"
         for key, by_content in seen.items()
         if len(by_content) > 1

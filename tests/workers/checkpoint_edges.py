@@ -444,7 +444,7 @@ def per_rank(world: Any, rep: Report, root: Path) -> None:
         pp.checkpoint.CheckpointError,
         lambda: pp.checkpoint.save({"model": stage}, root / "clash", g),
         "nothing was written",
-        "array 'model/weight' differs between group ranks 0 / 1 but is not sharded",
+        "array 'model/weight' differs between group ranks 0 / 1, which hold it as replicas",
         "keys of its own",
     )
     rep.raises(
@@ -452,6 +452,24 @@ def per_rank(world: Any, rep: Report, root: Path) -> None:
         pp.checkpoint.CheckpointError,
         lambda: pp.checkpoint.save({"epoch": r}, root / "clash_value", g),
         "value 'epoch' differs between group ranks 0 / 1",
+    )
+    # Shards several ranks hold (replicas, as FSDP no_shard or hybrid) must hold the same too: two pipeline
+    # stages, each sharded over its own group, saved under one key.
+    clash = ShardedArray((4,), 0, np.full(4, float(r)))
+    rep.raises(
+        "the same shard with different contents",
+        pp.checkpoint.CheckpointError,
+        lambda: pp.checkpoint.save({"flat": clash}, root / "clash_shard", g),
+        "array 'flat[0:4]' differs between group ranks 0 / 1",
+    )
+    # A rank alone holding something a checkpoint cannot hold fails every rank with the same error.
+    odd = {"w": np.arange(3.0), **({"odd": np.array([1, None], dtype=object)} if r == 1 else {})}
+    rep.raises(
+        "one rank's unsupported array",
+        pp.checkpoint.CheckpointError,
+        lambda: pp.checkpoint.save(odd, root / "clash_odd", g),
+        "nothing was written",
+        "group rank 1",
     )
     # A DDP replica's buffers (BatchNorm statistics) move with its own batches until the next forward
     # re-broadcasts rank 0's: they may differ, and rank 0's copy is saved (as torch DDP with DCP).
@@ -474,7 +492,9 @@ def per_rank(world: Any, rep: Report, root: Path) -> None:
     g.barrier()
     rep.check(
         "nothing written for the clashes",
-        not any((root / d).exists() for d in ("clash", "clash_value", "clash_big")),
+        not any(
+            (root / d).exists() for d in ("clash", "clash_value", "clash_big", "clash_shard", "clash_odd")
+        ),
         str(list(root.iterdir())),
     )
 
