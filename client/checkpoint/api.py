@@ -52,7 +52,7 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -281,20 +281,11 @@ def save_async(
     if texts:
         raise CheckpointError(f"cannot save {target} (nothing was written): {'; '.join(texts)}")
     save_id: str = claimed[0]["save_id"]
-    first: dict[tuple[str, int, int], int] = {}
-    for r, c in enumerate(claimed):
-        for k, a, b in c["pieces"]:
-            first.setdefault((k, a, b), r)
-    to_write = {k: a for k, a in arrays.items() if first.get((k, a.start, a.stop)) == group.rank}
-    value_owner: dict[str, int] = {}
-    for r, c in enumerate(claimed):
-        for k in c["values"]:
-            value_owner.setdefault(k, r)
+    writer = _lowest_holders([[tuple(p) for p in c["pieces"]] for c in claimed])
+    to_write = {k: a for k, a in arrays.items() if writer.get((k, a.start, a.stop)) == group.rank}
+    value_owner = _lowest_holders([c["values"] for c in claimed])
     my_values = {k: v for k, v in values.items() if value_owner[k] == group.rank}
-    every_kind: dict[str, Any] = {}
-    for c in claimed:
-        for k, kind in c["kinds"].items():
-            every_kind.setdefault(k, kind)
+    every_kind = {k: kind for c in claimed for k, kind in c["kinds"].items()}  # agreed above
     if group.rank == 0:
         target.mkdir(parents=True, exist_ok=True)
         _remove_leftovers(target)  # lists, errors, data files and temporaries of a crashed attempt
@@ -366,29 +357,44 @@ def save_async(
     return SaveHandle(target, thread, errors)
 
 
+def _lowest_holders(held: Sequence[Iterable[Hashable]]) -> dict[Hashable, int]:
+    """Each item -> the lowest group rank holding it (``held``: every rank's items, in group order)."""
+    out: dict[Hashable, int] = {}
+    for r, items in enumerate(held):
+        for item in items:
+            out.setdefault(item, r)
+    return out
+
+
+def _differing(held: Sequence[Mapping[str, Hashable]]) -> dict[str, dict[Any, list[int]]]:
+    """Each key that group ranks hold with different contents (``held``: every rank's key -> content, in
+    group order): content -> the ranks holding it."""
+    seen: dict[str, dict[Any, list[int]]] = {}
+    for r, mine in enumerate(held):
+        for key, content in mine.items():
+            seen.setdefault(key, {}).setdefault(content, []).append(r)
+    return {key: by_content for key, by_content in seen.items() if len(by_content) > 1}
+
+
 def _kind_conflicts(kinds: list[dict[str, Any]]) -> list[str]:
     """Each key that group ranks stage with different global shapes or dtypes (``kinds``: every rank's, in
     group order): the key, what differs, and which ranks have what."""
-    seen: dict[str, dict[tuple[tuple[int, ...], str], list[int]]] = {}
-    for r, mine in enumerate(kinds):
-        for key, kind in mine.items():
-            seen.setdefault(key, {}).setdefault((tuple(kind["global_shape"]), kind["dtype"]), []).append(r)
     out = []
-    for key, by_kind in seen.items():
-        if len(by_kind) > 1:
-            differs = [
-                what
-                for what, values in (
-                    ("global shape", {s for s, _ in by_kind}),
-                    ("dtype", {d for _, d in by_kind}),
-                )
-                if len(values) > 1
-            ]
-            held = "; ".join(
-                f"{dtype} {shape} on group rank {', '.join(map(str, ranks))}"
-                for (shape, dtype), ranks in by_kind.items()
+    shaped = [{k: (tuple(kind["global_shape"]), kind["dtype"]) for k, kind in mine.items()} for mine in kinds]
+    for key, by_kind in _differing(shaped).items():
+        differs = [
+            what
+            for what, values in (
+                ("global shape", {s for s, _ in by_kind}),
+                ("dtype", {d for _, d in by_kind}),
             )
-            out.append(f"{key!r} has a different {' and '.join(differs)} on different ranks: {held}")
+            if len(values) > 1
+        ]
+        held = "; ".join(
+            f"{dtype} {shape} on group rank {', '.join(map(str, ranks))}"
+            for (shape, dtype), ranks in by_kind.items()
+        )
+        out.append(f"{key!r} has a different {' and '.join(differs)} on different ranks: {held}")
     return out
 
 
@@ -434,18 +440,13 @@ def _digest(value: Any) -> str:
 def _replica_conflicts(held: list[dict[str, str]], what: str) -> list[str]:
     """Each key (or piece) that group ranks hold with different contents (``held``: every rank's fingerprints,
     in group order) although they hold it as replicas."""
-    seen: dict[str, dict[str, list[int]]] = {}
-    for r, mine in enumerate(held):
-        for key, fingerprint in mine.items():
-            seen.setdefault(key, {}).setdefault(fingerprint, []).append(r)
     return [
         f"{what} {key!r} differs between group ranks "
         f"{' / '.join(', '.join(map(str, ranks)) for ranks in by_content.values())}, which hold it as replicas: "
         "a key that is not sharded (or a piece several ranks hold) must hold the same on every rank that has it; "
         "state that differs per rank (a pipeline stage's module and optimizer) needs keys of its own, e.g. "
         "{f'stage{stage}': module, f'optim{stage}': optimizer}"
-        for key, by_content in seen.items()
-        if len(by_content) > 1
+        for key, by_content in _differing(held).items()
     ]
 
 
@@ -455,17 +456,16 @@ def _give_up(target: Path, rank: int, save_id: str) -> bool:
     Never once ``target`` holds a manifest; otherwise records the verdict "abort" unless group rank 0
     already recorded "commit" (then the manifest may be on its way), which rank 0 itself overrules when
     its commit failed before the manifest was in place."""
-    manifest = target / MANIFEST
-    if manifest.exists():
+    if (target / MANIFEST).exists():
         return False
     try:
         verdict = _decide(target, save_id, "abort")
-        if verdict == "commit" and rank == 0 and not manifest.exists():
+        if verdict == "commit" and rank == 0:
             _overrule(target, save_id)  # only rank 0 commits, and it did not
             verdict = "abort"
     except OSError:
         return False
-    return verdict == "abort" and not manifest.exists()
+    return verdict == "abort"
 
 
 def save(

@@ -61,12 +61,25 @@ _start_writeback = _writeback_starter()
 _CHUNK = 4 << 20  # bytes written (then their writeback started, then checksummed) at a time
 
 
+def _tmp_path(path: Path) -> Path:
+    """Where ``path`` is written before it is renamed into place (a crashed attempt's are ``.*.tmp``)."""
+    name = path.name if path.name.startswith(".") else f".{path.name}"
+    return path.with_name(f"{name}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+def _put_text(path: Path, text: str) -> None:
+    """``text`` at ``path`` all at once for a reader (written aside, then renamed; not fsynced)."""
+    tmp = _tmp_path(path)
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _write_data_file(path: Path, arrays: Sequence[np.ndarray]) -> list[tuple[int, int]]:
     """``arrays`` back to back in one file at ``path`` (raw bytes, each starting at a multiple of ``ALIGN``),
     durably: written under a temporary name, fsynced once and renamed into place. Each array's byte offset
     and CRC32. The disk writes each chunk while the next is checksummed and written, so the fsync at the
     end waits for little more than the last chunks."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = _tmp_path(path)
     placed, pos = [], 0
     try:
         with open(tmp, "wb", buffering=0) as f:
@@ -115,7 +128,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = _tmp_path(path)
     with open(tmp, "w") as f:
         json.dump(obj, f)
         f.flush()
@@ -126,13 +139,9 @@ def _write_json(path: Path, obj: Any) -> None:
 
 def _report_failure(target: Path, rank: int, save_id: str, exc: BaseException) -> None:
     """Leave ``.rank-<r>.error`` for the other ranks' waits (best effort: the disk may be what failed)."""
-    path = target / f".rank-{rank}.error"
-    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    report = {"save_id": save_id, "rank": rank, "error": f"{type(exc).__name__}: {exc}"}
     try:
-        tmp.write_text(
-            json.dumps({"save_id": save_id, "rank": rank, "error": f"{type(exc).__name__}: {exc}"})
-        )
-        os.replace(tmp, path)
+        _put_text(target / f".rank-{rank}.error", json.dumps(report))
     except OSError:
         pass
 
@@ -187,10 +196,7 @@ def _decide(target: Path, save_id: str, verdict: str) -> str:
 def _overrule(target: Path, save_id: str) -> None:
     """Group rank 0 decided to commit save ``save_id`` but failed before the manifest was in place: the
     verdict becomes "abort", so that the ranks giving up remove their data files."""
-    path = _verdict_path(target, save_id)
-    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_text("abort")
-    os.replace(tmp, path)
+    _put_text(_verdict_path(target, save_id), "abort")
 
 
 def _is_int(value: Any) -> bool:
