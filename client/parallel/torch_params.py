@@ -21,6 +21,7 @@ __all__ = [
     "TorchFlatParam",
     "TorchParam",
     "is_torch_module",
+    "queue_backward_callback",
     "to_numpy",
     "to_torch",
     "torch_buffers",
@@ -31,6 +32,17 @@ __all__ = [
 def is_torch_module(module: Any) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(module, torch.nn.Module)
+
+
+def queue_backward_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn()`` when the backward that is running now ends (call it from inside an autograd hook).
+
+    What torch's DDP reducer and FSDP2 do to make gradients final when ``loss.backward()`` returns: the
+    engine runs queued callbacks after the last node of the graph task, before ``backward()`` returns.
+    """
+    from torch.autograd import Variable
+
+    Variable._execution_engine.queue_callback(fn)
 
 
 def to_numpy(tensor: Any, what: str) -> np.ndarray:
