@@ -9,7 +9,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -e '.[dev,demo]'
+	$(BIN)/python -m pip install -q -e '.[dev,demo,test]'
 	# torch's CPU build only for the cross-checks against torch (they skip without it); never required.
 	$(BIN)/python -m pip install -q torch==2.13.0 || echo "torch not installed: the torch cross-checks skip"
 	touch $(STAMP)

@@ -1,0 +1,122 @@
+"""Model code the project did not write, for the torch drop-in tests: tiny configs built from scratch.
+
+``transformers`` GPT-2 and Llama (tied input embedding and output head, attention masks, keyword arguments,
+``ModelOutput`` results) and ResNet (BatchNorm buffers). torchvision is not used: no torchvision release
+loads its operators into torch 2.13's CPU build (0.28's extension fails to register, 0.29 needs torch 2.14);
+transformers' ResNet is the same architecture family with BatchNorm2d buffers.
+
+Every rank can build every other rank's batch (seeded by step and rank), so a rank checks the wrapper
+against one process on the whole global batch without extra communication. ``init_gloo`` starts torch's
+own process group beside the paramplane world (a file store in the test's output folder) for comparing
+with torch's DDP and FSDP2.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+VOCAB = 64
+SEQ = 8
+MODELS = ("gpt2", "llama", "resnet")
+
+
+def build(name: str, seed: int = 0, dtype: Any = None) -> Any:
+    """A fresh model ``name`` (one of ``MODELS``) with weights from ``seed``, in ``dtype`` (float64 default)."""
+    import torch
+
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    torch.manual_seed(seed)
+    if name == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(
+            n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0
+        )
+        cfg.attn_pdrop = cfg.resid_pdrop = cfg.embd_pdrop = 0.0
+        model = GPT2LMHeadModel(cfg)
+    elif name == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=16,
+            intermediate_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=SEQ,
+            tie_word_embeddings=True,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
+        model = LlamaForCausalLM(cfg)
+    elif name == "resnet":
+        from transformers import ResNetConfig, ResNetForImageClassification
+
+        cfg = ResNetConfig(
+            num_labels=5, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic"
+        )
+        model = ResNetForImageClassification(cfg)
+    else:
+        raise ValueError(f"unknown model {name!r}; one of {MODELS}")
+    return model.to(dtype or torch.float64)
+
+
+def block_class(model: Any) -> type:
+    """The transformer block (or ResNet stage layer) class: the unit class FSDP users wrap by."""
+    name = type(model).__name__
+    if name.startswith("GPT2"):
+        return type(model.transformer.h[0])
+    if name.startswith("Llama"):
+        return type(model.model.layers[0])
+    return type(model.resnet.encoder.stages[0].layers[0])
+
+
+def batch(name: str, step: int, rank: int, size: int = 2) -> dict[str, Any]:
+    """Rank ``rank``'s keyword arguments for step ``step``: the model's inputs and labels (float64 images)."""
+    import torch
+
+    rng = np.random.default_rng(step * 1000 + rank)
+    if name == "resnet":
+        return {
+            "pixel_values": torch.from_numpy(rng.standard_normal((size, 3, 16, 16))),
+            "labels": torch.from_numpy(rng.integers(0, 5, size)),
+        }
+    ids = torch.from_numpy(rng.integers(0, VOCAB, (size, SEQ)))
+    mask = torch.ones(size, SEQ, dtype=torch.long)
+    mask[0, -2:] = 0  # padding in one row: the attention mask is honoured
+    labels = ids.clone()
+    labels[0, -2:] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def global_batch(name: str, step: int, num_ranks: int, size: int = 2) -> dict[str, Any]:
+    """Every rank's batch of ``step`` concatenated: what one process trains on."""
+    import torch
+
+    parts = [batch(name, step, r, size) for r in range(num_ranks)]
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def flat_params(model: Any) -> np.ndarray:
+    """Every parameter of ``model`` (named_parameters order), flattened into one float64 vector."""
+    return np.concatenate([p.detach().double().reshape(-1).numpy() for p in model.parameters()])
+
+
+def init_gloo(world: Any) -> Any:
+    """torch.distributed (gloo) over the same ranks, through a file store in the test's output folder."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        store = Path(os.environ["PARAMPLANE_TEST_OUT"]) / "gloo-store"
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store}", rank=world.rank, world_size=world.world_size
+        )
+    return dist
