@@ -1,16 +1,22 @@
 """torch modules under ``pp.DDP`` and ``pp.FSDP``: each parameter seen as a paramplane ``Parameter`` through
 DLPack views (``TorchFlatParam``: FSDP re-points the tensor at pieces of its flat buffers).
 
-The views are zero-copy numpy arrays over the torch tensors (CPU), so DDP's broadcasts write into the
+The views are zero-copy arrays over the torch tensors: numpy for CPU tensors, cupy for CUDA ones (so the
+plane's NCCL transport moves them inside a host with no host staging). DDP's broadcasts write into the
 module's parameters and its reduced gradients land in ``p.grad`` in place. A gradient hook is torch's
 ``register_post_accumulate_grad_hook``: it fires once ``p.grad`` holds this backward's gradient.
+
+CUDA ordering: a collective issued by a wrapper runs on cupy's current stream (the NCCL transport captures
+it); ``torch_stream(tensor)`` makes that stream torch's current stream, so the collective is ordered after
+the kernels that produced the tensor and before the ones that read it, without a device synchronisation.
 torch is imported only when a torch module is wrapped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -22,10 +28,13 @@ __all__ = [
     "TorchParam",
     "is_torch_module",
     "queue_backward_callback",
+    "to_array",
     "to_numpy",
+    "to_tensor",
     "to_torch",
     "torch_buffers",
     "torch_params",
+    "torch_stream",
 ]
 
 
@@ -45,10 +54,13 @@ def queue_backward_callback(fn: Callable[[], None]) -> None:
     Variable._execution_engine.queue_callback(fn)
 
 
-def to_numpy(tensor: Any, what: str) -> np.ndarray:
-    """A zero-copy numpy view of a CPU torch tensor (bfloat16 through an int16 view, as ml_dtypes')."""
+def to_array(tensor: Any, what: str) -> Any:
+    """A zero-copy view of a torch tensor: numpy for a CPU tensor (bfloat16 through an int16 view, as
+    ml_dtypes'), cupy for a CUDA tensor. ``what`` names the tensor in errors."""
+    if tensor.device.type == "cuda":
+        return _cuda_view(tensor, what)
     if tensor.device.type != "cpu":
-        raise ValueError(f"paramplane over a torch module needs CPU tensors; {what} is on {tensor.device}")
+        raise ValueError(f"paramplane moves CPU and CUDA tensors; {what} is on {tensor.device}")
     try:
         view = torch_cpu_view(tensor)
     except (BufferError, TypeError, RuntimeError) as exc:
@@ -60,13 +72,61 @@ def to_numpy(tensor: Any, what: str) -> np.ndarray:
     return view
 
 
+to_numpy = to_array  # the name the FSDP adapter imported before CUDA tensors were supported
+
+
+def _cuda_view(tensor: Any, what: str) -> Any:
+    try:
+        import cupy
+    except ImportError:
+        raise ValueError(
+            f"{what} is on {tensor.device}: CUDA tensors need cupy (pip install 'paramplane[gpu]')"
+        ) from None
+    if str(tensor.dtype) == "torch.bfloat16":
+        raise ValueError(
+            f"{what} is torch.bfloat16 on {tensor.device}, which cupy cannot hold; keep CUDA parameters in "
+            "float32 or float16 (torch.autocast computes in bfloat16 all the same)"
+        )
+    with torch_stream(tensor):  # DLPack's producer waits are then on one stream: no synchronisation
+        view = cupy.from_dlpack(tensor.detach())
+    if view.dtype not in DTYPES.values():
+        raise ValueError(
+            f"{what} is {tensor.dtype}, which the plane does not move; use one of {', '.join(DTYPES)}"
+        )
+    return view
+
+
+def to_tensor(array: Any) -> Any:
+    """A zero-copy torch tensor over a numpy array (``to_torch``) or a cupy array (DLPack, same device)."""
+    if isinstance(array, np.ndarray):
+        return to_torch(array)
+    import torch
+
+    return torch.from_dlpack(array)
+
+
+@contextlib.contextmanager
+def torch_stream(tensor: Any) -> Iterator[None]:
+    """For a CUDA ``tensor``: its device, with torch's current stream as cupy's current stream (where the
+    plane's NCCL collectives are enqueued), inside; for a CPU tensor nothing changes."""
+    if tensor.device.type != "cuda":
+        yield
+        return
+    import cupy
+    import torch
+
+    stream = torch.cuda.current_stream(tensor.device)
+    with cupy.cuda.Device(tensor.device.index or 0), cupy.cuda.ExternalStream(stream.cuda_stream):
+        yield
+
+
 class TorchParam:
     """One torch parameter with the interface DDP's buckets use (``data``, ``grad``, grad hooks)."""
 
     def __init__(self, name: str, tensor: Any) -> None:
         self.name = name
         self.tensor = tensor
-        self.data = to_numpy(tensor, f"parameter {name!r}")
+        self.data = to_array(tensor, f"parameter {name!r}")
         self.requires_grad = bool(tensor.requires_grad)
 
     @property
@@ -82,13 +142,15 @@ class TorchParam:
         return int(self.data.size)
 
     @property
-    def grad(self) -> np.ndarray | None:
+    def grad(self) -> Any:
         g = self.tensor.grad
-        return None if g is None else to_numpy(g, f"the gradient of {self.name!r}")
+        return None if g is None else to_array(g, f"the gradient of {self.name!r}")
 
     @grad.setter
-    def grad(self, value: np.ndarray | None) -> None:
-        self.tensor.grad = None if value is None else to_torch(np.ascontiguousarray(value))
+    def grad(self, value: Any) -> None:
+        if value is not None:
+            value = to_tensor(value if value.flags.c_contiguous else value.copy())
+        self.tensor.grad = value
 
     def register_grad_hook(self, fn: Callable[[TorchParam], None]) -> Any:
         return self.tensor.register_post_accumulate_grad_hook(lambda _t: fn(self))
@@ -129,4 +191,4 @@ def torch_params(module: Any) -> list[TorchParam]:
 
 
 def torch_buffers(module: Any) -> list[tuple[str, np.ndarray]]:
-    return [(name, to_numpy(b, f"buffer {name!r}")) for name, b in module.named_buffers()]
+    return [(name, to_array(b, f"buffer {name!r}")) for name, b in module.named_buffers()]
