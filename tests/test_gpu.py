@@ -101,3 +101,43 @@ def test_nccl_work_behind_a_dead_peer_is_released() -> None:
     assert world.ranks[1].returncode == -9, world.describe()
     r0 = world.ranks[0].result
     assert r0 is not None and r0["failures"] == [] and r0["num_checks"] == 3, world.describe()
+
+
+def _torch_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.skipif(not _torch_cuda(), reason="needs torch's CUDA build")
+def test_torch_cuda_modules_under_ddp_and_fsdp() -> None:
+    """pp.DDP and every FSDP strategy over a torch module on CUDA (two ranks, NCCL inside the host): the
+    standard loop with clipping equals one process on the whole batch on the GPU, the optimizer's parameters
+    stay on the device."""
+    from _world import run_world
+
+    kinds = ["ddp", "full_shard", "shard_grad_op", "no_shard"]
+    world = run_world(2, "torch_gpu.py", args=kinds, env={"PARAMPLANE_TIMEOUT": "120"}, timeout=300)
+    results = world.check_ok()
+    assert all(r["num_checks"] >= len(kinds) * 5 for r in results), [r["num_checks"] for r in results]
+
+
+@pytest.mark.skipif(not _torch_cuda(), reason="needs torch's CUDA build")
+def test_torch_cuda_module_under_hybrid_shard_across_two_hosts() -> None:
+    """hybrid_shard over a torch CUDA module on two emulated hosts of two ranks: NCCL shards inside a host,
+    replicas all-reduce across hosts."""
+    from _world import run_world
+
+    rank_env = {r: {"PARAMPLANE_HOST_ID": f"gpu-host-{r // 2}"} for r in range(4)}
+    world = run_world(
+        4,
+        "torch_gpu.py",
+        args=["hybrid_shard"],
+        env={"PARAMPLANE_TIMEOUT": "120", "NCCL_SOCKET_IFNAME": "lo"},
+        rank_env=rank_env,
+        timeout=300,
+    )
+    results = world.check_ok()
+    assert all(r["num_checks"] >= 5 for r in results), [r["num_checks"] for r in results]
