@@ -135,6 +135,21 @@ class LaunchConfig:
         return self.num_ranks if self.world_size is None else self.world_size
 
 
+COORDINATOR_PROBE_S = 10.0
+"""How long the launcher waits for an external coordinator to answer before a restart."""
+
+
+def _reason(exc: BaseException) -> str:
+    """One line for an error: a gRPC error's status code and the first line of its details."""
+    code = getattr(exc, "code", None)
+    details = getattr(exc, "details", None)
+    if callable(code) and callable(details):
+        first = (details() or "").strip().splitlines()
+        return f"{code().name}: {first[0]}" if first else str(code().name)
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
 def describe_exit(returncode: int) -> str:
     """``exited with code 3`` or ``was killed by SIGKILL`` for a ``Popen.returncode``."""
     if returncode >= 0:
@@ -257,6 +272,11 @@ class Launcher:
                 code, message = self._attempt(token, attempt)
                 if code == 0 or self._signal is not None or attempt == config.max_restarts:
                     break
+                if config.coordinator is not None:
+                    gone = self._coordinator_gone(config.coordinator, token)
+                    if gone is not None:  # restarted ranks would only wait in pp.init() for the join timeout
+                        message = f"{gone}; not restarting ({message or 'a rank failed'})"
+                        break
                 with self._locks[1]:
                     self._err(
                         f"paramplane launch: {message}; restarting every rank (restart {attempt + 1} of "
@@ -334,7 +354,29 @@ class Launcher:
                     )
         except Exception as exc:  # the restart still happens; the coordinator's liveness checks catch up
             with self._locks[1]:
-                self._err(f"paramplane launch: could not abort the world on {address}: {exc}\n".encode())
+                self._err(
+                    f"paramplane launch: could not abort the world on {address}: {_reason(exc)}\n".encode()
+                )
+
+    def _coordinator_gone(self, address: str, token: str | None) -> str | None:
+        """None when the coordinator answers a status query within ``COORDINATOR_PROBE_S``, else one line
+        saying it does not (the launcher then stops instead of restarting ranks that could never join)."""
+        from paramplane.health import channel
+        from paramplane.protos import coordinator_pb2 as pb
+        from paramplane.protos import coordinator_pb2_grpc as pb_grpc
+        from paramplane.protos.auth import token_metadata
+
+        try:
+            with channel(address) as ch:
+                pb_grpc.CoordinatorStub(ch).Status(
+                    pb.StatusRequest(),
+                    timeout=COORDINATOR_PROBE_S,
+                    metadata=token_metadata(token),
+                    wait_for_ready=True,
+                )
+        except Exception as exc:
+            return f"the coordinator at {address} did not answer within {COORDINATOR_PROBE_S:g} s ({_reason(exc)})"
+        return None
 
     def _install_signal_handlers(self) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():

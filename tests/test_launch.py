@@ -486,3 +486,63 @@ def test_max_restarts_across_two_launchers_reforms_the_world_on_the_coordinator(
     want, got = np.load(tmp_path / "ref" / "final.npz"), np.load(out / "final.npz")
     for key in want.files:
         np.testing.assert_allclose(got[key], want[key], rtol=1e-10, atol=1e-12)
+
+
+COLLECTIVES_UNTIL_ERROR = """
+import time
+import numpy as np
+import paramplane as pp
+with pp.init() as world:
+    world.group.all_reduce(np.ones(4))
+    print("ready", flush=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # a small collective every 50 ms until one fails (and the rank with it)
+        world.group.all_reduce(np.ones(4))
+        time.sleep(0.05)
+"""
+
+
+def test_max_restarts_stops_in_one_line_when_the_coordinator_is_gone(tmp_path: Path) -> None:
+    """An external coordinator dies under a running world: the ranks fail naming it, and the launcher, instead of
+    restarting ranks that could only wait in pp.init() for the join timeout, says in its last line that the
+    coordinator does not answer and stops (one attempt only)."""
+    from test_multihost import _listening_port
+
+    env = {k: v for k, v in _env().items() if not k.startswith("PARAMPLANE_")}
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "paramplane.coordinator", "--host", "127.0.0.1", "--port", "0",
+         "--world-size", "2", "--heartbeat-timeout", "2", "--heartbeat-interval", "0.2"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    launcher: subprocess.Popen[bytes] | None = None
+    try:
+        port = _listening_port(coordinator, time.monotonic() + 30)
+        address = f"127.0.0.1:{port}"
+        worker = _write(tmp_path, "collectives_until_error.py", COLLECTIVES_UNTIL_ERROR)
+        launcher = subprocess.Popen(
+            _launch_cmd("-n", "2", "--grace", "1", "--coordinator", address, "--max-restarts", "3", str(worker)),
+            env=dict(env, PYTHONUNBUFFERED="1"),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True,
+        )  # fmt: skip
+        assert launcher.stdout is not None
+        seen: list[bytes] = []
+        deadline = time.monotonic() + 60
+        while sum(b"ready" in line for line in seen) < 2 and time.monotonic() < deadline:
+            line = launcher.stdout.readline()
+            assert line, b"".join(seen)
+            seen.append(line)
+        os.killpg(coordinator.pid, signal.SIGKILL)
+        out, err = launcher.communicate(timeout=90)
+    finally:
+        for p in (launcher, coordinator):
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            if p is not None:
+                p.wait(10)
+    text = err.decode()
+    last = text.strip().splitlines()[-1]
+    assert launcher.returncode != 0
+    assert f"the coordinator at {address} did not answer" in last and "not restarting" in last, text
+    assert "restarting every rank" not in text, text  # no second attempt
+    assert sum(b"ready" in line for line in [*seen, *out.splitlines()]) == 2
+    assert "Traceback" not in last
