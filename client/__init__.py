@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from paramplane import checkpoint, nn, optim
     from paramplane.group import ProcessGroup
     from paramplane.parallel.ddp import DDP, shard_range
-    from paramplane.parallel.fsdp import FSDP
+    from paramplane.parallel.fsdp import FSDP, units_by_class
     from paramplane.parallel.fsdp_config import CPUOffload, MixedPrecision
     from paramplane.parallel.mesh import Mesh
     from paramplane.parallel.pipeline import Pipeline
@@ -41,6 +41,7 @@ _LAZY = {
     "shard_range": "paramplane.parallel.ddp",
     "Mesh": "paramplane.parallel.mesh",
     "FSDP": "paramplane.parallel.fsdp",
+    "units_by_class": "paramplane.parallel.fsdp",
     "ColumnParallelLinear": "paramplane.parallel.tensor",
     "Pipeline": "paramplane.parallel.pipeline",
     "RowParallelLinear": "paramplane.parallel.tensor",
@@ -101,4 +102,5 @@ __all__ = [
     "nn",
     "optim",
     "shard_range",
+    "units_by_class",
 ]

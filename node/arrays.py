@@ -84,6 +84,12 @@ def array_module(x: Any) -> ModuleType:
 _NAMES = {dt: name for name, dt in DTYPES.items()}
 
 
+def is_floating(dtype: Any) -> bool:
+    """numpy/cupy floating dtypes and ml_dtypes' bfloat16 (whose numpy kind is ``"V"``, not ``"f"``)."""
+    dt = np.dtype(dtype)
+    return dt.kind == "f" or dt == DTYPES["bfloat16"]
+
+
 def dtype_name(dtype: Any) -> str:
     """The wire name of ``dtype``; ValueError for one the plane does not move."""
     dt = np.dtype(dtype)

@@ -30,24 +30,30 @@ import contextlib
 import math
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from paramplane.group import ProcessGroup
 from paramplane.nn.layers import Sequential
 from paramplane.nn.module import Array, Module, Parameter, RemovableHandle
-from paramplane.node.arrays import DTYPES, array_module, to_host, to_pinned
+from paramplane.node.arrays import DTYPES, array_module, is_floating, to_host, to_pinned
 from paramplane.optim.optimizer import Optimizer
 from paramplane.parallel.ddp import broadcast_arrays
 from paramplane.parallel.ddp_buckets import COMM_DTYPES
 from paramplane.parallel.fsdp_config import STRATEGIES, CPUOffload, MemoryTracker, MixedPrecision
 from paramplane.parallel.fsdp_prefetch import FSDPPrefetch
-from paramplane.parallel.fsdp_units import FlatUnit, check_same_model, concat_params
+from paramplane.parallel.fsdp_units import (
+    FlatUnit,
+    UnitsByClass,
+    check_same_model,
+    concat_params,
+    units_by_class,
+)
 from paramplane.parallel.mesh import Mesh
 from paramplane.parallel.torch_params import is_torch_module
 
-__all__ = ["FSDP", "STRATEGIES", "CPUOffload", "MixedPrecision"]
+__all__ = ["FSDP", "STRATEGIES", "CPUOffload", "MixedPrecision", "units_by_class"]
 
 
 class FSDP(FSDPPrefetch):
@@ -61,7 +67,7 @@ class FSDP(FSDPPrefetch):
         if cls is FSDP and is_torch_module(module):
             from paramplane.parallel.fsdp_torch import TorchFSDP
 
-            return super().__new__(TorchFSDP)
+            return cast(FSDP, super().__new__(TorchFSDP))
         return super().__new__(cls)
 
     def __init__(
@@ -70,7 +76,7 @@ class FSDP(FSDPPrefetch):
         group: ProcessGroup,
         strategy: str = "full_shard",
         *,
-        units: Sequence[Module] | None = None,
+        units: Sequence[Module] | UnitsByClass | None = None,
         intra_size: int | None = None,
         cpu_offload: bool | CPUOffload = False,
         mixed_precision: MixedPrecision | None = None,
@@ -123,6 +129,8 @@ class FSDP(FSDPPrefetch):
         self.reduce_dtype = np.dtype(mp.reduce_dtype) if mp.reduce_dtype is not None else self.param_dtype
         self.output_dtype = np.dtype(mp.output_dtype) if mp.output_dtype is not None else None
         self.comm_dtype = np.dtype(DTYPES[comm_dtype]) if comm_dtype is not None else None
+        # float16 mean: divide before the sum (which could overflow), as the engine's float16 mean does
+        self._predivide = np.dtype(np.float16) in (self.reduce_dtype, self.comm_dtype)
         self._optimizer: Optimizer | None = None
         self.units: list[FlatUnit] = []
         self.memory = MemoryTracker(self._lasting_bytes)
@@ -207,20 +215,32 @@ class FSDP(FSDPPrefetch):
                 )
         return size
 
-    def _build_units(
-        self, module: Module, named: list[tuple[str, Parameter]], units: Sequence[Module] | None, sync: bool
-    ) -> list[FlatUnit]:
+    def _chosen(
+        self, module: Module, units: Sequence[Module] | UnitsByClass | None
+    ) -> list[tuple[str, Module]]:
+        """The unit modules with their paths: the default, a ``units_by_class`` policy's or the given list."""
         if units is None:
-            chosen = self._children(module)
-        else:
-            paths = {id(m): path for path, m in module.named_modules()}
-            chosen = []
-            for m in units:
-                if id(m) not in paths or m is module:
-                    raise ValueError(
-                        "every unit must be a submodule of the wrapped module (not the module itself)"
-                    )
-                chosen.append((paths[id(m)], m))
+            return self._children(module)
+        if isinstance(units, UnitsByClass):
+            units = units.select(module)
+        paths = {id(m): path for path, m in module.named_modules()}
+        chosen = []
+        for m in units:
+            if id(m) not in paths or m is module:
+                raise ValueError(
+                    "every unit must be a submodule of the wrapped module (not the module itself)"
+                )
+            chosen.append((paths[id(m)], m))
+        return chosen
+
+    def _unit_groups(
+        self,
+        module: Module,
+        named: list[tuple[str, Parameter]],
+        units: Sequence[Module] | UnitsByClass | None,
+    ) -> list[tuple[str, Module | None, list[tuple[str, Parameter]]]]:
+        """(path, module, its parameters) per unit; the root unit (module None) holds the rest."""
+        chosen = self._chosen(module, units)
         owner: dict[int, str] = {}
         groups: list[tuple[str, Module | None, list[tuple[str, Parameter]]]] = []
         by_id = {id(p): n for n, p in named}
@@ -237,6 +257,16 @@ class FSDP(FSDPPrefetch):
         rest = [(n, p) for n, p in named if id(p) not in owner]
         if rest:
             groups.append(("<root>", None, rest))
+        return groups
+
+    def _build_units(
+        self,
+        module: Module,
+        named: list[tuple[str, Parameter]],
+        units: Sequence[Module] | UnitsByClass | None,
+        sync: bool,
+    ) -> list[FlatUnit]:
+        groups = self._unit_groups(module, named, units)
         built = []
         s_rank, s_count = self.shard_group.rank, self.shard_group.size
         for path, unit_module, mine in groups:
@@ -324,6 +354,8 @@ class FSDP(FSDPPrefetch):
             return
         self._round_open = True
         flat = unit.flatten_grads(self.reduce_dtype, self._xp)
+        if self._predivide:
+            flat *= flat.dtype.type(1.0 / self.group.size)
         self._launch_reduce(unit, flat)
 
     def _launch_reduce(self, unit: FlatUnit, flat: Array) -> None:
@@ -367,7 +399,7 @@ class FSDP(FSDPPrefetch):
             assert unit.grad_shard is not None
             if self.replicate_group.size > 1:
                 wire = unit.grad_shard
-                if self.comm_dtype is not None and wire.dtype.kind == "f" and wire.dtype != self.comm_dtype:
+                if self.comm_dtype is not None and is_floating(wire.dtype) and wire.dtype != self.comm_dtype:
                     wire = unit.extra["wire"] = wire.astype(self.comm_dtype)  # compressed across hosts
                 unit.replicate_work = self.replicate_group.all_reduce(wire, "sum", async_op=True)
             unit.extra["replicated"] = True
@@ -388,7 +420,7 @@ class FSDP(FSDPPrefetch):
                 elif unit not in self._reduce_queue:
                     self._launch_reduce(unit, self._xp.zeros(unit.padded, self.reduce_dtype))
             self._pump_replicate(block=True)
-            scale = 1.0 / self.group.size
+            scale = 1.0 if self._predivide else 1.0 / self.group.size
             for unit in self._reduce_queue:
                 if unit.replicate_work is not None:
                     unit.replicate_work.wait()

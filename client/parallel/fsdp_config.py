@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from paramplane.node.arrays import dtype_name
+from paramplane.node.arrays import dtype_name, is_floating
 
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
 MEMORY_KINDS = ("params_sharded", "params_gathered", "grads", "optim_state")
@@ -43,7 +43,7 @@ class MixedPrecision:
                 raise ValueError(
                     f"MixedPrecision.{name}={value!r} is not a dtype the plane moves ({exc})"
                 ) from None
-            if dt.kind not in "fV":
+            if not is_floating(dt):
                 raise ValueError(f"MixedPrecision.{name} must be a floating dtype, got {dt}")
 
 

@@ -19,18 +19,10 @@ from typing import Any
 import numpy as np
 
 from paramplane.nn.module import Array
-from paramplane.node.arrays import DTYPES
+from paramplane.node.arrays import is_floating
 from paramplane.parallel.fsdp_config import MemoryTracker
 from paramplane.parallel.fsdp_state import FSDPState
 from paramplane.parallel.fsdp_units import FlatUnit
-
-BF16 = np.dtype(DTYPES["bfloat16"])
-
-
-def is_floating(dtype: Any) -> bool:
-    """numpy floating dtypes and ml_dtypes' bfloat16 (a numpy ``V`` kind)."""
-    dt = np.dtype(dtype)
-    return dt.kind == "f" or dt == BF16
 
 
 class FSDPPrefetch(FSDPState):

@@ -1,51 +1,81 @@
 """``pp.FSDP`` over a ``torch.nn.Module`` (CPU tensors): the same flat units, driven by torch's hooks.
 
 Each trainable torch parameter is seen through a ``TorchFlatParam``: the flat buffers are numpy arrays
-and a parameter's tensor is re-pointed, zero-copy, at its piece of the gathered buffer (or at a one-element
-zero-stride placeholder of its shape while sharded). The hooks do what ``FSDP``'s wrapped
-``forward``/``backward`` do for paramplane modules:
+and a parameter's tensor is re-pointed, zero-copy, at its piece of the gathered buffer, or, while sharded,
+at a placeholder of its shape whose storage has size 0 (as torch's FSDP frees it): an op that reads a
+sharded parameter raises, and the forward turns that error into one naming the units.
+
+Units (``units=``): by default every element of the outermost ``nn.ModuleList``s (a transformer's blocks,
+as torchtitan applies ``fully_shard`` per block), the root unit keeping the rest (embeddings, final norm,
+a tied head); a model without a ModuleList gets one unit per child with parameters of an ``nn.Sequential``
+(or of a module with several). ``pp.units_by_class(Block)`` makes every module of those classes a unit
+(torch's ``ModuleWrapPolicy``); units may nest (the inner unit owns its parameters, the outer the rest).
+A parameter is owned by the innermost unit around the modules that register it; one registered by modules
+of several units (tied weights: ``lm_head.weight is wte.weight``) is owned by the root unit, which is
+gathered for the whole forward and backward.
+
+The hooks do what ``FSDP``'s wrapped ``forward``/``backward`` do for paramplane modules:
 
 - a unit's forward pre-hook gathers it and prefetches the next unit; its forward hook reshards it
   (full_shard, hybrid_shard) and hooks its outputs' gradients, which gather it again just before its
   backward (and prefetch the previous unit: ``backward_prefetch="pre"``);
 - each parameter's post-accumulate-grad hook counts the unit's gradients: when the last one has landed,
   every use of the unit's parameters is done, so its flat gradient is reduce-scattered at once,
-  overlapping the rest of ``loss.backward()`` (a unit some of whose parameters got no gradient is
-  reduced by ``finish_gradient_sync``).
+  overlapping the rest of ``loss.backward()``;
+- the first of these hooks in a synchronised backward queues ``finish_gradient_sync`` to run when the
+  backward ends (as torch's FSDP2 does): when ``loss.backward()`` returns every shard's ``grad`` is reduced
+  and set (units some of whose parameters got no gradient included), so ``fsdp.clip_grad_norm_`` can run
+  before ``step()``. ``attach(opt)`` is optional.
 
-A unit is gathered when its module is *called*: a forward that reads a unit's parameters without calling
-its module would compute with placeholders, so it is refused after the fact (as torch's FSDP requires).
 The shards are torch Parameters over the numpy shards (``fsdp.parameters()``): a ``torch.optim``
-optimizer steps them in place; ``attach`` it, or call ``finish_gradient_sync()`` before ``step()``.
+optimizer steps them in place. ``state_dict()`` has ``module.state_dict()``'s keys (tied aliases,
+persistent buffers and frozen parameters included) with CPU tensors as values.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import numpy as np
 
 from paramplane.nn.module import Parameter, RemovableHandle
 from paramplane.parallel.fsdp import FSDP
-from paramplane.parallel.fsdp_units import FlatUnit
-from paramplane.parallel.torch_params import TorchFlatParam, TorchParam, to_numpy, to_torch, torch_buffers
+from paramplane.parallel.fsdp_units import FlatUnit, UnitsByClass
+from paramplane.parallel.sharding import ShardedArray
+from paramplane.parallel.torch_params import (
+    TorchFlatParam,
+    TorchParam,
+    queue_backward_callback,
+    to_numpy,
+    to_torch,
+    torch_buffers,
+)
 
 __all__ = ["TorchFSDP"]
 
+_PLACEHOLDER_ERRORS = ("storage of size 0", "data is not allocated yet")
+
 
 def _tensors(value: Any) -> list[Any]:
-    """The tensors in a module's output (a tensor, or tuples, lists and dicts of them)."""
+    """The tensors in a module's output (a tensor, tuples, lists, dicts and ``ModelOutput``s of them)."""
     if isinstance(value, (tuple, list)):
         return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
+    if isinstance(value, dict):  # transformers' ModelOutput is an OrderedDict
         return [t for v in value.values() for t in _tensors(v)]
     return [value] if hasattr(value, "register_hook") else []
 
 
 def _torch_dtype(dtype: Any) -> Any:
     return to_torch(np.zeros(0, dtype)).dtype
+
+
+def _as_numpy(value: Any, key: str) -> Any:
+    """A state-dict value (torch tensor or array) as an array the shards can be filled from."""
+    if hasattr(value, "detach") and hasattr(value, "device"):
+        return to_numpy(value.detach().contiguous(), f"state dict value {key!r}")
+    return np.asarray(value)
 
 
 class TorchFSDP(FSDP):
@@ -55,6 +85,8 @@ class TorchFSDP(FSDP):
     and computes in ``param_dtype`` (the forward's floating-point inputs are cast to it) and reduces in
     ``reduce_dtype``, with float32 (or float64) master shards.
     """
+
+    _finish_queued = False
 
     # -- construction ------------------------------------------------------------------------------
     def _trainable(self, module: Any) -> list[tuple[str, Parameter]]:
@@ -68,16 +100,59 @@ class TorchFSDP(FSDP):
         return named
 
     def _children(self, module: Any) -> list[tuple[str, Any]]:
+        """The default units: the elements of the outermost ModuleLists, else the children of a Sequential."""
         import torch
 
+        paths = {id(m): path for path, m in module.named_modules()}
+        lists: list[Any] = []
+
+        def find(m: Any) -> None:
+            for child in m.children():
+                if isinstance(child, torch.nn.ModuleList):
+                    lists.append(child)
+                else:
+                    find(child)
+
+        find(module)
+        blocks = [(paths[id(b)], b) for lst in lists for b in lst if any(True for _ in b.parameters())]
+        if blocks:
+            return blocks
         children = [(n, m) for n, m in module.named_children() if any(True for _ in m.parameters())]
         sequence = isinstance(module, (torch.nn.Sequential, torch.nn.ModuleList))
         return children if sequence or len(children) > 1 else []
 
-    def _members(self, module: Any) -> list[Parameter]:
-        return [
-            cast(Parameter, self._by_tensor[id(t)]) for t in module.parameters() if id(t) in self._by_tensor
-        ]
+    def _unit_groups(
+        self, module: Any, named: list[tuple[str, Parameter]], units: Sequence[Any] | UnitsByClass | None
+    ) -> list[tuple[str, Any, list[tuple[str, Parameter]]]]:
+        """Each parameter goes to the innermost unit around the modules that register it; one registered
+        in several units (tied weights) goes to the root unit (module docstring)."""
+        chosen = self._chosen(module, units)
+        unit_of = {id(m): path for path, m in chosen}
+        users: dict[int, set[str]] = {}
+
+        def walk(m: Any, current: str) -> None:
+            current = unit_of.get(id(m), current)
+            for t in m._parameters.values():
+                if t is not None and id(t) in self._by_tensor:
+                    users.setdefault(id(t), set()).add(current)
+            for child in m.children():
+                walk(child, current)
+
+        walk(module, "<root>")
+        owner = {
+            id(p): (
+                next(iter(users[id(cast(Any, p).tensor)]))
+                if len(users[id(cast(Any, p).tensor)]) == 1
+                else "<root>"
+            )
+            for _, p in named
+        }
+        groups: list[tuple[str, Any, list[tuple[str, Parameter]]]] = []
+        for path, m in [*chosen, ("<root>", None)]:
+            mine = [(n, p) for n, p in named if owner[id(p)] == path]
+            if mine:
+                groups.append((path, m, mine))
+        return groups
 
     def _build_units(self, module: Any, named: Any, units: Any, sync: bool) -> list[FlatUnit]:
         import torch
@@ -112,7 +187,20 @@ class TorchFSDP(FSDP):
         m.register_forward_hook(after)
 
     # -- forward / backward ------------------------------------------------------------------------
+    def _queue_finish(self) -> None:
+        """From inside a synchronised backward: finish the gradient sync when that backward ends."""
+        if self._no_sync or self._finish_queued:
+            return
+        self._finish_queued = True
+
+        def finish() -> None:
+            self._finish_queued = False
+            self.finish_gradient_sync()
+
+        queue_backward_callback(finish)
+
     def _pre_backward(self, unit: FlatUnit) -> None:
+        self._queue_finish()
         if unit.extra.get("pre_backward"):
             return
         unit.extra["pre_backward"] = True
@@ -123,6 +211,7 @@ class TorchFSDP(FSDP):
 
     def _grad_hook(self, unit: FlatUnit) -> Callable[[Any], None]:
         def ready(_tensor: Any) -> None:
+            self._queue_finish()
             count = unit.extra.get("ready", 0) + 1
             if count < len(unit.params):
                 unit.extra["ready"] = count
@@ -143,11 +232,24 @@ class TorchFSDP(FSDP):
         for u in self.units:
             u.forward_done = False
             u.extra["ready"] = 0
+        self._finish_queued = False
         self._begin_forward()
         if self.param_dtype != self.master_dtype:
             compute = _torch_dtype(self.param_dtype)
             args = tuple(a.to(compute) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
-        y = self.module(*args, **kwargs)
+        try:
+            y = self.module(*args, **kwargs)
+        except RuntimeError as exc:
+            if not any(s in str(exc) for s in _PLACEHOLDER_ERRORS):
+                raise
+            sharded = [u.name for u in self.units if not u.gathered]
+            raise RuntimeError(
+                f"FSDP: the forward read a sharded parameter (a placeholder without storage) of one of the "
+                f"units {sharded}, not gathered at that moment. A unit is gathered only while its module runs: "
+                "the forward did not call the module of the unit whose parameter it read. Call that module, "
+                "or pass units= so that the module reading the parameter is inside its unit (a parameter "
+                "registered in several units is kept by the root unit)"
+            ) from exc
         missed = [u.name for u in self._wrapped if not u.forward_done]
         if missed:
             raise RuntimeError(
@@ -169,6 +271,15 @@ class TorchFSDP(FSDP):
             "reduction starts from its parameters' gradient hooks)"
         )
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Any:
+        """The global gradient norm over every rank's shards (a tensor, as torch's FSDP1); clips to it.
+
+        ``torch.nn.utils.clip_grad_norm_(fsdp.parameters(), c)`` would use this rank's shards only."""
+        import torch
+
+        norm = super().clip_grad_norm_(max_norm, norm_type)
+        return torch.tensor(norm, dtype=_torch_dtype(self.master_dtype))
+
     # -- optimizer ---------------------------------------------------------------------------------
     def parameters(self) -> list[Any]:
         """This rank's flat shards as torch Parameters (hand them to a torch optimizer)."""
@@ -178,7 +289,8 @@ class TorchFSDP(FSDP):
         return [(u.shard.name, cast(TorchParam, u.shard).tensor) for u in self.units]
 
     def attach(self, optimizer: Any) -> RemovableHandle:
-        """Make the torch optimizer's ``step()`` call :meth:`finish_gradient_sync` first."""
+        """Make the torch optimizer's ``step()`` call :meth:`finish_gradient_sync` first (optional: a
+        synchronised backward finishes the sync itself)."""
         import torch
 
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -200,6 +312,7 @@ class TorchFSDP(FSDP):
             if hasattr(v, "nbytes") and v.dim() > 0
         )
 
+    # -- state -------------------------------------------------------------------------------------
     def _buffers(self) -> list[tuple[str, Any]]:
         return torch_buffers(self.module)
 
@@ -209,3 +322,54 @@ class TorchFSDP(FSDP):
             for n, t in self.module.named_parameters()
             if not t.requires_grad
         ]
+
+    def _state_keys(self) -> dict[str, Any]:
+        """``module.state_dict()``'s keys: the trainable parameter's name (its owner's, for a tied alias)
+        or, for persistent buffers and frozen parameters, the tensor."""
+        out: dict[str, Any] = {}
+        for key, t in cast(Any, self.module).state_dict(keep_vars=True).items():
+            p = self._by_tensor.get(id(t))
+            out[key] = p.name if p is not None else t
+        return out
+
+    def _replicated(self) -> dict[str, Any]:
+        return {
+            k: to_numpy(v, f"state {k!r}") for k, v in self._state_keys().items() if not isinstance(v, str)
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full state (``module.state_dict()``'s keys, CPU torch tensors) on every rank:
+        ``plain.load_state_dict(fsdp.state_dict(), strict=True)`` loads it."""
+        values: dict[str, Any] = {}
+        for unit in self.units:
+            full = self._gather_master(unit)
+            for name, p, off in zip(unit.names, unit.params, unit.offsets):
+                values[name] = to_torch(full[off : off + p.size].reshape(p.shape).copy())
+        return {
+            k: values[v] if isinstance(v, str) else v.detach().clone() for k, v in self._state_keys().items()
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a full state dict (``module.state_dict()``'s keys; torch tensors or arrays), strictly."""
+        keys = self._state_keys()
+        missing, unexpected = sorted(set(keys) - set(state)), sorted(set(state) - set(keys))
+        if missing or unexpected:
+            raise ValueError(
+                f"FSDP.load_state_dict: missing keys {missing}, unexpected keys {unexpected} (the keys are "
+                "module.state_dict()'s)"
+            )
+        canonical: dict[str, Any] = {}
+        replicated: dict[str, Any] = {}
+        for key, target in keys.items():  # a tied alias and its owner: the later key wins, as in torch
+            (canonical if isinstance(target, str) else replicated)[
+                target if isinstance(target, str) else key
+            ] = _as_numpy(state[key], key)
+        super().load_state_dict({**canonical, **replicated})
+
+    def sharded_state_dict(self) -> dict[str, ShardedArray | Any]:
+        """The shards' pieces under every state-dict key (a tied alias shares its owner's pieces)."""
+        out = super().sharded_state_dict()
+        for key, target in self._state_keys().items():
+            if isinstance(target, str) and key not in out:
+                out[key] = out[target]
+        return out

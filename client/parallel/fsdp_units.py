@@ -26,6 +26,30 @@ from paramplane.parallel.sharding import FlatLayout, LayoutEntry
 from paramplane.work import Work
 
 
+@dataclass(frozen=True)
+class UnitsByClass:
+    """``units=pp.units_by_class(Block, ...)``: every submodule of those classes is a unit (torch's
+    ``ModuleWrapPolicy``). Units may nest: an inner unit owns its parameters, the outer one the rest."""
+
+    classes: tuple[type, ...]
+
+    def select(self, module: Any) -> list[Any]:
+        found = [m for _, m in module.named_modules() if isinstance(m, self.classes) and m is not module]
+        if not found:
+            names = ", ".join(c.__name__ for c in self.classes)
+            raise ValueError(
+                f"units_by_class({names}): {type(module).__name__} has no submodule of those classes"
+            )
+        return found
+
+
+def units_by_class(*classes: type) -> UnitsByClass:
+    """A unit policy for ``FSDP(..., units=...)``: every submodule that is an instance of ``classes``."""
+    if not classes or not all(isinstance(c, type) for c in classes):
+        raise ValueError(f"units_by_class takes module classes, got {classes!r}")
+    return UnitsByClass(tuple(classes))
+
+
 def placeholder(shape: tuple[int, ...], dtype: Any, xp: Any) -> Array:
     """A read-only array of ``shape`` that holds one element: a sharded parameter's ``data``."""
     return xp.broadcast_to(xp.zeros((), dtype), shape)

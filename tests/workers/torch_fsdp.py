@@ -115,11 +115,11 @@ def train(world: Any, rep: Report, counter: Counting, strategy: str) -> None:
             )
         got_state = fsdp.state_dict()
         for name, value in ref.state_dict().items():
-            rep.equal(f"{strategy}: step {step} {name}", got_state[name], value.numpy(), rtol=1e-10)
+            rep.equal(f"{strategy}: step {step} {name}", got_state[name].numpy(), value.numpy(), rtol=1e-10)
     if fsdp.reshard_after_forward and fsdp.shard_group.size > 1:
         rep.check(
             f"{strategy}: resharded between uses",
-            all(all(s == 0 for s in p.stride()) for p in model.parameters()),
+            all(p.untyped_storage().size() == 0 for p in model.parameters()),
             "a parameter still holds its full values",
         )
     shard_bytes = sum(p.numel() * p.element_size() for p in fsdp.parameters())
@@ -131,14 +131,12 @@ def train(world: Any, rep: Report, counter: Counting, strategy: str) -> None:
     )
     full = fsdp.state_dict()
     rep.check(f"{strategy}: state keys", list(full) == list(ref.state_dict()), str(list(full)))
-    fsdp.load_state_dict({k: torch.from_numpy(v) * 0 for k, v in full.items()})  # torch tensors in
-    fsdp.load_state_dict(full)
+    fsdp.load_state_dict({k: v * 0 for k, v in full.items()})  # torch tensors in
+    fsdp.load_state_dict({k: v.numpy() for k, v in full.items()})  # numpy in
     again = fsdp.state_dict()
-    rep.check(
-        f"{strategy}: round trip", all(np.array_equal(again[k], full[k]) for k in full), "values changed"
-    )
+    rep.check(f"{strategy}: round trip", all(torch.equal(again[k], full[k]) for k in full), "values changed")
     for name, value in full.items():
-        rep.digests[f"{strategy}/{name}"] = digest(value)
+        rep.digests[f"{strategy}/{name}"] = digest(value.numpy())
     _checkpoint(world, rep, fsdp, opt, strategy)
 
 
