@@ -33,9 +33,14 @@ for its all-reduce and back afterwards, like torch's ``bf16_compress_hook`` / ``
 the bytes on the wire (between hosts), at the dtype's precision (bfloat16 keeps float32's range, float16 its
 precision better but overflows above 65504). On cupy use float16 (cupy has no bfloat16).
 
-torch modules: ``DDP(torch_module, group)`` (CPU tensors) sees each parameter through a DLPack view
-(``parallel/torch_params.py``); buckets fill from torch's post-accumulate-grad hooks during
-``loss.backward()`` and ``attach`` takes a ``torch.optim`` optimizer.
+torch modules: ``DDP(torch_module, group)`` (CPU tensors) behaves as torch's ``DistributedDataParallel``
+(``ddp_torch.py``): ``ddp(*args, **kwargs)`` returns ``module(*args, **kwargs)`` unchanged, each parameter is
+seen through a DLPack view (``parallel/torch_params.py``), buckets fill from torch's post-accumulate-grad hooks
+during ``loss.backward()``, and the sync finishes in an autograd callback, so every ``.grad`` is averaged
+when ``loss.backward()`` returns (clipping between backward and step sees the averaged gradients).
+``attach`` is then optional (a ``torch.optim`` optimizer; a no-op wait). Usage is discovered every step,
+so parameters unused in some steps need no flag: ``find_unused_parameters`` is accepted for torch's call
+shape and changes nothing.
 
 Splitting a global batch: :func:`shard_range` gives rank r the ``numpy.array_split``
 slice (the first ``B % N`` ranks one sample more). With equal shards, a ``"mean"`` loss
@@ -49,20 +54,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 import time
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
 from paramplane.group import ProcessGroup
 from paramplane.nn.module import Array, LoadResult, Module, Parameter
 from paramplane.node.arrays import DTYPES
-from paramplane.optim.optimizer import Optimizer
 from paramplane.parallel.ddp_buckets import COMM_DTYPES, MIB, Bucket, assign_buckets, shard_range
+from paramplane.parallel.ddp_torch import ModulePath, NNPath, TorchPath
 from paramplane.parallel.fsdp_units import check_same_model
-from paramplane.parallel.torch_params import is_torch_module, torch_buffers, torch_params
+from paramplane.parallel.torch_params import is_torch_module
 
 __all__ = ["DDP", "broadcast_arrays", "shard_range"]
 
@@ -93,13 +97,15 @@ class DDP:
         reduce_op: str = "mean",
         comm_dtype: str | None = None,
         init_sync: bool = True,
+        find_unused_parameters: bool = False,
     ) -> None:
         """``init_sync=False`` skips the wrap-time broadcast of parameters and buffers from group rank 0
         (a collective every rank must join): a replacement rank wrapping its model after
         ``World.reform()`` gets its state from ``pp.checkpoint.sync`` instead, as the survivors do not
-        wrap again."""
-        self._torch = is_torch_module(module)
-        if not isinstance(module, Module) and not self._torch:
+        wrap again. ``find_unused_parameters`` is torch's keyword, accepted so torch calls run unchanged:
+        every step finds the parameters that got a gradient whatever its value (module docstring)."""
+        torch_module = is_torch_module(module)
+        if not isinstance(module, Module) and not torch_module:
             raise ValueError(
                 f"DDP wraps a paramplane.nn.Module or a torch.nn.Module, got {type(module).__name__}"
             )
@@ -111,6 +117,10 @@ class DDP:
             raise ValueError(f"reduce_op must be 'mean' or 'sum', got {reduce_op!r}")
         if comm_dtype not in COMM_DTYPES:
             raise ValueError(f"comm_dtype must be one of {COMM_DTYPES}, got {comm_dtype!r}")
+        if not isinstance(find_unused_parameters, bool):
+            raise ValueError(f"find_unused_parameters must be a bool, got {find_unused_parameters!r}")
+        self._path: ModulePath = TorchPath(module) if torch_module else NNPath(module)
+        self.find_unused_parameters = find_unused_parameters
         self.comm_dtype = np.dtype(DTYPES[comm_dtype]) if comm_dtype is not None else None
         self.module = module
         self.group = group
@@ -118,8 +128,7 @@ class DDP:
         self.broadcast_buffers = broadcast_buffers
         self.reduce_op = reduce_op
         self._tracer = _tracer_of(group)
-        # A torch module's parameters are duck-typed Parameters (DLPack views, torch grad hooks).
-        all_params = cast(list[Parameter], torch_params(module)) if self._torch else module.parameters()
+        all_params = self._path.params()
         if init_sync:
             # Models that differ only in shapes of the same total size would otherwise train silently.
             names = [n for n, _ in module.named_parameters()]
@@ -168,10 +177,7 @@ class DDP:
             self._broadcast_buffers()
 
     def _broadcast_buffers(self) -> None:
-        broadcast_arrays(
-            self.group,
-            [b for _, b in (torch_buffers(self.module) if self._torch else self.module.named_buffers())],
-        )
+        broadcast_arrays(self.group, self._path.buffers())
 
     # -- grad hooks and buckets ----------------------------------------------------------------------
     def _on_grad(self, i: int, p: Parameter) -> None:
@@ -181,6 +187,7 @@ class DDP:
             now = time.monotonic()
             self._tracer.mark(f"grad {self._names_of(i)}", now, now, param=self._names_of(i))
         self._round_open = True
+        self._path.on_grad(self.finish_gradient_sync)
         bucket = self._buckets[self._where[i][0]]
         k = self._where[i][1]
         if bucket.launched:
@@ -277,16 +284,9 @@ class DDP:
     def attach(self, optimizer: Any) -> Any:
         """Make ``optimizer.step()`` call :meth:`finish_gradient_sync` first; returns the hook handle.
 
-        A ``paramplane.optim`` optimizer, or a ``torch.optim`` one when the module is a torch module."""
-        if isinstance(optimizer, Optimizer):
-            return optimizer.register_step_pre_hook(lambda _opt: self.finish_gradient_sync())
-        torch = sys.modules.get("torch")
-        if self._torch and torch is not None and isinstance(optimizer, torch.optim.Optimizer):
-            return optimizer.register_step_pre_hook(lambda _opt, _args, _kwargs: self.finish_gradient_sync())
-        wanted = (
-            "a paramplane.optim or torch.optim optimizer" if self._torch else "a paramplane.optim optimizer"
-        )
-        raise ValueError(f"attach() takes {wanted}, got {type(optimizer).__name__}")
+        A ``paramplane.optim`` optimizer, or a ``torch.optim`` one for a torch module (where the sync has
+        already finished when ``loss.backward()`` returned: the hook is then a no-op)."""
+        return self._path.attach(optimizer, self.finish_gradient_sync)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -302,30 +302,21 @@ class DDP:
             self._no_sync = previous
 
     # -- pass-through ------------------------------------------------------------------------------
-    def forward(self, x: Any) -> Any:
-        """``module.forward(x)``; first re-broadcasts buffers from rank 0 when ``broadcast_buffers``, in training
-        mode, outside ``no_sync`` (and, for a torch module, with grad enabled), as torch DDP does."""
-        if self._syncs_buffers():
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward on every argument, its output unchanged. First re-broadcasts buffers from
+        rank 0 when ``broadcast_buffers``: for a torch module when the previous forward ran with grad
+        enabled outside ``no_sync`` (torch DDP's rule), for an ``nn`` one in training mode outside
+        ``no_sync``."""
+        if self.broadcast_buffers and self.group.size > 1 and self._path.syncs_buffers(self._no_sync):
             self._broadcast_buffers()
-        return self.module(x) if self._torch else self.module.forward(x)
+        return self._path.call(args, kwargs, self._no_sync)
 
-    def _syncs_buffers(self) -> bool:
-        if not (
-            self.broadcast_buffers and self.module.training and not self._no_sync and self.group.size > 1
-        ):
-            return False
-        if self._torch:
-            import torch
-
-            return bool(torch.is_grad_enabled())
-        return True
-
-    def __call__(self, x: Any) -> Any:
-        return self.forward(x)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
 
     def backward(self, grad_out: Array) -> Array:
         """``module.backward(grad_out)``; gradient buckets start their all-reduce as they fill."""
-        if self._torch:
+        if not isinstance(self._path, NNPath):
             raise RuntimeError(
                 "a torch module runs its own backward: call loss.backward() (the buckets fill from it)"
             )

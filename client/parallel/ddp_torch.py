@@ -1,0 +1,122 @@
+"""What ``DDP`` composes per kind of module: ``TorchPath`` for a ``torch.nn.Module``, ``NNPath`` for a
+``paramplane.nn.Module``.
+
+The wrapper (``ddp.py``) owns the buckets and the collectives; a path says how to see the module's
+parameters and buffers, how to call it, when buffers are re-broadcast, what a synchronised backward's
+gradient hook does beyond filling buckets, and which optimizers ``attach`` takes.
+
+``TorchPath`` follows ``torch.nn.parallel.DistributedDataParallel``: ``ddp(*args, **kwargs)`` is
+``module(*args, **kwargs)``, whatever it returns; the first gradient hook of a synchronised backward queues
+the gradient sync as an autograd callback (as torch's reducer does), so every ``.grad`` is averaged when
+``loss.backward()`` returns; buffers are broadcast from rank 0 before a forward when the previous forward ran
+with grad enabled outside ``no_sync`` (torch's ``require_forward_param_sync``; true before the first).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any, Protocol, cast
+
+from paramplane.nn.module import Array, Module, Parameter
+from paramplane.optim.optimizer import Optimizer
+from paramplane.parallel.torch_params import queue_backward_callback, torch_buffers, torch_params
+
+__all__ = ["ModulePath", "NNPath", "TorchPath"]
+
+
+class ModulePath(Protocol):
+    module: Any
+
+    def params(self) -> list[Parameter]: ...
+
+    def buffers(self) -> list[Array]: ...
+
+    def call(self, args: tuple[Any, ...], kwargs: dict[str, Any], no_sync: bool) -> Any:
+        """Run the module's forward (``no_sync``: inside ``DDP.no_sync()``)."""
+        ...
+
+    def syncs_buffers(self, no_sync: bool) -> bool:
+        """Whether the forward about to run first takes rank 0's buffers."""
+        ...
+
+    def on_grad(self, finish: Callable[[], None]) -> None:
+        """A synchronised backward produced a gradient; ``finish`` completes the sync."""
+        ...
+
+    def attach(self, optimizer: Any, finish: Callable[[], None]) -> Any: ...
+
+
+class NNPath:
+    """A ``paramplane.nn.Module``: ``forward(x)``/``backward(grad)``; the sync finishes in ``attach``'s hook
+    (or an explicit ``finish_gradient_sync()``); buffers follow rank 0 on training forwards outside
+    ``no_sync``."""
+
+    def __init__(self, module: Module) -> None:
+        self.module = module
+
+    def params(self) -> list[Parameter]:
+        return self.module.parameters()
+
+    def buffers(self) -> list[Array]:
+        return [b for _, b in self.module.named_buffers()]
+
+    def call(self, args: tuple[Any, ...], kwargs: dict[str, Any], no_sync: bool) -> Any:
+        return self.module.forward(*args, **kwargs)
+
+    def syncs_buffers(self, no_sync: bool) -> bool:
+        return self.module.training and not no_sync
+
+    def on_grad(self, finish: Callable[[], None]) -> None:
+        pass  # no autograd engine to call back: the optimizer's step (attach) or the caller finishes
+
+    def attach(self, optimizer: Any, finish: Callable[[], None]) -> Any:
+        if not isinstance(optimizer, Optimizer):
+            raise ValueError(f"attach() takes a paramplane.optim optimizer, got {type(optimizer).__name__}")
+        return optimizer.register_step_pre_hook(lambda _opt: finish())
+
+
+class TorchPath:
+    """A ``torch.nn.Module`` (CPU tensors through DLPack views), with torch DDP's semantics (module docstring)."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self._sync_next_forward = True  # torch's require_forward_param_sync
+        self._queued_for: int | None = None  # the backward (graph task) whose end runs the sync
+
+    def params(self) -> list[Parameter]:
+        # Duck-typed Parameters: DLPack views of the tensors, torch's post-accumulate-grad hooks.
+        return cast(list[Parameter], torch_params(self.module))
+
+    def buffers(self) -> list[Array]:
+        return [b for _, b in torch_buffers(self.module)]
+
+    def call(self, args: tuple[Any, ...], kwargs: dict[str, Any], no_sync: bool) -> Any:
+        import torch
+
+        out = self.module(*args, **kwargs)
+        self._sync_next_forward = torch.is_grad_enabled() and not no_sync
+        return out
+
+    def syncs_buffers(self, no_sync: bool) -> bool:
+        return self._sync_next_forward
+
+    def on_grad(self, finish: Callable[[], None]) -> None:
+        import torch
+
+        # Once per backward (graph task): a backward that raised never ran its callback, so the next one
+        # queues its own rather than trusting a flag that the lost callback would have cleared.
+        task = int(torch._C._current_graph_task_id())
+        if task != self._queued_for:
+            self._queued_for = task
+            queue_backward_callback(finish)  # runs when this backward ends, before loss.backward() returns
+
+    def attach(self, optimizer: Any, finish: Callable[[], None]) -> Any:
+        torch = sys.modules.get("torch")
+        if (
+            isinstance(optimizer, Optimizer)
+            or torch is None
+            or not isinstance(optimizer, torch.optim.Optimizer)
+        ):
+            raise ValueError(f"attach() takes a torch.optim optimizer, got {type(optimizer).__name__}")
+        return optimizer.register_step_pre_hook(lambda _opt, _args, _kwargs: finish())
