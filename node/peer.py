@@ -21,6 +21,7 @@ import grpc
 
 from paramplane.node.direct_lane import DirectLane, DirectLanes, left_without_sending
 from paramplane.node.errors import (
+    AuthError,
     PeerLost,
     PlaneClosed,
     PlaneError,
@@ -49,6 +50,8 @@ MAX_MESSAGE_BYTES = CHUNK_BYTES + (64 << 10)
 GRPC_RECEIVE_LIMIT = 16 << 20
 INBOX_DEPTH = 16
 CONFIGURE_WAIT_S = 30.0
+HELLO_TLS_S = 10.0
+"""How long the first TLS probe of a peer may take before the stream's own wait takes over."""
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -190,6 +193,7 @@ class PeerPlane:
         self._bind_host = bind_host
         self._advertise_host = advertise_host or bind_host
         self._tls = tls
+        self._tls_checked: set[int] = set()  # peers whose certificate passed the first probe
         self._server: Any = None
         self.rank = -1
         self.job_id = ""
@@ -210,6 +214,15 @@ class PeerPlane:
         """How long a stream for a group this rank has not created yet waits for it before it is refused."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self.lost: set[int] = set()
+
+    @property
+    def serves_lanes(self) -> bool:
+        """Whether this rank listens for lanes (raw sockets); never under TLS, whose frames ride gRPC streams."""
+        return self._lane is not None
+
+    def outbound_kinds(self) -> set[str]:
+        """How this rank's open outbound links move frames: ``"lane"`` (a raw socket) or ``"grpc-stream"``."""
+        return {"lane" if isinstance(s, LaneStream) else "grpc-stream" for s in list(self._streams.values())}
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> str:
@@ -612,6 +625,31 @@ class PeerPlane:
             raise PeerLost(f"rank {dst} is unreachable: {exc.code().name} {exc.details()}", dst) from None
         return int(reply.lane_port), str(reply.lane_path)
 
+    async def _check_tls_peer(self, dst: int) -> None:
+        """AuthError at once when ``dst``'s certificate fails verification (another CA, wrong name): the stream
+        itself would wait for a ready channel until the collective's timeout and say nothing of why."""
+        hello = self._channel(dst).unary_unary(
+            f"/{SERVICE}/Hello",
+            request_serializer=peer_pb2.HelloRequest.SerializeToString,
+            response_deserializer=peer_pb2.HelloResponse.FromString,
+        )
+        try:
+            await hello(
+                peer_pb2.HelloRequest(rank=self.rank),
+                metadata=token_metadata(self._token),
+                timeout=HELLO_TLS_S,
+            )
+        except grpc.aio.AioRpcError as exc:
+            details = exc.details() or ""
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and (
+                "handshake" in details.lower() or "CERT" in details
+            ):
+                raise AuthError(
+                    f"rank {dst} at {self._addresses[dst]} failed TLS verification ({details.splitlines()[0]}): "
+                    "every rank's certificate must be signed by the CA in PARAMPLANE_TLS_CA and name its address",
+                ) from None
+            # Anything else (not up yet, slow): the stream's own wait and the collective's timeout decide.
+
     # -- sending ---------------------------------------------------------------------------------
     def _channel(self, dst: int) -> Any:
         ch = self._channels.get(dst)
@@ -661,6 +699,10 @@ class PeerPlane:
                     )
                 )
                 s = lane
+        if s is None and self._tls and dst not in self._tls_checked:
+            await self._check_tls_peer(dst)
+            self._tls_checked.add(dst)
+            s = self._streams.get((dst, key))  # another sender may have opened it meanwhile
         if s is None:
             method = self._channel(dst).stream_unary(PUSH_METHOD)
             call = method(metadata=token_metadata(self._token), wait_for_ready=True)

@@ -9,12 +9,9 @@ from pathlib import Path
 import pytest
 
 
-@pytest.fixture
-def self_signed_cert(tmp_path: Path) -> tuple[Path, Path]:
-    """(cert.pem, key.pem) for 127.0.0.1, its own root; skips where the openssl command is missing."""
-    if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl command to make a certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+def make_self_signed_cert(folder: Path) -> tuple[Path, Path]:
+    """(cert.pem, key.pem) for 127.0.0.1 in ``folder``, its own root (a new CA each call)."""
+    cert, key = folder / "cert.pem", folder / "key.pem"
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
          "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
@@ -22,3 +19,11 @@ def self_signed_cert(tmp_path: Path) -> tuple[Path, Path]:
         check=True, capture_output=True, timeout=30,
     )  # fmt: skip
     return cert, key
+
+
+@pytest.fixture
+def self_signed_cert(tmp_path: Path) -> tuple[Path, Path]:
+    """(cert.pem, key.pem) for 127.0.0.1, its own root; skips where the openssl command is missing."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    return make_self_signed_cert(tmp_path)
