@@ -266,6 +266,13 @@ class LaneStream:
         self.broken = False
         self.opened: asyncio.Future[None] | None = None
 
+    @property
+    def kind(self) -> str:
+        """``"lane-unix"`` or ``"lane-tcp"``: how the connected lane moves bytes (``"lane"`` before it is)."""
+        if self.sock is None:
+            return "lane"
+        return "lane-unix" if self.sock.family == socket.AF_UNIX else "lane-tcp"
+
     async def _dial(self, loop: asyncio.AbstractEventLoop) -> socket.socket:
         """A connected socket: the peer's Unix socket name when it is reachable from here, else TCP."""
         if self.path and ABSTRACT_SOCKETS:

@@ -221,8 +221,9 @@ class PeerPlane:
         return self._lane is not None
 
     def outbound_kinds(self) -> set[str]:
-        """How this rank's open outbound links move frames: ``"lane"`` (a raw socket) or ``"grpc-stream"``."""
-        return {"lane" if isinstance(s, LaneStream) else "grpc-stream" for s in list(self._streams.values())}
+        """How this rank's open outbound links move frames: ``"lane-unix"`` / ``"lane-tcp"`` (a raw socket) or
+        ``"grpc-stream"``."""
+        return {s.kind if isinstance(s, LaneStream) else "grpc-stream" for s in list(self._streams.values())}
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> str:

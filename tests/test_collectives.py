@@ -18,6 +18,8 @@ CASES = [
     # (world size, transport, extra env); every world runs every op at every size, plus the
     # point-to-point ring (and, in worlds of 4, the subgroup and two-groups-in-flight checks).
     pytest.param(2, "grpc", {}, id="2-grpc"),
+    # TCP lanes between processes of one machine (Unix lanes off), as between hosts.
+    pytest.param(2, "grpc", {"PARAMPLANE_UNIX_LANE": "0"}, id="2-grpc-tcp-lanes"),
     # The same frames on gRPC streams instead of raw TCP lanes (what TLS uses).
     pytest.param(2, "grpc", {"PARAMPLANE_TCP_LANE": "0"}, id="2-grpc-streams"),
     pytest.param(3, "grpc", {"PARAMPLANE_TCP_LANE": "0"}, id="3-grpc-streams"),
@@ -48,10 +50,14 @@ def test_every_collective_matches_numpy(n: int, transport: str, env: dict[str, s
         assert others == {value}, f"ranks disagree bitwise on {key}: {others}"
     assert world.shm_leaks() == set()
     if transport == "grpc":
-        lanes = env.get("PARAMPLANE_TCP_LANE") != "0"
-        assert {tuple(r["values"]["streams"]) for r in results} == {
-            ("LaneStream",) if lanes else ("OutStream",)
-        }
+        if env.get("PARAMPLANE_TCP_LANE") == "0":
+            want = "grpc-stream"
+        else:
+            want = "lane-tcp" if env.get("PARAMPLANE_UNIX_LANE") == "0" else "lane-unix"
+        assert {tuple(r["values"]["streams"]) for r in results} == {(want,)}
+        assert not any(r["values"]["shm_used"] for r in results)
+    else:  # the collectives went through shared memory
+        assert all(r["values"]["shm_used"] for r in results)
 
 
 def test_hierarchical_all_reduce_of_hosts_that_disagree_on_the_shape_is_a_mismatch() -> None:

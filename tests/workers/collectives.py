@@ -211,8 +211,9 @@ def scenario(world: pp.World, rep: Report) -> None:
     if "--extras" in sys.argv:
         extras(world, rep)
     world.group.barrier()
-    # Which kind of outbound data stream carried the frames (TCP lanes or gRPC streams).
-    rep.values["streams"] = sorted({type(s).__name__ for s in world.runtime.plane._streams.values()})
+    # Which links carried the frames (Unix or TCP lanes, gRPC streams), and whether shared memory was set up.
+    rep.values["streams"] = sorted(world.runtime.plane.outbound_kinds())
+    rep.values["shm_used"] = world.group._e.transports._shm is not None
 
 
 def main() -> None:
