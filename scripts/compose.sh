@@ -4,10 +4,16 @@
 #   scripts/compose.sh test   the same as a test: installs docker.io if missing (root), starts a daemon if none
 #                             runs (and stops only that one), asserts the training result and the checkpoint,
 #                             and removes every container, network and volume it made.
+#   scripts/compose.sh wheels [--gpu]   only the wheels in .compose/wheels (the images install from them);
+#                             --gpu adds the gpu extra's (cupy and its needs) for docker-compose.gpu.yml.
 # Environment: PARAMPLANE_BASE_IMAGE (default python:3.12-slim, else a Debian image built with debootstrap).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-demo}
+case "$MODE" in
+  demo|test|wheels) ;;
+  *) echo "usage: scripts/compose.sh demo | test | wheels [--gpu]" >&2; exit 2 ;;
+esac
 PY=${PY:-python3}
 PROJECT=paramplane-demo
 STARTED_DAEMON=""
@@ -65,15 +71,27 @@ ensure_base() {
   export PARAMPLANE_BASE_IMAGE=$BASE
 }
 
-prepare() {
-  mkdir -p .compose
-  [ -s .compose/token ] || { $PY -c 'import secrets; print(secrets.token_hex(16))' > .compose/token; chmod 600 .compose/token; }
+wheels() {
   # Wheels for the image's Python: the debootstrap base has the same minor version as this machine's python3.
   rm -rf .compose/wheels
-  $PY -m pip wheel -q -w .compose/wheels . >"$LOG.wheels" 2>&1
+  $PY -m pip wheel -q -w .compose/wheels . >"$LOG.wheels" 2>&1 || { tail -20 "$LOG.wheels" >&2; exit 1; }
+  if [ "${1:-}" = "--gpu" ]; then
+    $PY -m pip download -q --only-binary=:all: -d .compose/wheels 'cupy-cuda12x>=13' >>"$LOG.wheels" 2>&1 \
+      || { tail -20 "$LOG.wheels" >&2; exit 1; }
+  fi
+}
+
+prepare() {
+  [ -s .compose/token ] || { $PY -c 'import secrets; print(secrets.token_hex(16))' > .compose/token; chmod 600 .compose/token; }
+  wheels
 }
 
 mkdir -p .compose
+if [ "$MODE" = wheels ]; then
+  wheels "${2:-}"
+  say "wheels in .compose/wheels: $(ls .compose/wheels | wc -l) files"
+  exit 0
+fi
 trap cleanup EXIT
 ensure_docker
 ensure_base

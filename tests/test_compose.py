@@ -60,6 +60,33 @@ def test_compose_file_shape() -> None:
     assert (REPO / "Dockerfile").read_text().count("ARG BASE=") == 1
 
 
+def test_gpu_compose_overlay_shape() -> None:
+    """docker-compose.gpu.yml overlays the base file: the image installs the gpu extra (the Dockerfile's
+    EXTRAS argument), every node reserves the NVIDIA devices, and the command its header names to prepare the
+    wheels exists (scripts/compose.sh wheels --gpu)."""
+    text = (REPO / "docker-compose.gpu.yml").read_text()
+    gpu = yaml.safe_load(text)
+    assert set(gpu["services"]) <= set(COMPOSE["services"])
+    assert gpu["services"]["coordinator"]["build"]["args"]["EXTRAS"] == "[gpu]"
+    assert "paramplane${EXTRAS}" in (REPO / "Dockerfile").read_text()
+    for name in ("node-a", "node-b"):
+        devices = gpu["services"][name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}], name
+    documented = re.search(r"scripts/compose\.sh (\w+) (--\w+)", text)
+    assert documented is not None, "the overlay's header names no preparation command"
+    mode, flag = documented.groups()
+    script = (REPO / "scripts" / "compose.sh").read_text()
+    assert re.search(rf"^\s*{mode}\|.*\)|\|{mode}\)", script, re.M), f"compose.sh has no {mode!r} mode"
+    assert f'"{flag}"' in script, f"compose.sh {mode} does not take {flag}"
+    refused = subprocess.run(
+        ["bash", str(REPO / "scripts" / "compose.sh"), "no-such-mode"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert refused.returncode == 2 and mode in refused.stderr, refused.stderr
+
+
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
 
