@@ -2,8 +2,8 @@
 
 Each trainable torch parameter is seen through a ``TorchFlatParam``: the flat buffers are numpy arrays
 and a parameter's tensor is re-pointed, zero-copy, at its piece of the gathered buffer, or, while sharded,
-at a placeholder of its shape whose storage has size 0 (as torch's FSDP frees it): an op that reads a
-sharded parameter raises, and the forward turns that error into one naming the units.
+at a zero-stride placeholder of NaNs of its shape: a computation that reads a sharded parameter yields NaN,
+never plausible values, and a forward that did not call some unit's module raises naming the unit.
 
 Units (``units=``): by default every element of the outermost ``nn.ModuleList``s (a transformer's blocks,
 as torchtitan applies ``fully_shard`` per block), the root unit keeping the rest (embeddings, final norm,
@@ -54,8 +54,6 @@ from paramplane.parallel.torch_params import (
 )
 
 __all__ = ["TorchFSDP"]
-
-_PLACEHOLDER_ERRORS = ("storage of size 0", "data is not allocated yet")
 
 
 def _tensors(value: Any) -> list[Any]:
@@ -237,19 +235,7 @@ class TorchFSDP(FSDP):
         if self.param_dtype != self.master_dtype:
             compute = _torch_dtype(self.param_dtype)
             args = tuple(a.to(compute) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
-        try:
-            y = self.module(*args, **kwargs)
-        except RuntimeError as exc:
-            if not any(s in str(exc) for s in _PLACEHOLDER_ERRORS):
-                raise
-            sharded = [u.name for u in self.units if not u.gathered]
-            raise RuntimeError(
-                f"FSDP: the forward read a sharded parameter (a placeholder without storage) of one of the "
-                f"units {sharded}, not gathered at that moment. A unit is gathered only while its module runs: "
-                "the forward did not call the module of the unit whose parameter it read. Call that module, "
-                "or pass units= so that the module reading the parameter is inside its unit (a parameter "
-                "registered in several units is kept by the root unit)"
-            ) from exc
+        y = self.module(*args, **kwargs)
         missed = [u.name for u in self._wrapped if not u.forward_done]
         if missed:
             raise RuntimeError(

@@ -168,10 +168,11 @@ class TorchFlatParam(TorchParam):
     """A torch parameter whose values FSDP re-points: assigning ``data`` swaps the tensor's data.
 
     A writable array becomes the tensor's data zero-copy (a view into the unit's gathered flat buffer);
-    a read-only one is FSDP's sharded placeholder and becomes a tensor of the same shape and dtype whose
-    storage has size 0, as torch's FSDP frees a parameter's storage while keeping its metadata: any op
-    that reads it raises (nothing can compute with a sharded parameter's stand-in values). Autograd keeps
-    the tensor object, so a backward after re-gathering sees the gathered values again.
+    a read-only one is FSDP's sharded placeholder and becomes a zero-stride tensor of NaNs of the same
+    shape (one element of memory), so a computation that reads a sharded parameter yields NaN, never
+    plausible values. (A storage-free tensor, as torch's FSDP leaves, raises in matmuls but crashes the
+    process in elementwise ops and reductions on CPU.) Autograd keeps the tensor object, so a backward
+    after re-gathering sees the gathered values again.
     """
 
     @property
@@ -184,19 +185,7 @@ class TorchFlatParam(TorchParam):
         if value.flags.writeable:
             self.tensor.data = to_torch(value)
         else:
-            self.tensor.data = self._storage_free(value)
-
-    def _storage_free(self, value: np.ndarray) -> Any:
-        """This parameter's placeholder for ``value``'s shape and dtype (made once, reused)."""
-        empty = getattr(self, "_empty", None)
-        if empty is None or tuple(empty.shape) != tuple(value.shape) or self._empty_of != value.dtype:
-            import torch
-
-            empty = torch.empty(tuple(value.shape), dtype=to_torch(np.zeros(0, value.dtype)).dtype)
-            empty.untyped_storage().resize_(0)
-            self._empty: Any = empty
-            self._empty_of: np.dtype[Any] = value.dtype
-        return empty
+            self.tensor.data = to_torch(np.full((), np.nan, value.dtype)).expand(value.shape)
 
 
 def torch_params(module: Any) -> list[TorchParam]:

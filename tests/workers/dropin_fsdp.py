@@ -1,0 +1,296 @@
+"""pp.FSDP as a drop-in for torch's FSDP on model code the project did not write (transformers GPT-2, Llama,
+ResNet): the standard loop (``out = fsdp(**batch)``, ``loss.backward()``, ``fsdp.clip_grad_norm_``,
+torch AdamW with param groups, ``step``, ``zero_grad(set_to_none=True)``) under each strategy given, with the
+default units and with ``units_by_class(block)``. Every rank checks losses, gradient norms and the final
+``fsdp.state_dict()`` against one process on the whole global batch (GPT-2, Llama) and against torch's FSDP2
+``fully_shard`` over gloo on the same data (GPT-2, ResNet: its BatchNorm statistics are per rank).
+
+``focused``: the failures the drop-in fixes (tied weights in two units, the tied alias key, gradients final
+when ``loss.backward()`` returns, a sharded parameter read outside its unit, checkpoint to a plain module).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _torch_models as tm
+from _common import Report, run_rank
+
+import paramplane as pp
+
+STEPS = 3
+CLIP = 0.5
+RTOL = 1e-9
+ROOT = {"lr": 0.01, "weight_decay": 0.0}
+BLOCKS = {"lr": 0.02, "weight_decay": 0.1}
+
+
+def _block_names(model: Any) -> set[str]:
+    cls = tm.block_class(model)
+    return {
+        f"{path}.{n}"
+        for path, m in model.named_modules()
+        if isinstance(m, cls)
+        for n, _ in m.named_parameters()
+    }
+
+
+def _groups(model: Any, blocks: set[str] | None = None) -> list[dict[str, Any]]:
+    """AdamW param groups of a plain (or FSDP2) model: block parameters and the rest."""
+    blocks = _block_names(model) if blocks is None else blocks
+    named = list(model.named_parameters())
+    return [
+        {"params": [p for n, p in named if n not in blocks], **ROOT},
+        {"params": [p for n, p in named if n in blocks], **BLOCKS},
+    ]
+
+
+def _loss(model: Any, kwargs: dict[str, Any]) -> Any:
+    """The model's loss; for the language models in float64 (transformers computes it in float32)."""
+    import torch
+
+    if "input_ids" not in kwargs:
+        return model(**kwargs).loss
+    kw = dict(kwargs)
+    labels = kw.pop("labels")
+    logits = model(**kw).logits  # a ModelOutput
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+
+def _step(model: Any, opt: Any, kwargs: dict[str, Any], clip: Any) -> tuple[float, float]:
+    loss = _loss(model, kwargs)
+    loss.backward()
+    norm = clip(CLIP)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss.detach()), float(norm)
+
+
+def _reference(name: str, n: int) -> tuple[list[float], list[float], dict[str, Any]]:
+    """One process on the whole global batch: losses, gradient norms, final state."""
+    import torch
+
+    model = tm.build(name)
+    opt = torch.optim.AdamW(_groups(model))
+    clip = lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c)  # noqa: E731
+    runs = [_step(model, opt, tm.global_batch(name, s, n), clip) for s in range(STEPS)]
+    return [r[0] for r in runs], [r[1] for r in runs], model.state_dict()
+
+
+def _fsdp2(world: Any, name: str) -> tuple[list[float], list[float], dict[str, Any]]:
+    """torch's FSDP2 over gloo, one fully_shard per block and one at the root: local losses, norms, state."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    tm.init_gloo(world)
+    model = tm.build(name)
+    blocks = _block_names(model)
+    for m in [m for m in model.modules() if isinstance(m, tm.block_class(model))]:
+        fully_shard(m)
+    fully_shard(model)
+    opt = torch.optim.AdamW(_groups(model, blocks))
+    clip = lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c).full_tensor()  # noqa: E731
+    runs = [_step(model, opt, tm.batch(name, s, world.rank), clip) for s in range(STEPS)]
+    state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    return [r[0] for r in runs], [r[1] for r in runs], state
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= RTOL * max(abs(b), 1e-12)
+
+
+def _same_state(rep: Report, what: str, got: dict[str, Any], want: dict[str, Any]) -> None:
+    rep.check(f"{what}: state_dict keys", list(got) == list(want), f"{list(got)[:5]} vs {list(want)[:5]}")
+    bad = [
+        k
+        for k, v in want.items()
+        if k not in got
+        or not hasattr(got[k], "numpy")
+        or tuple(got[k].shape) != tuple(v.shape)
+        or not np.allclose(got[k].numpy(), v.detach().numpy(), rtol=RTOL, atol=1e-12)
+    ]
+    rep.check(f"{what}: every state value equal", not bad, f"differ: {bad[:5]}")
+
+
+def _train(world: Any, rep: Report, name: str, strategy: str, by_class: bool) -> tuple[Any, ...]:
+    """Our FSDP: global mean losses, local losses, norms and the final state."""
+    import torch
+
+    g, n = world.group, world.world_size
+    model = tm.build(name)
+    units = pp.units_by_class(tm.block_class(model)) if by_class else None
+    fsdp = pp.FSDP(model, g, strategy, units=units)
+    blocks = _block_names(model)
+    kinds = {u.name: {nm in blocks for nm in u.names} for u in fsdp.units}
+    what = f"{name}/{strategy}/{'by_class' if by_class else 'default'}"
+    rep.check(
+        f"{what}: root unit holds the rest, block units their blocks",
+        all(k == ({False} if u == "<root>" else {True}) for u, k in kinds.items()),
+        str(kinds),
+    )
+    shards = {u.name: p for u, p in zip(fsdp.units, fsdp.parameters())}
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for u, p in shards.items() if u == "<root>"], **ROOT},
+            {"params": [p for u, p in shards.items() if u != "<root>"], **BLOCKS},
+        ]
+    )
+    means, local, norms = [], [], []
+    for s in range(STEPS):
+        loss, norm = _step(fsdp, opt, tm.batch(name, s, world.rank), fsdp.clip_grad_norm_)
+        total = np.array([loss])
+        g.all_reduce(total, "sum")
+        means.append(float(total[0]) / n)
+        local.append(loss)
+        norms.append(norm)
+    return means, local, norms, fsdp.state_dict()
+
+
+def train(world: Any, rep: Report, strategies: list[str]) -> None:
+    n = world.world_size
+    for name in tm.MODELS:
+        ref = _reference(name, n) if name != "resnet" else None
+        theirs = _fsdp2(world, name) if name in ("gpt2", "resnet") else None
+        for strategy in strategies:
+            for by_class in (False, True):
+                what = f"{name}/{strategy}/{'by_class' if by_class else 'default'}"
+                means, local, norms, state = _train(world, rep, name, strategy, by_class)
+                rep.check(f"{what}: clipping happened", all(x > CLIP for x in norms), str(norms))
+                if ref is not None:
+                    rep.check(
+                        f"{what}: losses = one process", all(map(_close, means, ref[0])), f"{means} {ref[0]}"
+                    )
+                    rep.check(
+                        f"{what}: norms = one process", all(map(_close, norms, ref[1])), f"{norms} {ref[1]}"
+                    )
+                    _same_state(rep, f"{what} vs one process", state, ref[2])
+                if theirs is not None:
+                    rep.check(
+                        f"{what}: losses = FSDP2", all(map(_close, local, theirs[0])), f"{local} {theirs[0]}"
+                    )
+                    rep.check(
+                        f"{what}: norms = FSDP2", all(map(_close, norms, theirs[1])), f"{norms} {theirs[1]}"
+                    )
+                    _same_state(rep, f"{what} vs FSDP2", state, theirs[2])
+
+
+def focused(world: Any, rep: Report) -> None:
+    import torch
+
+    g, n = world.group, world.world_size
+    want = _reference("gpt2", n)
+    # Tied weights split across units: the embedding's and the head's users in different units (the head
+    # alone a unit, or both): the shared weight goes to the root unit, and training equals one process.
+    for label, pick in (
+        ("head unit", lambda m: [m.lm_head]),
+        ("wte and head units", lambda m: [m.transformer.wte, m.lm_head]),
+    ):
+        model = tm.build("gpt2")
+        fsdp = pp.FSDP(model, g, "full_shard", units=pick(model))
+        root = next(u for u in fsdp.units if u.name == "<root>")
+        rep.check(
+            f"{label}: tied weight owned by the root", "transformer.wte.weight" in root.names, str(root.names)
+        )
+        opt = torch.optim.AdamW(fsdp.parameters(), lr=0.01, weight_decay=0.0)
+        loss = _loss(fsdp, tm.batch("gpt2", 0, world.rank))
+        loss.backward()
+        total = np.array([float(loss.detach())])
+        g.all_reduce(total, "sum")
+        rep.check(
+            f"{label}: first loss = one process",
+            _close(float(total[0]) / n, want[0][0]),
+            f"{total[0] / n} vs {want[0][0]}",
+        )
+        opt.step()
+
+    # Gradients final when loss.backward() returns (no attach): the global norm matches one process;
+    # torch's helper over the shards sees only this rank's shards (documented as wrong).
+    model = tm.build("gpt2")
+    fsdp = pp.FSDP(model, g, "full_shard")
+    _loss(fsdp, tm.batch("gpt2", 0, world.rank)).backward()
+    rep.check(
+        "every shard's grad set when backward returns", all(p.grad is not None for p in fsdp.parameters()), ""
+    )
+    local = float(
+        torch.nn.utils.clip_grad_norm_(fsdp.parameters(), float("inf"))
+    )  # inf: measures, clips nothing
+    local2 = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in fsdp.parameters()])))
+    norm = float(fsdp.clip_grad_norm_(CLIP))
+    rep.check(
+        "fsdp.clip_grad_norm_ = one process's norm", _close(norm, want[1][0]), f"{norm} vs {want[1][0]}"
+    )
+    rep.check(
+        "torch's clip_grad_norm_ over shards is this rank's norm only",
+        local2 < norm * (1 - 1e-6),
+        f"{local2} vs {norm}",
+    )
+    rep.values["local_vs_global_norm"] = [local2, norm, local]
+
+    # A sharded parameter read outside its unit is NaN (a placeholder), never plausible values such as zeros.
+    weight = model.transformer.h[0].mlp.c_fc.weight
+    rep.check("a sharded parameter reads as NaN", bool(weight.isnan().all()), str(weight.flatten()[:3]))
+
+    # State dicts: the tied alias key, strict both ways; a missing or unexpected key is named.
+    sd = fsdp.state_dict()
+    plain = tm.build("gpt2", seed=7)
+    rep.check("state keys = module.state_dict()'s", list(sd) == list(plain.state_dict()), str(list(sd)[-3:]))
+    rep.check("alias present", "lm_head.weight" in sd, "")
+    plain.load_state_dict(sd, strict=True)
+    rep.check(
+        "plain module loads fsdp.state_dict() strictly",
+        torch.equal(plain.lm_head.weight, sd["transformer.wte.weight"]),
+        "",
+    )
+    other = tm.build("gpt2", seed=3)
+    fsdp.load_state_dict(other.state_dict())
+    _same_state(rep, "plain state_dict loaded into FSDP", fsdp.state_dict(), other.state_dict())
+    fsdp.load_state_dict({k: v.numpy() for k, v in other.state_dict().items()})
+    part = dict(other.state_dict())
+    part.pop("lm_head.weight")
+    rep.raises("missing key named", ValueError, lambda: fsdp.load_state_dict(part), "lm_head.weight")
+    rep.raises(
+        "unexpected key named",
+        ValueError,
+        lambda: fsdp.load_state_dict({**sd, "extra.w": sd["lm_head.weight"]}),
+        "extra.w",
+    )
+
+    # A checkpoint of the wrapped model, consolidated, loads strictly into a plain torch module.
+    from paramplane.checkpoint.__main__ import consolidate
+
+    root_dir = Path(tempfile.gettempdir()) / f"pp-dropin-{world.job_id}"
+    saved = pp.checkpoint.save({"model": fsdp}, root_dir, g)
+    g.barrier()
+    if world.rank == 0:
+        out_npz = root_dir.with_suffix(".npz")
+        consolidate(Path(saved), out_npz)
+        arrays = np.load(out_npz)
+        fresh = tm.build("gpt2", seed=5)
+        fresh.load_state_dict(
+            {k.removeprefix("model/"): torch.from_numpy(arrays[k]) for k in arrays.files}, strict=True
+        )
+        _same_state(rep, "consolidated checkpoint in a plain module", fresh.state_dict(), other.state_dict())
+        out_npz.unlink()
+    g.barrier()
+    if world.rank == 0:
+        shutil.rmtree(root_dir, ignore_errors=True)
+
+
+def scenario(world: Any, rep: Report) -> None:
+    mode = sys.argv[1]
+    if mode == "focused":
+        focused(world, rep)
+    else:
+        train(world, rep, mode.split(","))
+    rep.values["num_checks"] = rep.num_checks
+
+
+if __name__ == "__main__":
+    run_rank(scenario)
