@@ -21,7 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "launch": ("start N rank processes of a script on this host (like torchrun)", "paramplane.launch"),
     "demo": (
-        "the main job: DDP (or --fsdp) training on 4 local ranks (scikit-learn digits)",
+        "the main job: DDP (or --fsdp) training on 4 local ranks (scikit-learn digits); --torch: a GPT",
         "paramplane.demo",
     ),
     "bench": ("run a benchmark from benchmarks/ (`paramplane bench` lists them)", "paramplane.bench"),

@@ -4,12 +4,18 @@ Starts an embedded coordinator on 127.0.0.1, spawns ``--world-size`` rank proces
 running ``examples/train_ddp.py`` (the script a user copies; the demo runs it as is),
 and waits for them. Rank 0 shows a progress bar per epoch, prints the test accuracy
 and saves the loss curve; the demo prints where.
+
+``--torch`` runs ``examples/train_gpt.py`` instead, on 2 ranks by default: a small GPT (transformers'
+GPT-2 when installed) under FSDP full_shard with torch's AdamW, clipping and bfloat16 autocast, saving a
+checkpoint to ``--out``/gpt_checkpoints every ``--checkpoint-every`` steps; ``--resume`` continues from
+the newest one.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import sys
 import time
@@ -18,6 +24,11 @@ from pathlib import Path
 EXAMPLES = Path(importlib.import_module("paramplane.examples").__file__ or "").resolve().parent
 EXAMPLE = EXAMPLES / "train_ddp.py"
 FSDP_EXAMPLE = EXAMPLES / "train_fsdp.py"
+TORCH_EXAMPLE = EXAMPLES / "train_gpt.py"
+TORCH_HINT = (
+    "paramplane demo --torch needs torch: pip install torch "
+    "(and pip install 'paramplane[test]' to train transformers' GPT-2 rather than the example's own GPT)"
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,9 +37,14 @@ def _parser() -> argparse.ArgumentParser:
         description="Train an MLP on scikit-learn's digits with DDP over a local world of ranks.",
     )
     parser.add_argument("--epochs", type=int, default=20, help="training epochs (default 20)")
-    parser.add_argument("--world-size", type=int, default=4, help="rank processes (default 4)")
     parser.add_argument(
-        "--out", type=Path, default=Path("demo_out"), help="folder for loss.png (default demo_out)"
+        "--world-size", type=int, default=None, help="rank processes (default 4; 2 with --torch)"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("demo_out"),
+        help="folder for loss.png, or --torch's gpt_checkpoints (default demo_out)",
     )
     parser.add_argument(
         "--transport", choices=("auto", "grpc", "shm"), default="auto", help="data plane (default auto: shm)"
@@ -37,6 +53,18 @@ def _parser() -> argparse.ArgumentParser:
         "--fsdp",
         action="store_true",
         help="train with FSDP full_shard (examples/train_fsdp.py) instead of DDP",
+    )
+    parser.add_argument(
+        "--torch",
+        action="store_true",
+        help="train a small torch GPT with FSDP, AdamW and checkpoints (examples/train_gpt.py)",
+    )
+    parser.add_argument("--steps", type=int, default=40, help="--torch: train up to this step (default 40)")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=10, help="--torch: steps between checkpoints (default 10)"
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="--torch: continue from the newest checkpoint in --out"
     )
     parser.add_argument(
         "--timeout", type=float, default=120.0, help="collective timeout in seconds (default 120)"
@@ -51,9 +79,16 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else 2
-    if args.epochs < 1 or args.world_size < 1 or not args.timeout > 0:
-        print("paramplane demo: --epochs, --world-size and --timeout must be positive", file=sys.stderr)
+    if args.world_size is None:
+        args.world_size = 2 if args.torch else 4
+    if min(args.epochs, args.world_size, args.steps, args.checkpoint_every) < 1 or not args.timeout > 0:
+        print(
+            "paramplane demo: --epochs, --world-size, --steps, --checkpoint-every and --timeout must be positive",
+            file=sys.stderr,
+        )
         return 2
+    if args.torch:
+        return _torch_demo(args)
     example = FSDP_EXAMPLE if args.fsdp else EXAMPLE
     if not example.is_file():
         print(f"paramplane demo: {example} is missing from this installation", file=sys.stderr)
@@ -79,6 +114,46 @@ def main(argv: list[str] | None = None) -> int:
         elapsed = time.monotonic() - started
         saved = "" if args.fsdp else f"; loss curve saved to {args.out / 'loss.png'}"
         print(f"paramplane demo: done in {elapsed:.1f} s{saved}", flush=True)
+    return code
+
+
+def _torch_demo(args: argparse.Namespace) -> int:
+    """``--torch``: examples/train_gpt.py on ``--world-size`` ranks, checkpoints under ``--out``."""
+    if importlib.util.find_spec("torch") is None:
+        print(TORCH_HINT, file=sys.stderr)
+        return 1
+    if not TORCH_EXAMPLE.is_file():
+        print(f"paramplane demo: {TORCH_EXAMPLE} is missing from this installation", file=sys.stderr)
+        return 1
+    from paramplane.checkpoint import latest
+    from paramplane.launch import LaunchConfig, launch
+
+    ckpt = args.out / "gpt_checkpoints"
+    newest = latest(ckpt)
+    if newest is not None and not args.resume:
+        print(
+            f"paramplane demo: {ckpt} holds a checkpoint of an earlier run ({newest.name}): pass --resume "
+            "(with a larger --steps) to continue it, or another --out",
+            file=sys.stderr,
+        )
+        return 2
+    os.environ["PARAMPLANE_TRANSPORT"] = args.transport
+    flags = ["--steps", str(args.steps), "--checkpoint-dir", str(ckpt)]
+    flags += ["--checkpoint-every", str(args.checkpoint_every)] + (["--resume"] if args.resume else [])
+    config = LaunchConfig(
+        num_ranks=args.world_size,
+        target=str(TORCH_EXAMPLE),
+        args=tuple(flags),
+        standalone=True,
+        timeout_s=args.timeout,
+        prefix=True,
+    )
+    print(f"paramplane demo: training a torch GPT with FSDP on {args.world_size} ranks", flush=True)
+    started = time.monotonic()
+    code = launch(config)
+    if code == 0:
+        elapsed = time.monotonic() - started
+        print(f"paramplane demo: done in {elapsed:.1f} s; checkpoints in {ckpt}", flush=True)
     return code
 
 

@@ -1,11 +1,15 @@
-"""``paramplane demo``: a real 4-rank DDP run on digits, kept short here (2 epochs)."""
+"""``paramplane demo``: a real 4-rank DDP run on digits, kept short here (2 epochs); ``--torch``'s GPT."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from paramplane import demo
 
@@ -54,3 +58,48 @@ def test_demo_fsdp_trains_and_reports_sharded_memory() -> None:
     # The estimate is params + grads + two AdamW moments of a quarter; shards differ by padding only.
     quarter = int(estimate.group(1)) // 4
     assert all(0 <= int(b) - quarter <= 64 for _, b in shards), proc.stdout
+
+
+def _losses(stdout: str) -> dict[int, float]:
+    return {int(s): float(v) for s, v in re.findall(r"step (\d+)/\d+: loss (\d+\.\d+)", stdout)}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
+def test_demo_torch_trains_a_gpt_checkpoints_and_resumes_where_it_stopped(tmp_path: Path) -> None:
+    def run(*flags: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "paramplane.demo", "--torch", "--out", str(tmp_path), *flags]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc
+
+    first = run("--steps", "16", "--checkpoint-every", "12")
+    losses = _losses(first.stdout)
+    assert sorted(losses) == list(range(1, 17)), first.stdout
+    assert losses[16] < losses[1] - 1.0, losses  # the pattern is being learned
+    ckpt = tmp_path / "gpt_checkpoints"
+    assert sorted(d.name for d in ckpt.iterdir()) == ["step_000012", "step_000016"]
+    assert all((ckpt / d / "manifest.json").is_file() for d in ("step_000012", "step_000016"))
+
+    # Starting over where checkpoints exist is refused; the run "dies" after step 12's checkpoint.
+    assert demo.main(["--torch", "--out", str(tmp_path)]) == 2
+    shutil.rmtree(ckpt / "step_000016")
+    second = run("--steps", "16", "--resume")
+    assert f"resumed from {ckpt / 'step_000012'} at step 12" in second.stdout
+    resumed = _losses(second.stdout)
+    assert sorted(resumed) == [13, 14, 15, 16], second.stdout
+    # Same data, model and AdamW state: the resumed steps are the uninterrupted run's.
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(losses[step], abs=2e-4), (step, resumed, losses)
+    assert (ckpt / "step_000016" / "manifest.json").is_file()
+
+
+def test_demo_torch_without_torch_prints_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        demo.importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a)
+    )
+    assert demo.main(["--torch"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pip install torch" in err and "paramplane[test]" in err
