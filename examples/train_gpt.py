@@ -70,6 +70,8 @@ class TinyGPT(torch.nn.Module):
         self.ln_f = torch.nn.LayerNorm(dim)
         self.lm_head = torch.nn.Linear(dim, vocab, bias=False)
         self.lm_head.weight = self.wte.weight  # tied, as GPT-2's
+        for emb in (self.wte, self.wpe):
+            torch.nn.init.normal_(emb.weight, std=0.02)  # GPT-2's: N(0, 1) tied to the head starts far off
 
     def forward(self, input_ids: Any, labels: Any = None) -> Any:
         pos = torch.arange(input_ids.shape[1], device=input_ids.device)
