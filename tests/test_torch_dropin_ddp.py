@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 from _world import run_world
 
@@ -49,6 +50,39 @@ def test_forward_passes_every_argument_and_returns_the_output_unchanged(solo: pp
     assert isinstance(got, dict) and got["scale"] == 2.0
     torch.testing.assert_close(got["out"], model(x, y, scale=2.0)["out"], rtol=0, atol=0)
     torch.testing.assert_close(ddp.forward(x, y=y)["out"], model(x, y)["out"], rtol=0, atol=0)
+    ddp.remove_hooks()
+
+
+def test_forward_decides_whether_its_backward_syncs_and_misuse_is_a_clear_error(solo: pp.World) -> None:
+    """As torch's reducer: a forward inside ``no_sync`` makes its backward local even when the backward runs
+    outside, and the reverse; ``attach`` stays valid (a no-op wait). Wrong arguments are ValueErrors."""
+    model = _TwoInputs()
+    ddp = pp.DDP(model, solo.group, find_unused_parameters=True)
+    x, y = torch.ones(2, 3), torch.ones(2, 4)
+
+    def issued() -> int:
+        return int(solo.group._e.progress()[0])
+
+    before = issued()
+    with ddp.no_sync():
+        out = ddp(x, y)["out"]
+    out.sum().backward()
+    assert issued() == before, "a backward of a no_sync forward communicated"
+    out = ddp(x, y)["out"]
+    with ddp.no_sync():
+        out.sum().backward()
+    after = issued()
+    assert after > before, "a backward of a synchronised forward did not communicate"
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ddp.attach(opt)
+    opt.step()
+    assert issued() == after, "attach's wait communicated again after backward's sync"
+    with pytest.raises(ValueError, match=r"torch\.optim"):
+        ddp.attach(pp.optim.SGD([pp.nn.Parameter(np.zeros(2))], lr=0.1))
+    with pytest.raises(RuntimeError, match=r"loss\.backward"):
+        ddp.backward(None)
+    with pytest.raises(ValueError, match="find_unused_parameters"):
+        pp.DDP(model, solo.group, find_unused_parameters="yes")  # type: ignore[arg-type]
     ddp.remove_hooks()
 
 

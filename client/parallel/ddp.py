@@ -181,7 +181,7 @@ class DDP:
 
     # -- grad hooks and buckets ----------------------------------------------------------------------
     def _on_grad(self, i: int, p: Parameter) -> None:
-        if self._no_sync:
+        if not self._path.syncs_backward(self._no_sync):
             return
         if self._tracer is not None:
             now = time.monotonic()
@@ -290,7 +290,8 @@ class DDP:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backwards inside accumulate into ``p.grad`` locally, without communication.
+        """Backwards inside accumulate into ``p.grad`` locally, without communication (for a torch module,
+        as with torch's DDP: backwards of forwards that ran inside).
 
         The next synchronised backward reduces the accumulated gradients (like torch).
         """

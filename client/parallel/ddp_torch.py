@@ -9,7 +9,9 @@ gradient hook does beyond filling buckets, and which optimizers ``attach`` takes
 ``module(*args, **kwargs)``, whatever it returns; the first gradient hook of a synchronised backward queues
 the gradient sync as an autograd callback (as torch's reducer does), so every ``.grad`` is averaged when
 ``loss.backward()`` returns; buffers are broadcast from rank 0 before a forward when the previous forward ran
-with grad enabled outside ``no_sync`` (torch's ``require_forward_param_sync``; true before the first).
+with grad enabled outside ``no_sync`` (torch's ``require_forward_param_sync``; true before the first); and,
+as torch's reducer decides when the forward runs, a backward synchronises when the last forward with grad
+enabled ran outside ``no_sync`` (where the backward runs does not matter).
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ class ModulePath(Protocol):
         """Whether the forward about to run first takes rank 0's buffers."""
         ...
 
+    def syncs_backward(self, no_sync: bool) -> bool:
+        """Whether a gradient arriving now takes part in a synchronised backward."""
+        ...
+
     def on_grad(self, finish: Callable[[], None]) -> None:
         """A synchronised backward produced a gradient; ``finish`` completes the sync."""
         ...
@@ -67,6 +73,9 @@ class NNPath:
     def syncs_buffers(self, no_sync: bool) -> bool:
         return self.module.training and not no_sync
 
+    def syncs_backward(self, no_sync: bool) -> bool:
+        return not no_sync
+
     def on_grad(self, finish: Callable[[], None]) -> None:
         pass  # no autograd engine to call back: the optimizer's step (attach) or the caller finishes
 
@@ -82,6 +91,7 @@ class TorchPath:
     def __init__(self, module: Any) -> None:
         self.module = module
         self._sync_next_forward = True  # torch's require_forward_param_sync
+        self._sync_backward = True  # whether the last forward with grad enabled ran outside no_sync
         self._queued_for: int | None = None  # the backward (graph task) whose end runs the sync
 
     def params(self) -> list[Parameter]:
@@ -94,12 +104,18 @@ class TorchPath:
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any], no_sync: bool) -> Any:
         import torch
 
+        grad_enabled = torch.is_grad_enabled()
         out = self.module(*args, **kwargs)
-        self._sync_next_forward = torch.is_grad_enabled() and not no_sync
+        self._sync_next_forward = grad_enabled and not no_sync
+        if grad_enabled:
+            self._sync_backward = not no_sync
         return out
 
     def syncs_buffers(self, no_sync: bool) -> bool:
         return self._sync_next_forward
+
+    def syncs_backward(self, no_sync: bool) -> bool:
+        return self._sync_backward
 
     def on_grad(self, finish: Callable[[], None]) -> None:
         import torch
