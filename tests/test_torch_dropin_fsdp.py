@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
 
 def _run(n: int, mode: str, transport: str, min_checks: int, **kw: object) -> None:
     env = {"PARAMPLANE_TIMEOUT": "60", "PARAMPLANE_TRANSPORT": transport}
-    world = run_world(n, "dropin_fsdp.py", args=[mode], env=env, timeout=240, **kw)  # type: ignore[arg-type]
+    world = run_world(n, "dropin_fsdp.py", args=[mode], env=env, timeout=240, **kw)
     world.check_ok(min_checks=min_checks)
     assert world.shm_leaks() == set()
 
