@@ -139,3 +139,100 @@ def test_repeats_keep_the_median_round_of_each_case() -> None:
     assert row["p50_us"] == pytest.approx(300.0) and row["repeats"] == 3
     with pytest.raises(ValueError, match="repeats"):
         bench.BenchConfig(repeats=0)
+
+
+TORCH_MODELS = ROOT / "benchmarks" / "torch_models.py"
+TINY_GPT = ["--layers", "1", "--embd", "32", "--vocab", "128", "--seq", "16", "--local-batch", "2"]
+
+
+def _load_torch_models() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_torch_models", TORCH_MODELS)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None,
+    reason="torch and transformers not installed",
+)
+def test_torch_models_tiny_run_sets_pp_fsdp_beside_torch_fsdp2_on_one_gpt(tmp_path: Path) -> None:
+    out = tmp_path / "rows.jsonl"
+    args = [
+        "--models",
+        "gpt2",
+        "--modes",
+        "fsdp",
+        "--worlds",
+        "2",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        *TINY_GPT,
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(TORCH_MODELS), *args, "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    assert [json.loads(line) for line in out.read_text().splitlines()] == rows
+    assert [(r["impl"], r["wrapper"]) for r in rows] == [
+        ("paramplane", "pp.FSDP full_shard"),
+        ("torch", "torch FSDP2 fully_shard (gloo)"),
+    ]
+    ours, theirs = rows
+    assert ours["params"] == theirs["params"] > 0  # the same model on both sides
+    for row in rows:
+        assert row["model"] == "gpt2" and row["world_size"] == 2 and row["steps"] == 2
+        assert 0 < row["step_s_min"] <= row["step_s_median"] and row["train_rss_peak_max"] > 0
+        assert 0 < row["rss_growth_max"] < row["rss_peak_max"]
+    assert theirs["malloc_env"] is False and ours["malloc_env"] is True  # torch runs at its own defaults
+    assert ours["step_vs_torch"] == pytest.approx(ours["step_s_median"] / theirs["step_s_median"])
+    assert ours["train_peak_vs_torch"] == pytest.approx(
+        ours["train_rss_peak_max"] / theirs["train_rss_peak_max"]
+    )
+
+
+def test_torch_models_ratios_pair_rows_of_the_same_model_mode_and_world() -> None:
+    tm = _load_torch_models()
+
+    def row(impl: str, model: str, mode: str, world: int, step: float, peak: int) -> dict[str, Any]:
+        keys = {"impl": impl, "model": model, "mode": mode, "world_size": world}
+        return {**keys, "step_s_median": step, "rss_peak_max": peak, "train_rss_peak_max": peak}
+
+    rows = [
+        row("paramplane", "gpt2", "ddp", 2, 1.0, 100),
+        row("torch", "gpt2", "fsdp", 2, 4.0, 400),
+        row("torch", "gpt2", "ddp", 4, 8.0, 800),
+        row("torch", "gpt2", "ddp", 2, 2.0, 50),
+        row("paramplane", "resnet", "ddp", 2, 1.0, 100),  # no torch row: no ratio
+    ]
+    tm.add_ratios(rows)
+    assert rows[0]["step_vs_torch"] == pytest.approx(0.5) and rows[0]["train_peak_vs_torch"] == pytest.approx(
+        2.0
+    )
+    assert "step_vs_torch" not in rows[4] and "step_vs_torch" not in rows[1]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--models", "vgg"], "--models takes"),
+        (["--modes", "zero3"], "--modes takes"),
+        (["--worlds", "two"], "--worlds takes"),
+        (["--steps", "0"], "must be positive"),
+    ],
+)
+def test_torch_models_bad_arguments_are_refused_with_a_message(
+    args: list[str], message: str, capsys: Any
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        _load_torch_models().main(args)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err

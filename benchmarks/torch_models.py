@@ -1,0 +1,336 @@
+"""Torch models under pp.DDP / pp.FSDP beside torch's DDP / FSDP2 (gloo): step time and peak memory per rank.
+
+    python benchmarks/torch_models.py --out benchmarks/results/torch_models.jsonl
+    python benchmarks/torch_models.py --models gpt2 --worlds 2 --layers 2 --steps 3   # smaller
+
+The same torch module, built from the same seed on every rank, trains with ``torch.optim.AdamW`` on random
+data (``--local-batch`` per rank, float32, no autocast):
+
+- ``gpt2``: transformers ``GPT2LMHeadModel`` from a config (``--layers`` 8, ``--embd`` 512, 8 heads,
+  ``--vocab`` 32000, ``--seq`` 128: about 42M parameters, input embedding tied to the head);
+- ``resnet``: transformers ``ResNetForImageClassification`` shaped as ResNet-18 (basic layers, depths
+  ``--resnet-depth`` x4 = [2, 2, 2, 2], hidden sizes ``--resnet-width`` x [1, 2, 4, 8] = [64, ..., 512],
+  1000 classes, ``--image`` px; BatchNorm buffers). torchvision does not load with torch 2.13's CPU build.
+
+Each model runs under four wrappers at every world size of ``--worlds``: ``pp.DDP`` and torch's
+``DistributedDataParallel`` (gloo), ``pp.FSDP(model, group, "full_shard")`` with its default units and torch
+FSDP2's ``fully_shard`` on every block (GPT2Block, ResNetBasicLayer) and then the root, as torch's examples do.
+Each runs at its own defaults: paramplane ranks get the launcher's MALLOC_* settings, torch none of ours;
+both get one thread per rank (``OMP_NUM_THREADS=1``, as torchrun sets for several ranks on a host).
+
+Per rank: the median step time over ``--steps`` steps after ``--warmup`` (zero_grad, forward, backward,
+optimizer step); ``train_rss_peak``, the peak resident set while training (VmHWM, reset with
+``/proc/self/clear_refs`` once the model is wrapped and the data made: what a rank holds while it trains,
+its gathered units and buckets included), and ``rss_peak``, the whole process's peak (``ru_maxrss``: the
+full model every rank builds before wrapping included). A row reports the slowest rank's median and the
+largest peaks; paramplane rows carry ratios against torch's row of the same model, wrapper and world
+(``step_vs_torch``, ``train_peak_vs_torch``: below 1 is better). One JSON line per configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from paramplane.benchmarks._jsonl import emit
+from paramplane.benchmarks._ranks import run_ranks
+
+MODELS = ("gpt2", "resnet")
+MODES = ("ddp", "fsdp")
+WRAPPERS = {
+    ("paramplane", "ddp"): "pp.DDP",
+    ("torch", "ddp"): "torch DDP (gloo)",
+    ("paramplane", "fsdp"): "pp.FSDP full_shard",
+    ("torch", "fsdp"): "torch FSDP2 fully_shard (gloo)",
+}
+THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
+SIZE_FLAGS = ("layers", "embd", "vocab", "seq", "resnet_depth", "resnet_width", "image", "local_batch")
+
+
+def _rss_peak() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _reset_hwm() -> bool:
+    """Reset this process's VmHWM (Linux: ``5`` to ``clear_refs``); False where that is not possible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _hwm() -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def build(model: str, args: argparse.Namespace) -> tuple[Any, type]:
+    """The model (same weights for the same seed) and its block class (the FSDP unit torch users wrap)."""
+    import torch
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    if model == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(
+            n_layer=args.layers,
+            n_embd=args.embd,
+            n_head=8 if args.embd % 8 == 0 else 1,
+            vocab_size=args.vocab,
+            n_positions=args.seq,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        gpt = GPT2LMHeadModel(cfg)
+        return gpt, type(gpt.transformer.h[0])
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    w = args.resnet_width
+    rcfg = ResNetConfig(
+        num_labels=1000,
+        embedding_size=w,
+        hidden_sizes=[w, 2 * w, 4 * w, 8 * w],
+        depths=[args.resnet_depth] * 4,
+        layer_type="basic",
+    )
+    resnet = ResNetForImageClassification(rcfg)
+    return resnet, type(resnet.resnet.encoder.stages[0].layers[0])
+
+
+def make_batch(model: str, args: argparse.Namespace, rank: int) -> dict[str, Any]:
+    import torch
+
+    gen = torch.Generator().manual_seed(1000 + rank)
+    if model == "gpt2":
+        ids = torch.randint(0, args.vocab, (args.local_batch, args.seq), generator=gen)
+        return {"input_ids": ids, "labels": ids}
+    pixels = torch.randn(args.local_batch, 3, args.image, args.image, generator=gen)
+    return {"pixel_values": pixels, "labels": torch.randint(0, 1000, (args.local_batch,), generator=gen)}
+
+
+def worker(args: argparse.Namespace) -> dict[str, Any]:
+    """One rank of ``args.impl`` running ``args.model`` under ``args.mode``."""
+    import torch
+
+    import paramplane as pp
+
+    torch.set_num_threads(1)
+    world: Any = None
+    if args.impl == "paramplane":
+        world = pp.init()
+    else:
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo", init_method=f"file://{args.store}", rank=args.rank, world_size=args.world_size
+        )
+    rss_start = _rss_peak()
+    model, block = build(args.model, args)
+    params = sum(p.numel() for p in model.parameters())
+    wrapped: Any
+    if args.impl == "paramplane":
+        wrapped = (
+            pp.DDP(model, world.group) if args.mode == "ddp" else pp.FSDP(model, world.group, "full_shard")
+        )
+    elif args.mode == "ddp":
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for m in list(model.modules()):
+            if isinstance(m, block):
+                fully_shard(m)
+        wrapped = fully_shard(model)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
+    batch = make_batch(args.model, args, args.rank)
+    hwm_reset = _reset_hwm()
+    times = []
+    for i in range(args.warmup + args.steps):
+        t = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        wrapped(**batch).loss.backward()
+        opt.step()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t)
+    out = {
+        "params": params,
+        "times": times,
+        "rss_peak": _rss_peak(),
+        "rss_growth": _rss_peak() - rss_start,
+        "train_rss_peak": _hwm() if hwm_reset else None,
+    }
+    if world is not None:
+        world.group.barrier()
+        world.shutdown()
+    else:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return out
+
+
+def _spawn(impl: str, model: str, mode: str, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--impl", impl, "--models", model]
+    cmd += [
+        "--mode",
+        mode,
+        "--world-size",
+        str(world),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+    ]
+    for flag in SIZE_FLAGS:
+        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    env = dict(os.environ, **THREADS, PARAMPLANE_TIMEOUT="600")
+    if impl == "paramplane":  # our launcher's defaults for our ranks; torch runs at its own
+        for key, value in MALLOC.items():
+            env.setdefault(key, value)
+    else:
+        for key in MALLOC:
+            env.pop(key, None)
+    with tempfile.TemporaryDirectory() as tmp:
+        return run_ranks(
+            lambda r: [*cmd, "--rank", str(r), "--store", os.path.join(tmp, "store")],
+            world,
+            env,
+            what=f"{WRAPPERS[impl, mode]} on {model} at world {world}",
+            coordinator=impl == "paramplane",
+            timeout_s=args.rank_timeout,
+        )
+
+
+def _row(
+    impl: str, model: str, mode: str, world: int, ranks: list[dict[str, Any]], args: Any
+) -> dict[str, Any]:
+    train_peaks = [r["train_rss_peak"] for r in ranks]
+    return {
+        "bench": "torch_models",
+        "model": model,
+        "mode": mode,
+        "impl": impl,
+        "wrapper": WRAPPERS[impl, mode],
+        "world_size": world,
+        "params": ranks[0]["params"],
+        "local_batch": args.local_batch,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "step_s_median": max(statistics.median(r["times"]) for r in ranks),
+        "step_s_min": min(min(r["times"]) for r in ranks),
+        "train_rss_peak_max": None if None in train_peaks else max(train_peaks),
+        "rss_peak_max": max(r["rss_peak"] for r in ranks),
+        "rss_growth_max": max(r["rss_growth"] for r in ranks),
+        "threads_per_rank": 1,
+        "malloc_env": impl == "paramplane",
+    }
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Give each paramplane row its ratios against torch's row of the same model, mode and world."""
+    for row in rows:
+        if row["impl"] != "paramplane":
+            continue
+        peer = next(
+            (
+                r
+                for r in rows
+                if r["impl"] == "torch"
+                and (r["model"], r["mode"], r["world_size"]) == (row["model"], row["mode"], row["world_size"])
+            ),
+            None,
+        )
+        if peer is None:
+            continue
+        row["step_vs_torch"] = row["step_s_median"] / peer["step_s_median"]
+        row["rss_peak_vs_torch"] = row["rss_peak_max"] / peer["rss_peak_max"]
+        if row["train_rss_peak_max"] and peer["train_rss_peak_max"]:
+            row["train_peak_vs_torch"] = row["train_rss_peak_max"] / peer["train_rss_peak_max"]
+
+
+def _csv(text: str, allowed: tuple[str, ...], flag: str, parser: argparse.ArgumentParser) -> list[str]:
+    items = [s for s in text.split(",") if s]
+    bad = [s for s in items if s not in allowed]
+    if bad or not items:
+        parser.error(f"{flag} takes a comma-separated list of {', '.join(allowed)}; got {text!r}")
+    return items
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS), help="gpt2,resnet")
+    parser.add_argument("--modes", default=",".join(MODES), help="ddp,fsdp")
+    parser.add_argument("--worlds", default="2,4", help="world sizes (default 2,4)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per rank (default 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    parser.add_argument("--layers", type=int, default=8, help="GPT-2 blocks (default 8)")
+    parser.add_argument("--embd", type=int, default=512, help="GPT-2 width (default 512)")
+    parser.add_argument("--vocab", type=int, default=32000, help="GPT-2 vocabulary (default 32000)")
+    parser.add_argument("--seq", type=int, default=128, help="GPT-2 sequence length (default 128)")
+    parser.add_argument("--resnet-depth", type=int, default=2, help="ResNet layers per stage (default 2)")
+    parser.add_argument("--resnet-width", type=int, default=64, help="ResNet first stage width (default 64)")
+    parser.add_argument("--image", type=int, default=128, help="ResNet image side in px (default 128)")
+    parser.add_argument("--local-batch", type=int, default=4, help="samples per rank per step (default 4)")
+    parser.add_argument("--rank-timeout", type=float, default=1800.0, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help="append the JSON lines here too")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--impl", choices=("paramplane", "torch"), help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--world-size", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--store", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    sizes = [getattr(args, f) for f in SIZE_FLAGS] + [args.steps]
+    if min(sizes) < 1 or args.warmup < 0:
+        parser.error("--steps and the model sizes must be positive, --warmup at least 0")
+    models = _csv(args.models, MODELS, "--models", parser)
+    modes = _csv(args.modes, MODES, "--modes", parser)
+    try:
+        worlds = [int(w) for w in args.worlds.split(",")]
+    except ValueError:
+        worlds = []
+    if not worlds or min(worlds) < 1:
+        parser.error(f"--worlds takes comma-separated positive world sizes, got {args.worlds!r}")
+    if args.worker:
+        args.model = models[0]
+        print(json.dumps(worker(args)), flush=True)
+        return 0
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        print(
+            f"torch_models: needs torch and transformers ({exc}); pip install torch 'paramplane[test]'",
+            file=sys.stderr,
+        )
+        return 1
+    rows = []
+    for model in models:
+        for world in worlds:
+            for mode in modes:
+                for impl in ("paramplane", "torch"):
+                    rows.append(_row(impl, model, mode, world, _spawn(impl, model, mode, world, args), args))
+    add_ratios(rows)
+    emit([json.dumps(r) for r in rows], args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
