@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=128, help="GPT-2 sequence length (default 128)")
     parser.add_argument("--resnet-depth", type=int, default=2, help="ResNet layers per stage (default 2)")
     parser.add_argument("--resnet-width", type=int, default=64, help="ResNet first stage width (default 64)")
-    parser.add_argument("--image", type=int, default=128, help="ResNet image side in px (default 128)")
+    parser.add_argument("--image", type=int, default=224, help="ResNet image side in px (default 224)")
     parser.add_argument("--local-batch", type=int, default=4, help="samples per rank per step (default 4)")
     parser.add_argument("--rank-timeout", type=float, default=1800.0, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help="append the JSON lines here too")
