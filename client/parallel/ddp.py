@@ -62,7 +62,7 @@ import numpy as np
 
 from paramplane.group import ProcessGroup
 from paramplane.nn.module import Array, LoadResult, Module, Parameter
-from paramplane.node.arrays import DTYPES
+from paramplane.node.arrays import DTYPES, is_floating
 from paramplane.parallel.ddp_buckets import COMM_DTYPES, MIB, Bucket, assign_buckets, shard_range
 from paramplane.parallel.ddp_torch import ModulePath, NNPath, TorchPath
 from paramplane.parallel.fsdp_units import check_same_model
@@ -166,18 +166,20 @@ class DDP:
         """Broadcast parameters (coalesced per bucket) and buffers from group rank 0."""
         if self.group.size == 1:
             return
-        for n, indices in enumerate(assign_buckets(params, max(1, int(self.bucket_mb * MIB)))):
-            bucket = Bucket.build(n, indices, params)
-            for k, i in enumerate(indices):
-                bucket.slot(k)[...] = params[i].data.reshape(-1)
-            self.group.broadcast(bucket.flat, src=0)
-            for k, i in enumerate(indices):
-                params[i].data[...] = bucket.slot(k).reshape(params[i].shape)
+        with self._path.stream():
+            for n, indices in enumerate(assign_buckets(params, max(1, int(self.bucket_mb * MIB)))):
+                bucket = Bucket.build(n, indices, params)
+                for k, i in enumerate(indices):
+                    bucket.slot(k)[...] = params[i].data.reshape(-1)
+                self.group.broadcast(bucket.flat, src=0)
+                for k, i in enumerate(indices):
+                    params[i].data[...] = bucket.slot(k).reshape(params[i].shape)
         if self.broadcast_buffers:
             self._broadcast_buffers()
 
     def _broadcast_buffers(self) -> None:
-        broadcast_arrays(self.group, self._path.buffers())
+        with self._path.stream():
+            broadcast_arrays(self.group, self._path.buffers())
 
     # -- grad hooks and buckets ----------------------------------------------------------------------
     def _on_grad(self, i: int, p: Parameter) -> None:
@@ -199,7 +201,8 @@ class DDP:
             )
         bucket.fired[k] = bucket.fired.get(k, 0) + 1
         if self._expected is not None:
-            self._launch_ready()
+            with self._path.stream():
+                self._launch_ready()
 
     def _before_grad(self, i: int, p: Parameter) -> None:
         if i in self._synced:
@@ -231,7 +234,7 @@ class DDP:
         wire = bucket.flat
         if (
             self.comm_dtype is not None
-            and bucket.flat.dtype.kind == "f"
+            and is_floating(bucket.flat.dtype)
             and bucket.flat.dtype != self.comm_dtype
         ):
             wire = bucket.flat.astype(self.comm_dtype)  # compressed on the wire, cast back in finish
@@ -247,6 +250,10 @@ class DDP:
         """
         if not self._round_open:
             return
+        with self._path.stream():
+            self._finish()
+
+    def _finish(self) -> None:
         start = time.monotonic()
         try:
             for bucket in self._buckets[self._next_launch :]:

@@ -16,13 +16,19 @@ enabled ran outside ``no_sync`` (where the backward runs does not matter).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 from paramplane.nn.module import Array, Module, Parameter
 from paramplane.optim.optimizer import Optimizer
-from paramplane.parallel.torch_params import queue_backward_callback, torch_buffers, torch_params
+from paramplane.parallel.torch_params import (
+    queue_backward_callback,
+    torch_buffers,
+    torch_params,
+    torch_stream,
+)
 
 __all__ = ["ModulePath", "NNPath", "TorchPath"]
 
@@ -51,6 +57,10 @@ class ModulePath(Protocol):
         ...
 
     def attach(self, optimizer: Any, finish: Callable[[], None]) -> Any: ...
+
+    def stream(self) -> contextlib.AbstractContextManager[None]:
+        """Where the wrapper's collectives are enqueued: torch's current stream for a CUDA module."""
+        ...
 
 
 class NNPath:
@@ -84,9 +94,13 @@ class NNPath:
             raise ValueError(f"attach() takes a paramplane.optim optimizer, got {type(optimizer).__name__}")
         return optimizer.register_step_pre_hook(lambda _opt: finish())
 
+    def stream(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
 
 class TorchPath:
-    """A ``torch.nn.Module`` (CPU tensors through DLPack views), with torch DDP's semantics (module docstring)."""
+    """A ``torch.nn.Module`` (CPU or CUDA tensors through DLPack views: numpy or cupy), with torch DDP's
+    semantics (module docstring); on CUDA the collectives run on torch's current stream (``stream``)."""
 
     def __init__(self, module: Any) -> None:
         self.module = module
@@ -136,3 +150,7 @@ class TorchPath:
         ):
             raise ValueError(f"attach() takes a torch.optim optimizer, got {type(optimizer).__name__}")
         return optimizer.register_step_pre_hook(lambda _opt, _args, _kwargs: finish())
+
+    def stream(self) -> contextlib.AbstractContextManager[None]:
+        anchor = next(iter(self.module.parameters()), None)
+        return torch_stream(anchor) if anchor is not None else contextlib.nullcontext()

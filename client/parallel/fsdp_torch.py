@@ -1,7 +1,7 @@
-"""``pp.FSDP`` over a ``torch.nn.Module`` (CPU tensors): the same flat units, driven by torch's hooks.
+"""``pp.FSDP`` over a ``torch.nn.Module`` (CPU or CUDA tensors): the same flat units, driven by torch's hooks.
 
 Each trainable torch parameter is seen through a ``TorchFlatParam``: the flat buffers are numpy arrays
-and a parameter's tensor is re-pointed, zero-copy, at its piece of the gathered buffer, or, while sharded,
+(cupy arrays for a CUDA module, whose collectives the hooks enqueue on torch's current stream) and a parameter's tensor is re-pointed, zero-copy, at its piece of the gathered buffer, or, while sharded,
 at a zero-stride placeholder of NaNs of its shape: a computation that reads a sharded parameter yields NaN,
 never plausible values, and a forward that did not call some unit's module raises naming the unit.
 
@@ -34,6 +34,7 @@ persistent buffers and frozen parameters included) with CPU tensors as values.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -48,9 +49,11 @@ from paramplane.parallel.torch_params import (
     TorchFlatParam,
     TorchParam,
     queue_backward_callback,
-    to_numpy,
+    to_array,
+    to_tensor,
     to_torch,
     torch_buffers,
+    torch_stream,
 )
 
 __all__ = ["TorchFSDP"]
@@ -72,7 +75,7 @@ def _torch_dtype(dtype: Any) -> Any:
 def _as_numpy(value: Any, key: str) -> Any:
     """A state-dict value (torch tensor or array) as an array the shards can be filled from."""
     if hasattr(value, "detach") and hasattr(value, "device"):
-        return to_numpy(value.detach().contiguous(), f"state dict value {key!r}")
+        return to_array(value.detach().contiguous(), f"state dict value {key!r}")
     return np.asarray(value)
 
 
@@ -157,7 +160,7 @@ class TorchFSDP(FSDP):
 
         built = super()._build_units(module, named, units, sync)
         for unit in built:
-            shard = TorchParam(unit.shard.name, torch.nn.Parameter(to_torch(unit.shard.data)))
+            shard = TorchParam(unit.shard.name, torch.nn.Parameter(to_tensor(unit.shard.data)))
             shard.layout = unit.shard.layout  # type: ignore[attr-defined]
             unit.shard = cast(Parameter, shard)
             for p in unit.params:
@@ -168,7 +171,8 @@ class TorchFSDP(FSDP):
         m = cast(Any, unit.module)
 
         def before(_m: Any, _args: Any) -> None:
-            self._enter_unit(unit)
+            with self._stream():
+                self._enter_unit(unit)
             unit.extra["forward_start"] = time.monotonic()
 
         def after(_m: Any, _args: Any, output: Any) -> None:
@@ -193,7 +197,8 @@ class TorchFSDP(FSDP):
 
         def finish() -> None:
             self._finish_queued = False
-            self.finish_gradient_sync()
+            with self._stream():
+                self.finish_gradient_sync()
 
         queue_backward_callback(finish)
 
@@ -203,9 +208,14 @@ class TorchFSDP(FSDP):
             return
         unit.extra["pre_backward"] = True
         unit.extra["backward_start"] = time.monotonic()
-        self._ensure_gathered(unit)
-        if self.backward_prefetch == "pre":
-            self._prefetch(self._prev_in_forward(unit))
+        with self._stream():
+            self._ensure_gathered(unit)
+            if self.backward_prefetch == "pre":
+                self._prefetch(self._prev_in_forward(unit))
+
+    def _stream(self) -> contextlib.AbstractContextManager[None]:
+        """Collectives issued inside run on torch's current stream (CUDA modules; see torch_params)."""
+        return torch_stream(cast(TorchParam, self.units[0].params[0]).tensor)
 
     def _grad_hook(self, unit: FlatUnit) -> Callable[[Any], None]:
         def ready(_tensor: Any) -> None:
@@ -217,9 +227,10 @@ class TorchFSDP(FSDP):
             unit.extra["ready"] = 0
             if "backward_start" in unit.extra:
                 self._mark(f"backward {unit.name}", unit.extra.pop("backward_start"))
-            self._post_backward(unit)
-            if self.backward_prefetch == "post" and unit.module is not None:
-                self._prefetch(self._prev_in_forward(unit))
+            with self._stream():
+                self._post_backward(unit)
+                if self.backward_prefetch == "post" and unit.module is not None:
+                    self._prefetch(self._prev_in_forward(unit))
 
         return ready
 
@@ -231,7 +242,8 @@ class TorchFSDP(FSDP):
             u.forward_done = False
             u.extra["ready"] = 0
         self._finish_queued = False
-        self._begin_forward()
+        with self._stream():
+            self._begin_forward()
         if self.param_dtype != self.master_dtype:
             compute = _torch_dtype(self.param_dtype)
             args = tuple(a.to(compute) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
@@ -304,7 +316,7 @@ class TorchFSDP(FSDP):
 
     def _frozen(self) -> list[tuple[str, Any]]:
         return [
-            (n, to_numpy(t, f"parameter {n!r}"))
+            (n, to_array(t, f"parameter {n!r}"))
             for n, t in self.module.named_parameters()
             if not t.requires_grad
         ]
@@ -320,7 +332,7 @@ class TorchFSDP(FSDP):
 
     def _replicated(self) -> dict[str, Any]:
         return {
-            k: to_numpy(v, f"state {k!r}") for k, v in self._state_keys().items() if not isinstance(v, str)
+            k: to_array(v, f"state {k!r}") for k, v in self._state_keys().items() if not isinstance(v, str)
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -330,7 +342,7 @@ class TorchFSDP(FSDP):
         for unit in self.units:
             full = self._gather_master(unit)
             for name, p, off in zip(unit.names, unit.params, unit.offsets):
-                values[name] = to_torch(full[off : off + p.size].reshape(p.shape).copy())
+                values[name] = to_tensor(full[off : off + p.size].reshape(p.shape).copy())
         return {
             k: values[v] if isinstance(v, str) else v.detach().clone() for k, v in self._state_keys().items()
         }

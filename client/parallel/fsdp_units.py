@@ -20,7 +20,7 @@ import numpy as np
 
 from paramplane.group import ProcessGroup
 from paramplane.nn.module import Array, Module, Parameter
-from paramplane.node.arrays import array_module
+from paramplane.node.arrays import array_module, is_floating
 from paramplane.node.errors import CollectiveMismatch
 from paramplane.parallel.sharding import FlatLayout, LayoutEntry
 from paramplane.work import Work
@@ -51,8 +51,10 @@ def units_by_class(*classes: type) -> UnitsByClass:
 
 
 def placeholder(shape: tuple[int, ...], dtype: Any, xp: Any) -> Array:
-    """A read-only array of ``shape`` that holds one element: a sharded parameter's ``data``."""
-    return xp.broadcast_to(xp.zeros((), dtype), shape)
+    """A read-only array of ``shape`` that holds one element, NaN for floating dtypes: a sharded parameter's
+    ``data`` (a computation that reads it yields NaN, never plausible values)."""
+    fill = xp.full((), np.nan, dtype) if is_floating(dtype) else xp.zeros((), dtype)
+    return xp.broadcast_to(fill, shape)
 
 
 def concat_params(params: Sequence[Parameter], size: int, dtype: Any) -> Array:

@@ -29,7 +29,6 @@ __all__ = [
     "is_torch_module",
     "queue_backward_callback",
     "to_array",
-    "to_numpy",
     "to_tensor",
     "to_torch",
     "torch_buffers",
@@ -70,9 +69,6 @@ def to_array(tensor: Any, what: str) -> Any:
             f"{what} is {tensor.dtype}, which the plane does not move; use one of {', '.join(DTYPES)}"
         )
     return view
-
-
-to_numpy = to_array  # the name the FSDP adapter imported before CUDA tensors were supported
 
 
 def _cuda_view(tensor: Any, what: str) -> Any:
@@ -176,13 +172,15 @@ class TorchFlatParam(TorchParam):
     """
 
     @property
-    def data(self) -> np.ndarray:
+    def data(self) -> Any:
         return self._data
 
     @data.setter
-    def data(self, value: np.ndarray) -> None:
+    def data(self, value: Any) -> None:
         self._data = value
-        if value.flags.writeable:
+        if not isinstance(value, np.ndarray):  # cupy: a view, or FSDP's zero-stride NaN placeholder, as it is
+            self.tensor.data = to_tensor(value)
+        elif value.flags.writeable:
             self.tensor.data = to_torch(value)
         else:
             self.tensor.data = to_torch(np.full((), np.nan, value.dtype)).expand(value.shape)
