@@ -153,6 +153,7 @@ def _load_torch_models() -> ModuleType:
     return module
 
 
+@pytest.mark.timeout(180)  # its own bounds (120 s), not the global 120 s
 @pytest.mark.skipif(
     importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None,
     reason="torch and transformers not installed",

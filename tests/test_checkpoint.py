@@ -67,6 +67,7 @@ def test_each_rank_writes_one_data_file(saved: Path) -> None:
         assert used[-1][1] == (folder / name).stat().st_size, name
 
 
+@pytest.mark.timeout(240)  # its own bounds (180 s), not the global 120 s
 @pytest.mark.parametrize(
     ("n", "strategy", "hosts"),
     [
@@ -84,6 +85,7 @@ def test_load_reshards_and_training_continues(saved: Path, n: int, strategy: str
     assert all(r["num_checks"] >= 10 for r in world.check_ok())
 
 
+@pytest.mark.timeout(180)  # its own bounds (120 s), not the global 120 s
 def test_a_plain_model_and_adamw_load_the_fsdp_checkpoint_and_train_on(saved: Path) -> None:
     """No FSDP on the loading side: parameters, moments and AdamW's step (saved under the flat shards) come
     back, and 3 more steps equal a single process trained 6 steps."""
@@ -91,6 +93,7 @@ def test_a_plain_model_and_adamw_load_the_fsdp_checkpoint_and_train_on(saved: Pa
     assert all(r["num_checks"] >= 10 for r in world.check_ok())
 
 
+@pytest.mark.timeout(180)  # its own bounds (120 s), not the global 120 s
 def test_plain_state_mismatch_and_async(tmp_path: Path) -> None:
     env = {**ENV, "PARAMPLANE_TRACE": str(tmp_path / "trace")}
     world = run_world(2, "checkpoint.py", args=["plain", str(tmp_path)], env=env, timeout=120)
@@ -192,6 +195,7 @@ def test_save_async_copies_values_numpy_scalars_and_strided_targets_load(tmp_pat
     _edge_case(1, "values", tmp_path)
 
 
+@pytest.mark.timeout(180)  # its own bounds (120 s), not the global 120 s
 def test_bfloat16_round_trips_and_consolidates(tmp_path: Path) -> None:
     _edge_case(1, "bf16", tmp_path)
     out = _cli("consolidate", tmp_path / "s", tmp_path / "f.npz")
@@ -218,6 +222,7 @@ def test_a_damaged_file_one_rank_needs_fails_every_rank_before_any_change(tmp_pa
     _edge_case(2, "crc", tmp_path)
 
 
+@pytest.mark.timeout(180)  # its own bounds (120 s), not the global 120 s
 def test_a_checkpoint_of_the_previous_layout_loads(tmp_path: Path) -> None:
     """Format 1 (one .npy file per piece, records without an offset) loads, reshards and consolidates to the
     same arrays as the checkpoint it was made from."""

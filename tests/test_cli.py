@@ -46,6 +46,7 @@ def test_subcommands_get_the_rest_of_argv(capsys: pytest.CaptureFixture[str]) ->
     assert "--world-size" in capsys.readouterr().out
 
 
+@pytest.mark.timeout(180)  # its own bounds (120 s), not the global 120 s
 def test_console_script_starts_without_importing_subcommands() -> None:
     probe = "import sys, paramplane.cli; print(sorted(m for m in sys.modules if m.startswith('paramplane.')))"
     loaded = subprocess.run(

@@ -160,6 +160,7 @@ def _stop(proc: subprocess.Popen[str]) -> None:
     proc.wait(10)
 
 
+@pytest.mark.timeout(330)  # its own bounds (270 s), not the global 120 s
 @pytest.mark.netns
 def test_compose_topology_trains_across_namespaces(
     tmp_path: Path, namespaces: dict[str, tuple[str, str]]

@@ -21,6 +21,7 @@ def test_ddp_over_a_torch_module_matches_one_process_on_the_whole_batch() -> Non
     assert results[0]["digests"] == results[1]["digests"]
 
 
+@pytest.mark.timeout(180)  # its own bounds (120 s), not the global 120 s
 def test_fsdp_over_a_torch_module_matches_one_process_on_the_whole_batch() -> None:
     """pp.FSDP wraps a torch.nn.Module: full_shard, shard_grad_op and no_shard with a torch AdamW on this
     rank's shards equal single-process training after every step (no_sync accumulation and clipping

@@ -17,6 +17,7 @@ CASES = [
 ]
 
 
+@pytest.mark.timeout(240)  # its own bounds (180 s), not the global 120 s
 @pytest.mark.parametrize(("n", "env", "rank_env"), CASES)
 def test_every_dtype_every_collective(
     n: int, env: dict[str, str], rank_env: dict[int, dict[str, str]] | None

@@ -15,6 +15,7 @@ from paramplane.node.arrays import cupy_module
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cupy_module() is None, reason="cupy finds no CUDA device")]
 
 
+@pytest.mark.timeout(180)  # its own bounds (120 s), not the global 120 s
 def test_collectives_on_cupy_two_ranks(tmp_path: Path) -> None:
     from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
 
@@ -54,6 +55,7 @@ def test_collectives_on_cupy_two_ranks(tmp_path: Path) -> None:
         assert all(result.values()), [k for k, ok in result.items() if not ok]
 
 
+@pytest.mark.timeout(360)  # its own bounds (300 s), not the global 120 s
 def test_fsdp_on_cupy_with_nccl() -> None:
     """FSDP full_shard on cupy arrays (float32, float16 mixed precision, CPU offload) and DDP, two ranks (one GPU each, or
     two ranks sharing one GPU, which world.use_gpu arranges)."""
@@ -66,6 +68,7 @@ def test_fsdp_on_cupy_with_nccl() -> None:
     assert all(r["num_checks"] >= 20 for r in results)
 
 
+@pytest.mark.timeout(360)  # its own bounds (300 s), not the global 120 s
 def test_hybrid_shard_on_cupy_across_two_hosts() -> None:
     """hybrid_shard on cupy over two emulated hosts of two ranks: NCCL shards inside a host, the
     replicas all-reduce across hosts over gRPC (staged through host memory)."""
@@ -84,6 +87,7 @@ def test_hybrid_shard_on_cupy_across_two_hosts() -> None:
     assert all(r["num_checks"] >= 12 for r in results)
 
 
+@pytest.mark.timeout(210)  # its own bounds (150 s), not the global 120 s
 def test_nccl_work_behind_a_dead_peer_is_released() -> None:
     """A peer dies while an NCCL all_reduce waits for it: the world's NCCL communicators are aborted, the
     stream returns, and the next op raises PeerLost (no hang)."""
@@ -111,6 +115,7 @@ def _torch_cuda() -> bool:
     return bool(torch.cuda.is_available())
 
 
+@pytest.mark.timeout(360)  # its own bounds (300 s), not the global 120 s
 @pytest.mark.skipif(not _torch_cuda(), reason="needs torch's CUDA build")
 def test_torch_cuda_modules_under_ddp_and_fsdp() -> None:
     """pp.DDP and every FSDP strategy over a torch module on CUDA (two ranks, NCCL inside the host): the
@@ -124,6 +129,7 @@ def test_torch_cuda_modules_under_ddp_and_fsdp() -> None:
     assert all(r["num_checks"] >= len(kinds) * 5 for r in results), [r["num_checks"] for r in results]
 
 
+@pytest.mark.timeout(360)  # its own bounds (300 s), not the global 120 s
 @pytest.mark.skipif(not _torch_cuda(), reason="needs torch's CUDA build")
 def test_torch_cuda_module_under_hybrid_shard_across_two_hosts() -> None:
     """hybrid_shard over a torch CUDA module on two emulated hosts of two ranks: NCCL shards inside a host,

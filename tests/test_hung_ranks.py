@@ -7,6 +7,7 @@ import pytest
 from _world import run_world
 
 
+@pytest.mark.timeout(180)  # its own bounds (120 s), not the global 120 s
 def test_a_stopped_rank_is_named_to_every_survivor() -> None:
     world = run_world(
         3,
@@ -45,6 +46,7 @@ def test_a_rank_that_aborts_and_exits_at_once_still_gives_every_rank_its_reason(
             assert v["error"] == "WorldAborted" and "loss became NaN at step 7" in v["message"], v
 
 
+@pytest.mark.timeout(180)  # its own bounds (120 s), not the global 120 s
 def test_a_rank_that_stops_issuing_collectives_is_named() -> None:
     world = run_world(
         3,

@@ -381,6 +381,7 @@ def _restart_run(out: Path, *extra: str, restarts: int) -> subprocess.CompletedP
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
 
 
+@pytest.mark.timeout(240)  # its own bounds (180 s), not the global 120 s
 def test_max_restarts_resumes_from_the_checkpoint_and_ends_like_an_unbroken_run(tmp_path: Path) -> None:
     import numpy as np
 
@@ -410,6 +411,7 @@ def test_max_restarts_and_replacements_must_be_whole_numbers() -> None:
             LaunchConfig(num_ranks=2, target=__file__, standalone=True, max_replacements=bad)
 
 
+@pytest.mark.timeout(480)  # its own bounds (420 s), not the global 120 s
 def test_max_restarts_across_two_launchers_reforms_the_world_on_the_coordinator(tmp_path: Path) -> None:
     """Two launchers (two host ids) share an external coordinator; a rank on one of them dies at step 5.
     Its launcher aborts the world there, both launchers restart their ranks, the coordinator forms epoch 2,

@@ -74,6 +74,7 @@ def _listening_port(proc: subprocess.Popen[bytes], deadline: float) -> int:
     raise AssertionError(f"coordinator did not report its port: {seen.decode(errors='replace')}")
 
 
+@pytest.mark.timeout(180)  # its own bounds (120 s), not the global 120 s
 def test_hierarchical_all_reduce_across_namespaces(
     tmp_path: Path, two_hosts: tuple[tuple[str, str], ...]
 ) -> None:

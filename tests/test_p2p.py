@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from _world import run_world
 
 
+@pytest.mark.timeout(180)  # its own bounds (120 s), not the global 120 s
 def test_messages_small_and_large_in_flight_arrive_in_order_with_their_shapes() -> None:
     """Small messages leave from the caller's thread and large ones from the event loop; together, all in
     flight, they still pair up in issue order, and recv_array takes each dtype and shape from the header."""

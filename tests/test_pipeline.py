@@ -135,6 +135,7 @@ CASES = [
 ]
 
 
+@pytest.mark.timeout(180)  # its own bounds (120 s), not the global 120 s
 @pytest.mark.parametrize(("schedule", "p", "m", "v", "reduction", "group"), CASES)
 def test_pipeline_equals_one_process(
     schedule: str, p: int, m: int, v: int, reduction: str, group: int | None
@@ -142,6 +143,7 @@ def test_pipeline_equals_one_process(
     check_equivalence(schedule, p, m, v, reduction, group, poll_us=0)
 
 
+@pytest.mark.timeout(180)  # its own bounds (120 s), not the global 120 s
 def test_a_pipeline_whose_transfer_threads_poll_equals_one_process() -> None:
     check_equivalence("interleaved_1f1b", 2, 8, 2, "mean", None, poll_us=100)
 
@@ -176,16 +178,19 @@ def test_an_activation_that_changes_shape_mid_step_is_a_mismatch_on_both_stages(
     assert all(r["num_checks"] == 2 for r in world.check_ok())
 
 
+@pytest.mark.timeout(180)  # its own bounds (120 s), not the global 120 s
 def test_activations_larger_than_the_socket_and_inbox_buffers_flow() -> None:
     world = run_world(2, "pipeline.py", args=["large"], env={"PARAMPLANE_TIMEOUT": "60"}, timeout=120)
     assert all(r["num_checks"] == 1 for r in world.check_ok())
 
 
+@pytest.mark.timeout(240)  # its own bounds (180 s), not the global 120 s
 def test_pipeline_times_data_parallel_trains_like_one_process() -> None:
     world = run_world(4, "pipeline.py", args=["dp_pp"], env={"PARAMPLANE_TIMEOUT": "60"}, timeout=180)
     assert all(r["num_checks"] >= 2 for r in world.check_ok())
 
 
+@pytest.mark.timeout(300)  # its own bounds (240 s), not the global 120 s
 def test_dp_times_pp_trains_the_digits_mlp_with_the_losses_of_ddp() -> None:
     world = run_world(4, "pipeline.py", args=["digits_3d"], env={"PARAMPLANE_TIMEOUT": "60"}, timeout=240)
     results = world.check_ok()
@@ -203,6 +208,7 @@ def test_pipeline_argument_errors_on_every_rank() -> None:
     assert all(r["num_checks"] == 16 for r in world.check_ok())
 
 
+@pytest.mark.timeout(180)  # its own bounds (120 s), not the global 120 s
 def test_bubble_benchmark_measures_idle_from_the_traced_compute(tmp_path: Path) -> None:
     """benchmarks/pipeline.py at a tiny size: one line per schedule, the bubble taken from the traced
     forward/backward spans (never negative, below the nominal figure, which also charges sleep overshoot),
@@ -264,6 +270,7 @@ def test_bubble_benchmark_measures_idle_from_the_traced_compute(tmp_path: Path) 
     }
 
 
+@pytest.mark.timeout(360)  # its own bounds (300 s), not the global 120 s
 @pytest.mark.gpu
 @pytest.mark.skipif(cupy_module() is None, reason="cupy finds no CUDA device")
 def test_pipeline_on_cupy_equals_one_process() -> None:

@@ -31,6 +31,7 @@ def _train(fail_at: int, *, replace: bool, transport: str) -> list[dict[str, obj
     return outcome.check_ok()
 
 
+@pytest.mark.timeout(180)  # its own bounds (120 s), not the global 120 s
 @pytest.mark.parametrize("transport", ["auto", "grpc"])  # shm on one host; the inter-host path
 def test_a_replacement_rank_receives_state_live_and_training_ends_like_an_unbroken_run(
     transport: str,
@@ -52,6 +53,7 @@ def test_a_replacement_rank_receives_state_live_and_training_ends_like_an_unbrok
     assert any(k.startswith("optim ") for k in clean[0]["digests"])  # type: ignore[union-attr]
 
 
+@pytest.mark.timeout(210)  # its own bounds (150 s), not the global 120 s
 def test_a_hybrid_shard_replacement_gets_its_shards_from_its_replica_and_ends_like_an_unbroken_run() -> None:
     """HybridShard over two "hosts" (2 x 2): rank 1 dies; its replica on the other host (rank 3) sends the
     replacement its parameter and optimizer shards over the replicate group; fsdp.reform() on survivors."""
@@ -87,6 +89,7 @@ def test_sync_refuses_state_that_does_not_fit_on_every_rank_and_modifies_nothing
     assert all(res["num_checks"] >= 7 for res in results)
 
 
+@pytest.mark.timeout(240)  # its own bounds (180 s), not the global 120 s
 def test_launch_max_replacements_replaces_the_lost_rank_while_the_others_go_on(tmp_path: Path) -> None:
     env = dict(os.environ, FAIL_AT="3", STEPS=str(STEPS), PARAMPLANE_TEST_OUT=str(tmp_path))
     cmd = [sys.executable, "-m", "paramplane.cli", "launch", "--standalone", "-n", "3"]

@@ -12,11 +12,13 @@ from _world import run_example, run_world
 from paramplane.node.arrays import cupy_module
 
 
+@pytest.mark.timeout(180)  # its own bounds (120 s), not the global 120 s
 def test_tp_mlp_equals_dense() -> None:
     world = run_world(2, "tensor.py", args=["tp"], env={"PARAMPLANE_TIMEOUT": "30"}, timeout=120)
     assert all(r["num_checks"] >= 22 for r in world.check_ok())
 
 
+@pytest.mark.timeout(240)  # its own bounds (180 s), not the global 120 s
 def test_tp_times_dp_trains_like_one_process_and_checkpoints_the_dense_model(tmp_path: Path) -> None:
     world = run_world(
         4, "tensor.py", args=["tpdp", str(tmp_path)], env={"PARAMPLANE_TIMEOUT": "60"}, timeout=180
@@ -30,6 +32,7 @@ def test_train_tp_example_runs_under_the_launcher() -> None:
     assert match and float(match.group(1)) > 0.5, out
 
 
+@pytest.mark.timeout(360)  # its own bounds (300 s), not the global 120 s
 @pytest.mark.gpu
 @pytest.mark.skipif(cupy_module() is None, reason="cupy finds no CUDA device")
 def test_tp_mlp_on_cupy_with_nccl() -> None:

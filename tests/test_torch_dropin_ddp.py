@@ -98,6 +98,7 @@ def test_grads_are_averaged_when_backward_returns_so_clipping_holds() -> None:
 WORLDS = {2: {"PARAMPLANE_TRANSPORT": "shm"}, 3: {"PARAMPLANE_TRANSPORT": "grpc"}}
 
 
+@pytest.mark.timeout(210)  # its own bounds (150 s), not the global 120 s
 @pytest.mark.parametrize("num_ranks", sorted(WORLDS), ids=lambda n: f"world{n}")
 def test_standard_loop_on_third_party_models_matches_one_process_and_torch_ddp(num_ranks: int) -> None:
     """GPT-2, Llama and ResNet from transformers with the standard torch loop (kwargs in, ModelOutput out,

@@ -8,9 +8,12 @@ import sys
 import venv
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.timeout(1380)  # its own bounds (1320 s), not the global 120 s
 def test_the_wheel_runs_the_demo_outside_the_checkout(tmp_path: Path) -> None:
     wheels = tmp_path / "wheels"
     subprocess.run(
