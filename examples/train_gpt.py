@@ -224,15 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"{args.checkpoint_dir} holds checkpoints ({newest.name}): pass --resume, or another dir"
         )
-    world = pp.init()
-    try:
+    with pp.init() as world:
         losses = train(world, args)
         if world.rank == 0 and len(losses) > 1:
             drop = f"{losses[0]:.4f} -> {losses[-1]:.4f} (ln(vocab) = {math.log(VOCAB):.2f})"
             print(f"loss {drop}", flush=True)
         world.group.barrier()
-    finally:
-        world.shutdown()
     return 0
 
 

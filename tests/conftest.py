@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+import paramplane as pp
+from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
 
 
 def make_self_signed_cert(folder: Path) -> tuple[Path, Path]:
@@ -27,3 +31,15 @@ def self_signed_cert(tmp_path: Path) -> tuple[Path, Path]:
     if shutil.which("openssl") is None:
         pytest.skip("needs the openssl command to make a certificate")
     return make_self_signed_cert(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def solo() -> Iterator[pp.World]:
+    """A one-rank world on an in-process coordinator (127.0.0.1, port 0), for the rules that need no peers."""
+    coord = CoordinatorThread(CoordinatorConfig(world_size=1, host="127.0.0.1", port=0))
+    world = pp.init(coord.start(), world_size=1, timeout=10, join_timeout=10)
+    try:
+        yield world
+    finally:
+        world.shutdown()
+        coord.stop()

@@ -9,7 +9,6 @@ shows bucket all-reduces running while backward is still going.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,6 @@ import pytest
 from _ddp_world import CONFIGS, SpareMLP, check_ok, run_world, train_reference
 
 import paramplane as pp
-from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
 from paramplane.nn import CrossEntropyLoss, Linear, Parameter, ReLU, Sequential
 from paramplane.optim import SGD
 from paramplane.parallel.ddp import DDP
@@ -80,17 +78,6 @@ def test_bucket_all_reduce_overlaps_backward(tmp_path: Path) -> None:
 
 
 # -- single-rank world: the rules that need no peers ----------------------------------------------
-@pytest.fixture(scope="module")
-def solo() -> Iterator[pp.World]:
-    coord = CoordinatorThread(CoordinatorConfig(world_size=1, host="127.0.0.1", port=0))
-    world = pp.init(coord.start(), world_size=1, timeout=10, join_timeout=10)
-    try:
-        yield world
-    finally:
-        world.shutdown()
-        coord.stop()
-
-
 def _mlp(seed: int = 0) -> Sequential:
     rng = np.random.default_rng(seed)
     return Sequential(Linear(4, 6, rng=rng), ReLU(), Linear(6, 3, rng=rng))

@@ -6,7 +6,6 @@ what the ranks reported.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -14,21 +13,9 @@ import pytest
 from _world import run_world
 
 import paramplane as pp
-from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
-
-
-@pytest.fixture(scope="module")
-def solo() -> Iterator[pp.World]:
-    coord = CoordinatorThread(CoordinatorConfig(world_size=1, host="127.0.0.1", port=0))
-    world = pp.init(coord.start(), world_size=1, timeout=10, join_timeout=10)
-    try:
-        yield world
-    finally:
-        world.shutdown()
-        coord.stop()
 
 
 class _TwoInputs(torch.nn.Module):  # type: ignore[misc]
