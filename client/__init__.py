@@ -27,8 +27,7 @@ if TYPE_CHECKING:
     from paramplane import checkpoint, nn, optim
     from paramplane.group import ProcessGroup
     from paramplane.parallel.ddp import DDP, shard_range
-    from paramplane.parallel.fsdp import FSDP, units_by_class
-    from paramplane.parallel.fsdp_config import CPUOffload, MixedPrecision
+    from paramplane.parallel.fsdp import FSDP, CPUOffload, MixedPrecision, units_by_class
     from paramplane.parallel.mesh import Mesh
     from paramplane.parallel.pipeline import Pipeline
     from paramplane.parallel.tensor import ColumnParallelLinear, RowParallelLinear
@@ -45,8 +44,8 @@ _LAZY = {
     "ColumnParallelLinear": "paramplane.parallel.tensor",
     "Pipeline": "paramplane.parallel.pipeline",
     "RowParallelLinear": "paramplane.parallel.tensor",
-    "MixedPrecision": "paramplane.parallel.fsdp_config",
-    "CPUOffload": "paramplane.parallel.fsdp_config",
+    "MixedPrecision": "paramplane.parallel.fsdp",
+    "CPUOffload": "paramplane.parallel.fsdp",
     "nn": "paramplane.nn",
     "checkpoint": "paramplane.checkpoint",
     "optim": "paramplane.optim",

@@ -63,25 +63,21 @@ import numpy as np
 from paramplane.group import ProcessGroup
 from paramplane.nn.module import Array, LoadResult, Module, Parameter
 from paramplane.node.arrays import DTYPES, is_floating
-from paramplane.parallel.ddp_buckets import COMM_DTYPES, MIB, Bucket, assign_buckets, shard_range
+from paramplane.parallel.ddp_buckets import (
+    COMM_DTYPES,
+    MIB,
+    Bucket,
+    assign_buckets,
+    broadcast_arrays,
+    shard_range,
+)
 from paramplane.parallel.ddp_torch import ModulePath, NNPath, TorchPath
-from paramplane.parallel.fsdp_units import check_same_model
+from paramplane.parallel.fsdp.units import check_same_model
 from paramplane.parallel.torch_params import is_torch_module
 
 __all__ = ["DDP", "broadcast_arrays", "shard_range"]
 
 _REDUCE_OPS = ("mean", "sum")
-
-
-def broadcast_arrays(group: ProcessGroup, arrays: list[Any]) -> None:
-    """Overwrite each array in place with group rank 0's (a non-contiguous one through a copy)."""
-    for buf in arrays:
-        if buf.flags.c_contiguous:
-            group.broadcast(buf, src=0)
-        else:
-            tmp = buf.copy()
-            group.broadcast(tmp, src=0)
-            buf[...] = tmp
 
 
 class DDP:

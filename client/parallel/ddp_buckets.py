@@ -1,4 +1,5 @@
-"""DDP's communication helpers: bucket assignment, flat bucket buffers, and batch sharding.
+"""DDP's communication helpers: bucket assignment, flat bucket buffers, batch sharding, and the broadcast of
+replicated state (DDP's and FSDP's buffers).
 
 A bucket is one flat array holding the gradients of several parameters of one
 dtype and array library, followed by one "used" flag per parameter (1 where
@@ -16,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from paramplane.group import ProcessGroup
 from paramplane.nn.module import Array, Parameter
 from paramplane.node.arrays import array_module
 from paramplane.node.spec import split_bounds
@@ -25,6 +27,17 @@ MIB = 1 << 20
 COMM_DTYPES = (None, "bfloat16", "float16")
 """Wire dtypes of gradient compression (DDP's buckets, FSDP's inter-host all-reduce), like torch's
 ``bf16_compress_hook`` / ``fp16_compress_hook``."""
+
+
+def broadcast_arrays(group: ProcessGroup, arrays: list[Any]) -> None:
+    """Overwrite each array in place with group rank 0's (a non-contiguous one through a copy)."""
+    for buf in arrays:
+        if buf.flags.c_contiguous:
+            group.broadcast(buf, src=0)
+        else:
+            tmp = buf.copy()
+            group.broadcast(tmp, src=0)
+            buf[...] = tmp
 
 
 def shard_range(num_items: int, num_shards: int, index: int) -> tuple[int, int]:

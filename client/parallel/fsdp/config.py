@@ -1,4 +1,4 @@
-"""FSDP's options (strategies, mixed precision, CPU offload) and its measured memory accounting."""
+"""FSDP's options (the sharding strategy, mixed precision, CPU offload) and its measured memory accounting."""
 
 from __future__ import annotations
 
@@ -9,10 +9,63 @@ from typing import Any
 
 import numpy as np
 
+from paramplane.group import ProcessGroup
 from paramplane.node.arrays import dtype_name, is_floating
+from paramplane.parallel.mesh import Mesh
 
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
 MEMORY_KINDS = ("params_sharded", "params_gathered", "grads", "optim_state")
+
+
+@dataclass(frozen=True)
+class ShardingStrategy:
+    """A strategy over a group of N ranks: a ``("replicate", "shard")`` mesh with shards of size S.
+
+    full_shard and shard_grad_op use S = N; no_shard uses S = 1 (DDP-like); hybrid_shard and
+    hybrid_shard_zero2 use S = ``intra_size`` (default: ranks per host). full_shard and hybrid_shard
+    reshard a unit after its forward (unless ``reshard_after_forward`` says otherwise).
+    """
+
+    name: str
+    shard_size: int
+    reshard_after_forward: bool
+
+    @classmethod
+    def resolve(
+        cls, name: str, group: ProcessGroup, intra_size: int | None, reshard_after_forward: bool | None
+    ) -> ShardingStrategy:
+        """The strategy ``name`` (one of ``STRATEGIES``) over ``group``; ValueError for a bad ``intra_size``."""
+        reshard = (
+            reshard_after_forward
+            if reshard_after_forward is not None
+            else name in ("full_shard", "hybrid_shard")
+        )
+        return cls(name, _shard_size(name, group, intra_size), reshard)
+
+    def groups(self, group: ProcessGroup) -> tuple[Mesh, ProcessGroup, ProcessGroup]:
+        """The mesh over ``group`` and its shard and replicate groups (made collectively)."""
+        mesh = Mesh(group, dims=[("replicate", group.size // self.shard_size), ("shard", self.shard_size)])
+        return mesh, mesh.group("shard"), mesh.group("replicate")
+
+
+def _shard_size(strategy: str, group: ProcessGroup, intra_size: int | None) -> int:
+    n = group.size
+    if not strategy.startswith("hybrid"):
+        if intra_size is not None:
+            raise ValueError(f"intra_size applies to the hybrid strategies only, not {strategy!r}")
+        return 1 if strategy == "no_shard" else n
+    hosts = group.hosts()
+    size = intra_size if intra_size is not None else len(hosts[0])
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or n % size:
+        raise ValueError(f"intra_size={size!r} must be a positive divisor of the group size {n}")
+    for start in range(0, n, size):
+        if not any(set(range(start, start + size)) <= set(h) for h in hosts):
+            raise ValueError(
+                f"intra_size={size} does not match the hosts: group ranks {start}..{start + size - 1} "
+                f"do not share one host (ranks per host: {[len(h) for h in hosts]}); hybrid strategies "
+                "shard inside a host and replicate across hosts"
+            )
+    return size
 
 
 @dataclass(frozen=True)

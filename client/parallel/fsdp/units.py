@@ -6,13 +6,17 @@ size ``S``; group rank ``r`` keeps elements ``[r * k, (r + 1) * k)`` with ``k = 
 as its ``shard`` Parameter, which is what the optimizer sees. While a unit is gathered the
 original parameters' ``data`` are views into the full buffer; while it is sharded they are
 zero-stride placeholders of the right shape that hold no memory.
+
+Building the units: a module path (the wrapper's, or the torch adapter's) names the default unit
+modules and decides which unit owns each parameter (``choose_units``, ``owned_units``); ``build_units``
+makes one ``FlatUnit`` per group of parameters, with values agreed on by every rank.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +24,7 @@ import numpy as np
 
 from paramplane.group import ProcessGroup
 from paramplane.nn.module import Array, Module, Parameter
-from paramplane.node.arrays import array_module, is_floating
+from paramplane.node.arrays import array_module, is_floating, to_pinned
 from paramplane.node.errors import CollectiveMismatch
 from paramplane.parallel.sharding import FlatLayout, LayoutEntry
 from paramplane.work import Work
@@ -173,6 +177,79 @@ class FlatUnit:
 
     def has_param_grads(self) -> bool:
         return any(p.grad is not None for p in self.params)
+
+
+UnitGroup = tuple[str, Any, list[tuple[str, Parameter]]]
+"""A unit's path, its module (None for the root unit) and the parameters it owns."""
+
+
+def choose_units(
+    module: Any, units: Sequence[Any] | UnitsByClass | None, default: Callable[[], list[tuple[str, Any]]]
+) -> list[tuple[str, Any]]:
+    """The unit modules with their paths: the ``default``, a ``units_by_class`` policy's or the given list."""
+    if units is None:
+        return default()
+    if isinstance(units, UnitsByClass):
+        units = units.select(module)
+    paths = {id(m): path for path, m in module.named_modules()}
+    chosen = []
+    for m in units:
+        if id(m) not in paths or m is module:
+            raise ValueError("every unit must be a submodule of the wrapped module (not the module itself)")
+        chosen.append((paths[id(m)], m))
+    return chosen
+
+
+def owned_units(chosen: list[tuple[str, Module]], named: list[tuple[str, Parameter]]) -> list[UnitGroup]:
+    """(path, module, its parameters) per chosen unit of a ``paramplane.nn`` module (a unit owns its
+    module's parameters; overlapping units are an error); the root unit (module None) holds the rest."""
+    owner: dict[int, str] = {}
+    groups: list[UnitGroup] = []
+    by_id = {id(p): n for n, p in named}
+    for path, m in chosen:
+        mine = [(by_id[id(p)], p) for p in m.parameters() if id(p) in by_id]
+        for _, p in mine:
+            if id(p) in owner:
+                raise ValueError(
+                    f"units overlap: parameter {by_id[id(p)]!r} is in unit {owner[id(p)]!r} and in {path!r}"
+                )
+            owner[id(p)] = path
+        if mine:
+            groups.append((path, m, mine))
+    rest = [(n, p) for n, p in named if id(p) not in owner]
+    if rest:
+        groups.append(("<root>", None, rest))
+    return groups
+
+
+def build_units(
+    groups: list[UnitGroup],
+    group: ProcessGroup,
+    shard_group: ProcessGroup,
+    master_dtype: Any,
+    *,
+    sync: bool,
+    host_shards: bool,
+) -> list[FlatUnit]:
+    """One unit per group, sharded over ``shard_group``: with ``sync`` its values are group rank 0's; with
+    ``host_shards`` (CPU offload of a cupy model) the shards are page-locked host arrays."""
+    built = []
+    s_rank, s_count = shard_group.rank, shard_group.size
+    for path, unit_module, mine in groups:
+        dtypes = {p.dtype for _, p in mine}
+        if len(dtypes) != 1:
+            raise ValueError(
+                f"unit {path!r} mixes parameter dtypes {sorted(map(str, dtypes))}; FSDP needs one"
+            )
+        flat = concat_params([p for _, p in mine], sum(p.size for _, p in mine), master_dtype)
+        if sync and group.size > 1:
+            group.broadcast(flat, src=0)
+        unit = FlatUnit.build(path, unit_module, mine, s_rank, s_count, flat)
+        unit.release_from(flat)
+        if host_shards:
+            unit.shard.data = to_pinned(unit.shard.data)
+        built.append(unit)
+    return built
 
 
 def check_same_model(group: ProcessGroup, named: list[tuple[str, Parameter]], what: str = "FSDP") -> None:

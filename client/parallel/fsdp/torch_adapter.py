@@ -14,7 +14,9 @@ A parameter is owned by the innermost unit around the modules that register it; 
 of several units (tied weights: ``lm_head.weight is wte.weight``) is owned by the root unit, which is
 gathered for the whole forward and backward.
 
-The hooks do what ``FSDP``'s wrapped ``forward``/``backward`` do for paramplane modules:
+``TorchPath`` is the module path ``FSDP`` composes for a torch module (``pp.FSDP(torch_module, ...)`` is a
+``TorchFSDP``, the wrapper with this path). Its hooks do what ``NNPath``'s wrapped ``forward``/``backward`` do
+for paramplane modules:
 
 - a unit's forward pre-hook gathers it and prefetches the next unit; its forward hook reshards it
   (full_shard, hybrid_shard) and hooks its outputs' gradients, which gather it again just before its
@@ -37,13 +39,12 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from paramplane.nn.module import Parameter, RemovableHandle
-from paramplane.parallel.fsdp import FSDP
-from paramplane.parallel.fsdp_units import FlatUnit, UnitsByClass
+from paramplane.parallel.fsdp.units import FlatUnit, UnitGroup, UnitsByClass, choose_units
 from paramplane.parallel.sharding import ShardedArray
 from paramplane.parallel.torch_params import (
     TorchFlatParam,
@@ -56,7 +57,10 @@ from paramplane.parallel.torch_params import (
     torch_stream,
 )
 
-__all__ = ["TorchFSDP"]
+if TYPE_CHECKING:
+    from paramplane.parallel.fsdp.wrapper import FSDP
+
+__all__ = ["TorchPath"]
 
 
 def _tensors(value: Any) -> list[Any]:
@@ -79,31 +83,35 @@ def _as_numpy(value: Any, key: str) -> Any:
     return np.asarray(value)
 
 
-class TorchFSDP(FSDP):
-    """``pp.FSDP(torch_module, group, ...)``: see the module docstring; the arguments are FSDP's.
+class TorchPath:
+    """A ``torch.nn.Module``'s path (module docstring): ``cpu_offload`` changes nothing (the tensors are in
+    host memory already); ``mixed_precision`` gathers and computes in ``param_dtype`` (the forward's
+    floating-point inputs are cast to it) and reduces in ``reduce_dtype``, with float32 (or float64) master
+    shards."""
 
-    ``cpu_offload`` changes nothing (the tensors are in host memory already); ``mixed_precision`` gathers
-    and computes in ``param_dtype`` (the forward's floating-point inputs are cast to it) and reduces in
-    ``reduce_dtype``, with float32 (or float64) master shards.
-    """
-
-    _finish_queued = False
+    def __init__(self, module: Any, fsdp: FSDP) -> None:
+        self.module = module
+        self.fsdp = fsdp
+        self.by_tensor: dict[int, TorchFlatParam] = {}
+        self.optimizer: Any = None
+        self.finish_queued = False
 
     # -- construction ------------------------------------------------------------------------------
-    def _trainable(self, module: Any) -> list[tuple[str, Parameter]]:
-        self._by_tensor: dict[int, TorchFlatParam] = {}
+    def trainable(self) -> list[tuple[str, Parameter]]:
+        self.by_tensor = {}
         named: list[tuple[str, Parameter]] = []
-        for name, tensor in module.named_parameters():
+        for name, tensor in self.module.named_parameters():
             if tensor.requires_grad:
                 p = TorchFlatParam(name, tensor)
-                self._by_tensor[id(tensor)] = p
+                self.by_tensor[id(tensor)] = p
                 named.append((name, cast(Parameter, p)))
         return named
 
-    def _children(self, module: Any) -> list[tuple[str, Any]]:
+    def _children(self) -> list[tuple[str, Any]]:
         """The default units: the elements of the outermost ModuleLists, else the children of a Sequential."""
         import torch
 
+        module = self.module
         paths = {id(m): path for path, m in module.named_modules()}
         lists: list[Any] = []
 
@@ -122,24 +130,24 @@ class TorchFSDP(FSDP):
         sequence = isinstance(module, (torch.nn.Sequential, torch.nn.ModuleList))
         return children if sequence or len(children) > 1 else []
 
-    def _unit_groups(
-        self, module: Any, named: list[tuple[str, Parameter]], units: Sequence[Any] | UnitsByClass | None
-    ) -> list[tuple[str, Any, list[tuple[str, Parameter]]]]:
+    def unit_groups(
+        self, named: list[tuple[str, Parameter]], units: Sequence[Any] | UnitsByClass | None
+    ) -> list[UnitGroup]:
         """Each parameter goes to the innermost unit around the modules that register it; one registered
         in several units (tied weights) goes to the root unit (module docstring)."""
-        chosen = self._chosen(module, units)
+        chosen = choose_units(self.module, units, self._children)
         unit_of = {id(m): path for path, m in chosen}
         users: dict[int, set[str]] = {}
 
         def walk(m: Any, current: str) -> None:
             current = unit_of.get(id(m), current)
             for t in m._parameters.values():
-                if t is not None and id(t) in self._by_tensor:
+                if t is not None and id(t) in self.by_tensor:
                     users.setdefault(id(t), set()).add(current)
             for child in m.children():
                 walk(child, current)
 
-        walk(module, "<root>")
+        walk(self.module, "<root>")
         owner = {
             id(p): (
                 next(iter(users[id(cast(Any, p).tensor)]))
@@ -148,38 +156,39 @@ class TorchFSDP(FSDP):
             )
             for _, p in named
         }
-        groups: list[tuple[str, Any, list[tuple[str, Parameter]]]] = []
+        groups: list[UnitGroup] = []
         for path, m in [*chosen, ("<root>", None)]:
             mine = [(n, p) for n, p in named if owner[id(p)] == path]
             if mine:
                 groups.append((path, m, mine))
         return groups
 
-    def _build_units(self, module: Any, named: Any, units: Any, sync: bool) -> list[FlatUnit]:
+    def adopt(self, units: list[FlatUnit]) -> None:
+        """The shards become torch Parameters; each parameter's post-accumulate-grad hook counts its unit's
+        gradients."""
         import torch
 
-        built = super()._build_units(module, named, units, sync)
-        for unit in built:
+        for unit in units:
             shard = TorchParam(unit.shard.name, torch.nn.Parameter(to_tensor(unit.shard.data)))
             shard.layout = unit.shard.layout  # type: ignore[attr-defined]
             unit.shard = cast(Parameter, shard)
             for p in unit.params:
                 cast(TorchParam, p).tensor.register_post_accumulate_grad_hook(self._grad_hook(unit))
-        return built
 
-    def _wrap(self, unit: FlatUnit) -> None:
+    def wrap(self, unit: FlatUnit) -> None:
         m = cast(Any, unit.module)
+        fsdp, gather = self.fsdp, self.fsdp._gather
 
         def before(_m: Any, _args: Any) -> None:
             with self._stream():
-                self._enter_unit(unit)
+                gather.enter_unit(unit)
             unit.extra["forward_start"] = time.monotonic()
 
         def after(_m: Any, _args: Any, output: Any) -> None:
-            self._mark(f"forward {unit.name}", unit.extra.pop("forward_start"))
+            fsdp._mark(f"forward {unit.name}", unit.extra.pop("forward_start"))
             unit.forward_done = True
-            if self.reshard_after_forward:
-                self._release(unit)
+            if fsdp.reshard_after_forward:
+                gather.release(unit)
             unit.extra["pre_backward"] = False
             for t in _tensors(output):
                 if t.requires_grad:
@@ -191,14 +200,14 @@ class TorchFSDP(FSDP):
     # -- forward / backward ------------------------------------------------------------------------
     def _queue_finish(self) -> None:
         """From inside a synchronised backward: finish the gradient sync when that backward ends."""
-        if self._no_sync or self._finish_queued:
+        if self.fsdp._reducer.no_sync or self.finish_queued:
             return
-        self._finish_queued = True
+        self.finish_queued = True
 
         def finish() -> None:
-            self._finish_queued = False
+            self.finish_queued = False
             with self._stream():
-                self.finish_gradient_sync()
+                self.fsdp.finish_gradient_sync()
 
         queue_backward_callback(finish)
 
@@ -208,14 +217,15 @@ class TorchFSDP(FSDP):
             return
         unit.extra["pre_backward"] = True
         unit.extra["backward_start"] = time.monotonic()
+        gather = self.fsdp._gather
         with self._stream():
-            self._ensure_gathered(unit)
-            if self.backward_prefetch == "pre":
-                self._prefetch(self._prev_in_forward(unit))
+            gather.ensure_gathered(unit)
+            if self.fsdp.backward_prefetch == "pre":
+                gather.prefetch(gather.prev_in_forward(unit))
 
     def _stream(self) -> contextlib.AbstractContextManager[None]:
         """Collectives issued inside run on torch's current stream (CUDA modules; see torch_params)."""
-        return torch_stream(cast(TorchParam, self.units[0].params[0]).tensor)
+        return torch_stream(cast(TorchParam, self.fsdp.units[0].params[0]).tensor)
 
     def _grad_hook(self, unit: FlatUnit) -> Callable[[Any], None]:
         def ready(_tensor: Any) -> None:
@@ -225,12 +235,13 @@ class TorchFSDP(FSDP):
                 unit.extra["ready"] = count
                 return
             unit.extra["ready"] = 0
+            fsdp, gather = self.fsdp, self.fsdp._gather
             if "backward_start" in unit.extra:
-                self._mark(f"backward {unit.name}", unit.extra.pop("backward_start"))
+                fsdp._mark(f"backward {unit.name}", unit.extra.pop("backward_start"))
             with self._stream():
-                self._post_backward(unit)
-                if self.backward_prefetch == "post" and unit.module is not None:
-                    self._prefetch(self._prev_in_forward(unit))
+                fsdp._reducer.post_backward(unit)
+                if fsdp.backward_prefetch == "post" and unit.module is not None:
+                    gather.prefetch(gather.prev_in_forward(unit))
 
         return ready
 
@@ -238,30 +249,28 @@ class TorchFSDP(FSDP):
         """Run the torch module; each unit is gathered when its module is called (and prefetched)."""
         import torch
 
-        for u in self.units:
+        fsdp = self.fsdp
+        for u in fsdp.units:
             u.forward_done = False
             u.extra["ready"] = 0
-        self._finish_queued = False
+        self.finish_queued = False
         with self._stream():
-            self._begin_forward()
-        if self.param_dtype != self.master_dtype:
-            compute = _torch_dtype(self.param_dtype)
+            fsdp._gather.begin_forward()
+        if fsdp.param_dtype != fsdp.master_dtype:
+            compute = _torch_dtype(fsdp.param_dtype)
             args = tuple(a.to(compute) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
         y = self.module(*args, **kwargs)
-        missed = [u.name for u in self._wrapped if not u.forward_done]
+        missed = [u.name for u in fsdp._wrapped if not u.forward_done]
         if missed:
             raise RuntimeError(
                 f"FSDP: the forward did not call the module of unit(s) {missed}; a unit is gathered when its "
                 "module is called, so its parameters held placeholders. Call those modules, or pass units= "
                 "naming the modules the forward calls"
             )
-        self._forward_open = torch.is_grad_enabled()
-        if self.output_dtype is not None and torch.is_tensor(y) and y.is_floating_point():
-            y = y.to(_torch_dtype(self.output_dtype))
+        fsdp._forward_open = torch.is_grad_enabled()
+        if fsdp.output_dtype is not None and torch.is_tensor(y) and y.is_floating_point():
+            y = y.to(_torch_dtype(fsdp.output_dtype))
         return y
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.forward(*args, **kwargs)
 
     def backward(self, grad_out: Any) -> Any:
         raise RuntimeError(
@@ -269,25 +278,19 @@ class TorchFSDP(FSDP):
             "reduction starts from its parameters' gradient hooks)"
         )
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Any:
-        """The global gradient norm over every rank's shards (a tensor, as torch's FSDP1); clips to it.
-
-        ``torch.nn.utils.clip_grad_norm_(fsdp.parameters(), c)`` would use this rank's shards only."""
+    def norm(self, norm: float) -> Any:
+        """The global gradient norm as a tensor (as torch's FSDP1 returns it)."""
         import torch
 
-        norm = super().clip_grad_norm_(max_norm, norm_type)
-        return torch.tensor(norm, dtype=_torch_dtype(self.master_dtype))
+        return torch.tensor(norm, dtype=_torch_dtype(self.fsdp.master_dtype))
 
     # -- optimizer ---------------------------------------------------------------------------------
-    def parameters(self) -> list[Any]:
-        """This rank's flat shards as torch Parameters (hand them to a torch optimizer)."""
-        return [cast(TorchParam, u.shard).tensor for u in self.units]
-
-    def named_parameters(self) -> list[tuple[str, Any]]:
-        return [(u.shard.name, cast(TorchParam, u.shard).tensor) for u in self.units]
+    def expose(self, shard: Parameter) -> Any:
+        """A shard as the torch Parameter a torch optimizer steps."""
+        return cast(TorchParam, shard).tensor
 
     def attach(self, optimizer: Any) -> RemovableHandle:
-        """Make the torch optimizer's ``step()`` call :meth:`finish_gradient_sync` first (optional: a
+        """Make the torch optimizer's ``step()`` call ``finish_gradient_sync`` first (optional: a
         synchronised backward finishes the sync itself)."""
         import torch
 
@@ -295,26 +298,27 @@ class TorchFSDP(FSDP):
             raise ValueError(
                 f"FSDP over a torch module attaches a torch.optim optimizer, got {type(optimizer).__name__}"
             )
-        self._torch_optimizer = optimizer
-        optimizer.register_step_post_hook(lambda *_: self.memory.update())
-        return cast(RemovableHandle, optimizer.register_step_pre_hook(lambda *_: self.finish_gradient_sync()))
+        fsdp = self.fsdp
+        self.optimizer = optimizer
+        optimizer.register_step_post_hook(lambda *_: fsdp.memory.update())
+        return cast(RemovableHandle, optimizer.register_step_pre_hook(lambda *_: fsdp.finish_gradient_sync()))
 
-    def _optim_bytes(self) -> int:
-        opt = getattr(self, "_torch_optimizer", None)
+    def optim_bytes(self) -> int:
+        opt = self.optimizer
         if opt is None:
             return 0
         return sum(
             int(v.nbytes)
-            for p in self.parameters()
+            for p in self.fsdp.parameters()
             for v in opt.state.get(p, {}).values()
             if hasattr(v, "nbytes") and v.dim() > 0
         )
 
     # -- state -------------------------------------------------------------------------------------
-    def _buffers(self) -> list[tuple[str, Any]]:
+    def buffers(self) -> list[tuple[str, Any]]:
         return torch_buffers(self.module)
 
-    def _frozen(self) -> list[tuple[str, Any]]:
+    def frozen(self) -> list[tuple[str, Any]]:
         return [
             (n, to_array(t, f"parameter {n!r}"))
             for n, t in self.module.named_parameters()
@@ -325,30 +329,27 @@ class TorchFSDP(FSDP):
         """``module.state_dict()``'s keys: the trainable parameter's name (its owner's, for a tied alias)
         or, for persistent buffers and frozen parameters, the tensor."""
         out: dict[str, Any] = {}
-        for key, t in cast(Any, self.module).state_dict(keep_vars=True).items():
-            p = self._by_tensor.get(id(t))
+        for key, t in self.module.state_dict(keep_vars=True).items():
+            p = self.by_tensor.get(id(t))
             out[key] = p.name if p is not None else t
         return out
 
-    def _replicated(self) -> dict[str, Any]:
+    def replicated(self) -> dict[str, Any]:
         return {
             k: to_array(v, f"state {k!r}") for k, v in self._state_keys().items() if not isinstance(v, str)
         }
 
-    def state_dict(self) -> dict[str, Any]:
-        """The full state (``module.state_dict()``'s keys, CPU torch tensors) on every rank:
-        ``plain.load_state_dict(fsdp.state_dict(), strict=True)`` loads it."""
-        values: dict[str, Any] = {}
-        for unit in self.units:
-            full = self._gather_master(unit)
-            for name, p, off in zip(unit.names, unit.params, unit.offsets):
-                values[name] = to_tensor(full[off : off + p.size].reshape(p.shape).copy())
+    def state_dict(self, values: dict[str, Any]) -> dict[str, Any]:
+        """``module.state_dict()``'s keys, CPU torch tensors: ``plain.load_state_dict(fsdp.state_dict(),
+        strict=True)`` loads it."""
+        tensors = {name: to_tensor(v) for name, v in values.items()}
         return {
-            k: values[v] if isinstance(v, str) else v.detach().clone() for k, v in self._state_keys().items()
+            k: tensors[v] if isinstance(v, str) else v.detach().clone() for k, v in self._state_keys().items()
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a full state dict (``module.state_dict()``'s keys; torch tensors or arrays), strictly."""
+    def canonical_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``module.state_dict()``'s keys (torch tensors or arrays), strictly; a tied alias and its owner:
+        the later key wins, as in torch."""
         keys = self._state_keys()
         missing, unexpected = sorted(set(keys) - set(state)), sorted(set(state) - set(keys))
         if missing or unexpected:
@@ -358,15 +359,14 @@ class TorchFSDP(FSDP):
             )
         canonical: dict[str, Any] = {}
         replicated: dict[str, Any] = {}
-        for key, target in keys.items():  # a tied alias and its owner: the later key wins, as in torch
+        for key, target in keys.items():
             (canonical if isinstance(target, str) else replicated)[
                 target if isinstance(target, str) else key
             ] = _as_numpy(state[key], key)
-        super().load_state_dict({**canonical, **replicated})
+        return {**canonical, **replicated}
 
-    def sharded_state_dict(self) -> dict[str, ShardedArray | Any]:
+    def add_aliases(self, out: dict[str, ShardedArray | Any]) -> dict[str, ShardedArray | Any]:
         """The shards' pieces under every state-dict key (a tied alias shares its owner's pieces)."""
-        out = super().sharded_state_dict()
         for key, target in self._state_keys().items():
             if isinstance(target, str) and key not in out:
                 out[key] = out[target]
