@@ -39,7 +39,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from paramplane.benchmarks._jsonl import emit
 from paramplane.benchmarks._ranks import run_ranks
@@ -80,7 +80,7 @@ def _hwm() -> int | None:
     return None
 
 
-def build(model: str, args: argparse.Namespace) -> tuple[Any, type]:
+def build(model: str, args: argparse.Namespace) -> tuple[Any, Any]:
     """The model (same weights for the same seed) and its block class (the FSDP unit torch users wrap)."""
     import torch
 
@@ -104,14 +104,14 @@ def build(model: str, args: argparse.Namespace) -> tuple[Any, type]:
     from transformers import ResNetConfig, ResNetForImageClassification
 
     w = args.resnet_width
-    rcfg = ResNetConfig(
+    rcfg = cast(Any, ResNetConfig)(  # transformers' stubs do not list the PretrainedConfig keywords
         num_labels=1000,
         embedding_size=w,
         hidden_sizes=[w, 2 * w, 4 * w, 8 * w],
         depths=[args.resnet_depth] * 4,
         layer_type="basic",
     )
-    resnet = ResNetForImageClassification(rcfg)
+    resnet: Any = ResNetForImageClassification(rcfg)
     return resnet, type(resnet.resnet.encoder.stages[0].layers[0])
 
 
