@@ -32,7 +32,6 @@ import numpy as np
 import torch
 
 import paramplane as pp
-from paramplane.parallel.sharding import ShardedArray
 
 VOCAB = 64
 SEQ = 32
@@ -115,63 +114,14 @@ def loss_of(output: Any) -> Any:
     return output if torch.is_tensor(output) else output.loss
 
 
-class ShardedAdamW:
-    """The torch AdamW state of FSDP's shards as checkpoint entries that reshard, filled in place by a load.
-
-    The optimizer steps this rank's flat shards (``fsdp.parameters()``); ``fsdp.sharded_state_dict()``
-    describes them as views into those shards, one ``ShardedArray`` per module parameter. Cutting each
-    moment the same way keys it by the module's parameter names, so a checkpoint loads on any world size.
-    """
-
-    MOMENTS = ("exp_avg", "exp_avg_sq")
-
-    def __init__(self, opt: torch.optim.AdamW, fsdp: Any) -> None:
-        self.opt, self.fsdp = opt, fsdp
-
-    def _pieces(self) -> dict[str, tuple[Any, int, Any]]:
-        """``{module parameter name: (its shard tensor, offset in it, its ShardedArray)}``."""
-        shards = [p for group in self.opt.param_groups for p in group["params"]]
-        out = {}
-        for key, piece in self.fsdp.sharded_state_dict().items():
-            if not isinstance(piece, ShardedArray):
-                continue  # buffers and frozen parameters: not the optimizer's
-            address = piece.local.__array_interface__["data"][0]
-            for p in shards:
-                offset = (address - p.data_ptr()) // p.element_size()
-                if 0 <= offset <= p.numel() - piece.local.size:
-                    out[key] = (p, offset, piece)
-                    break
-        return out
-
-    def sharded_state_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, (p, offset, piece) in self._pieces().items():
-            if p not in self.opt.state:  # a fresh optimizer (resuming): zero state, filled in place
-                zeros = {m: torch.zeros_like(p) for m in self.MOMENTS}
-                self.opt.state[p] = {"step": torch.tensor(0.0), **zeros}
-            for m in self.MOMENTS:
-                flat = self.opt.state[p][m].detach().numpy().reshape(-1)
-                out[f"{key}.{m}"] = ShardedArray(
-                    piece.global_shape, piece.start, flat[offset:][: piece.local.size]
-                )
-        out["step"] = max((float(s["step"]) for s in self.opt.state.values()), default=0.0)
-        return out
-
-    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
-        """The moments were filled in place; AdamW's step count is the same for every shard."""
-        for s in self.opt.state.values():
-            s["step"].fill_(state["step"])
-
-
 def train(world: pp.World, args: argparse.Namespace) -> list[float]:
     group = world.group
     model, name = build_model()
     params = sum(p.numel() for p in model.parameters())
-    # Default units: one per block, the tied embedding/head in the root unit. (Any: pp.FSDP's static type
-    # is its paramplane.nn form, whose call takes one array.)
-    fsdp: Any = pp.FSDP(model, group, "full_shard")
+    fsdp = pp.FSDP(model, group, "full_shard")  # default units: one per block, the tied embedding in the root
     opt = torch.optim.AdamW(fsdp.parameters(), lr=args.lr, weight_decay=0.01)
-    state = {"model": fsdp, "optim": ShardedAdamW(opt, fsdp), "step": 0}
+    # optim_state: AdamW's moments cut by module parameter, so a checkpoint reshards like the model.
+    state = {"model": fsdp, "optim": fsdp.optim_state(opt), "step": 0}
     start = 0
     resume = pp.checkpoint.latest(args.checkpoint_dir) if args.resume else None
     if resume is not None:

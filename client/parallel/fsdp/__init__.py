@@ -5,7 +5,8 @@
   and the measured memory accounting;
 - ``units.py``: the flat units, building them, ``units_by_class`` and ``check_same_model``;
 - ``gather.py``: the all-gathers and prefetch order; ``reduce.py``: the gradient reductions;
-- ``state.py``: full and sharded state dicts and ``summon_full_params``;
+- ``state.py``: full and sharded state dicts and ``summon_full_params``; ``optim_state.py``: a torch
+  optimizer's state over the shards, as checkpoint entries that reshard (``fsdp.optim_state(opt)``);
 - ``nn_path.py`` / ``torch_adapter.py``: the module paths, for a ``paramplane.nn`` and a ``torch.nn`` module.
 """
 

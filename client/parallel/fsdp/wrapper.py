@@ -42,6 +42,7 @@ import numpy as np
 from paramplane.group import ProcessGroup
 from paramplane.nn.module import Array, Module, RemovableHandle
 from paramplane.node.arrays import DTYPES, array_module
+from paramplane.optim.optimizer import Optimizer
 from paramplane.parallel.ddp_buckets import COMM_DTYPES, broadcast_arrays
 from paramplane.parallel.fsdp import state as fsdp_state
 from paramplane.parallel.fsdp.config import (
@@ -53,6 +54,7 @@ from paramplane.parallel.fsdp.config import (
 )
 from paramplane.parallel.fsdp.gather import Gatherer
 from paramplane.parallel.fsdp.nn_path import ModulePath, NNPath
+from paramplane.parallel.fsdp.optim_state import TorchOptimState
 from paramplane.parallel.fsdp.reduce import Reducer
 from paramplane.parallel.fsdp.torch_adapter import TorchPath
 from paramplane.parallel.fsdp.units import (
@@ -235,6 +237,16 @@ class FSDP:
         A ``paramplane.optim`` optimizer for a paramplane module, a ``torch.optim`` one for a torch module
         (optional there: a synchronised backward finishes the sync itself)."""
         return self._path.attach(optimizer)
+
+    def optim_state(self, optimizer: Any, *, state_arrays: tuple[str, ...] | None = None) -> Any:
+        """What to checkpoint for ``optimizer`` (over this FSDP's ``parameters()``), resharding like the model:
+        a ``paramplane.optim`` optimizer is checkpointable itself; a ``torch.optim`` one is wrapped
+        (``optim_state.TorchOptimState``; ``state_arrays`` names its state tensors where paramplane does not
+        know them), like torch FSDP's ``optim_state_dict``: ``pp.checkpoint.save({"model": fsdp, "optim":
+        fsdp.optim_state(opt)}, ...)``."""
+        if isinstance(optimizer, Optimizer):
+            return optimizer
+        return TorchOptimState(optimizer, self.units, state_arrays)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

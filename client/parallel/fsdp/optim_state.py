@@ -1,0 +1,97 @@
+"""A ``torch.optim`` optimizer over FSDP's shards as checkpoint state that reshards (``fsdp.optim_state(opt)``).
+
+The optimizer steps this rank's flat shards (``fsdp.parameters()``), so its per-parameter tensors (Adam's
+``exp_avg``, SGD's ``momentum_buffer``, ...) are flat shards too. Each is cut along the unit's layout into one
+``ShardedArray`` per module parameter, keyed ``state.<module parameter name>.<state name>`` as a
+``paramplane.optim`` optimizer's are: a checkpoint saved at one world size loads at another, and
+``pp.checkpoint.load`` writes straight into the optimizer's tensors. Scalar state (Adam's ``step``) is saved
+once as ``scalar.<name>`` (every shard holds the same count) and set on every shard at load.
+
+torch optimizers create their state at the first ``step()``; to load into a fresh one, the state arrays are
+created as zeros first: those named in ``STATE_ARRAYS`` for the optimizer's class, or ``state_arrays=``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from paramplane.parallel.sharding import ShardedArray
+from paramplane.parallel.torch_params import to_array
+
+__all__ = ["STATE_ARRAYS", "TorchOptimState"]
+
+STATE_ARRAYS: dict[str, tuple[str, ...]] = {
+    "Adam": ("exp_avg", "exp_avg_sq"),
+    "AdamW": ("exp_avg", "exp_avg_sq"),
+    "SGD": ("momentum_buffer",),
+    "RMSprop": ("square_avg",),
+    "Adagrad": ("sum",),
+}
+"""Per-parameter state tensors of torch optimizers by class name (Adam's ``max_exp_avg_sq`` with amsgrad)."""
+
+
+class TorchOptimState:
+    """Checkpoint state (``sharded_state_dict`` / ``load_sharded_state_dict``) of ``optimizer`` over the shards
+    of ``units`` (an FSDP's units, whose ``shard.tensor`` the optimizer steps)."""
+
+    def __init__(self, optimizer: Any, units: list[Any], state_arrays: tuple[str, ...] | None = None) -> None:
+        import torch
+
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optim_state takes a torch.optim optimizer, got {type(optimizer).__name__}")
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self._shards = [(u.shard.layout, u.shard.tensor) for u in units if id(u.shard.tensor) in stepped]
+        if not self._shards:
+            raise ValueError(
+                "the optimizer steps none of this FSDP's shards: build it over fsdp.parameters()"
+            )
+        self.optimizer = optimizer
+        if state_arrays is None:
+            state_arrays = STATE_ARRAYS.get(type(optimizer).__name__)
+            amsgrad = any(g.get("amsgrad") for g in optimizer.param_groups)
+            if state_arrays is not None and amsgrad:
+                state_arrays = (*state_arrays, "max_exp_avg_sq")
+        self.state_arrays = state_arrays
+
+    def _ensure_state(self) -> None:
+        """Zero state for shards the optimizer has not stepped yet (a fresh optimizer a checkpoint fills)."""
+        import torch
+
+        missing = [t for _, t in self._shards if not self.optimizer.state.get(t)]
+        if not missing:
+            return
+        if self.state_arrays is None:
+            raise ValueError(
+                f"{type(self.optimizer).__name__} has no state yet and paramplane does not know its state "
+                "arrays: pass state_arrays=(...) to fsdp.optim_state(), or take one step before loading"
+            )
+        for t in missing:
+            self.optimizer.state[t] = {
+                "step": torch.tensor(0.0),
+                **{name: torch.zeros_like(t) for name in self.state_arrays},
+            }
+
+    def sharded_state_dict(self) -> dict[str, ShardedArray | Any]:
+        self._ensure_state()
+        out: dict[str, ShardedArray | Any] = {}
+        for layout, tensor in self._shards:
+            for name, value in sorted(self.optimizer.state[tensor].items()):
+                if value is None:  # e.g. SGD's momentum_buffer without momentum
+                    continue
+                if hasattr(value, "shape") and tuple(value.shape) == tuple(tensor.shape):
+                    flat = to_array(value, f"optimizer state {name!r}").reshape(-1)
+                    for key, piece in layout.views(flat).items():
+                        out[f"state.{key}.{name}"] = piece
+                else:  # the same on every shard (a step count): saved once
+                    out[f"scalar.{name}"] = float(value)
+        return out
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        """The state arrays were written in place by the loader; scalar state is set on every shard."""
+        for _, tensor in self._shards:
+            for name, value in self.optimizer.state[tensor].items():
+                key = f"scalar.{name}"
+                if key in state and hasattr(value, "fill_"):
+                    value.fill_(state[key])
+                elif key in state:
+                    self.optimizer.state[tensor][name] = type(value)(state[key])
