@@ -33,7 +33,7 @@ for its all-reduce and back afterwards, like torch's ``bf16_compress_hook`` / ``
 the bytes on the wire (between hosts), at the dtype's precision (bfloat16 keeps float32's range, float16 its
 precision better but overflows above 65504). On cupy use float16 (cupy has no bfloat16).
 
-torch modules: ``DDP(torch_module, group)`` (CPU tensors) behaves as torch's ``DistributedDataParallel``
+torch modules: ``DDP(torch_module, group)`` (CPU or CUDA tensors) behaves as torch's ``DistributedDataParallel``
 (``ddp_torch.py``): ``ddp(*args, **kwargs)`` returns ``module(*args, **kwargs)`` unchanged, each parameter is
 seen through a DLPack view (``parallel/torch_params.py``), buckets fill from torch's post-accumulate-grad hooks
 during ``loss.backward()``, and the sync finishes in an autograd callback, so every ``.grad`` is averaged

@@ -107,6 +107,13 @@ def _close(a: float, b: float, rtol: float = 1e-9) -> bool:
     return abs(a - b) <= rtol * max(abs(b), 1e-12)
 
 
+def _close_arrays(got: np.ndarray, want: np.ndarray, rtol: float = 1e-8) -> bool:
+    """Equal shapes and a difference small against the array's norm (elementwise, tiny moments are noisy)."""
+    if got.shape != want.shape:
+        return False
+    return float(np.linalg.norm(got - want)) <= rtol * max(float(np.linalg.norm(want)), 1e-30)
+
+
 def _same_state(
     rep: Report, what: str, got: dict[str, Any], want: dict[str, Any], rtol: float = 1e-9
 ) -> None:
@@ -226,6 +233,100 @@ def focused(world: Any, rep: Report) -> None:
             f"{total[0] / n} vs {want[0][0]}",
         )
         opt.step()
+
+    # use_orig_params: the optimizer sees one piece per module parameter, by name, so param groups by name
+    # (no weight decay on biases and LayerNorms, as torch users write them) train equal to one process; the
+    # optimizer's state of the pieces round-trips through a checkpoint into a fresh wrapper and optimizer.
+    def by_name(named: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+        plain = [n.endswith(".bias") or ".ln_" in n for n, _ in named]
+        return [
+            {"params": [p for (_, p), skip in zip(named, plain) if not skip], "weight_decay": 0.1},
+            {"params": [p for (_, p), skip in zip(named, plain) if skip], "weight_decay": 0.0},
+        ]
+
+    fsdp = pp.FSDP(tm.build("gpt2"), g, "full_shard", use_orig_params=True)
+    ref = tm.build("gpt2")
+    rep.check(
+        "use_orig_params: the module's parameter names",
+        sorted(n for n, _ in fsdp.named_parameters()) == sorted(n for n, _ in ref.named_parameters()),
+        str([n for n, _ in fsdp.named_parameters()][:3]),
+    )
+    opt = torch.optim.AdamW(by_name(fsdp.named_parameters()), lr=0.01)
+    ref_opt = torch.optim.AdamW(by_name(list(ref.named_parameters())), lr=0.01)
+    for step in range(STEPS):
+        loss, _ = _step(fsdp, opt, tm.batch("gpt2", step, world.rank), fsdp.clip_grad_norm_)
+        total = np.array([loss])
+        g.all_reduce(total, "sum")
+        ref_loss = sum(_loss(ref, tm.batch("gpt2", step, r)) for r in range(n)) / n
+        ref_loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        rep.check(
+            f"use_orig_params step {step}: loss = one process",
+            _close(float(total[0]) / n, float(ref_loss)),
+            f"{total[0] / n} vs {float(ref_loss)}",
+        )
+    _same_state(rep, "use_orig_params: parameters = one process", fsdp.state_dict(), ref.state_dict())
+    orig_dir = Path(tempfile.gettempdir()) / f"pp-dropin-orig-{world.job_id}"
+    saved = pp.checkpoint.save({"model": fsdp, "optim": fsdp.optim_state(opt)}, orig_dir, g)
+    again = pp.FSDP(tm.build("gpt2", seed=4), g, "full_shard", use_orig_params=True)
+    again_opt = torch.optim.AdamW(by_name(again.named_parameters()), lr=0.01)
+    pp.checkpoint.load({"model": again, "optim": again.optim_state(again_opt)}, saved, g)
+    rep.check(
+        "use_orig_params: optimizer state round-trips by parameter",
+        all(
+            torch.equal(again_opt.state[b][k], opt.state[a][k])
+            for a, b in zip(fsdp.parameters(), again.parameters())
+            for k in ("exp_avg", "exp_avg_sq", "step")
+        ),
+    )
+    g.barrier()
+    if world.rank == 0:
+        shutil.rmtree(orig_dir, ignore_errors=True)
+
+    # A torch optimizer's state over the shards (fsdp.optim_state): consolidated from a checkpoint it equals
+    # one process's AdamW state by parameter name, and it loads into a fresh optimizer over a fresh wrapper.
+    fsdp = pp.FSDP(tm.build("gpt2"), g, "full_shard")
+    opt = torch.optim.AdamW(fsdp.parameters(), lr=0.01, weight_decay=0.0)
+    _loss(fsdp, tm.batch("gpt2", 0, world.rank)).backward()
+    opt.step()
+    ref = tm.build("gpt2")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.0)
+    (sum(_loss(ref, tm.batch("gpt2", 0, r)) for r in range(n)) / n).backward()
+    ref_opt.step()
+    from paramplane.checkpoint.__main__ import consolidate
+
+    ckpt_dir = Path(tempfile.gettempdir()) / f"pp-dropin-optim-{world.job_id}"
+    saved = pp.checkpoint.save({"model": fsdp, "optim": fsdp.optim_state(opt)}, ckpt_dir, g)
+    fresh = pp.FSDP(tm.build("gpt2", seed=9), g, "full_shard")
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01, weight_decay=0.0)
+    pp.checkpoint.load({"model": fresh, "optim": fresh.optim_state(fresh_opt)}, saved, g)
+    rep.check(
+        "optimizer state loads into a fresh optimizer",
+        all(
+            torch.equal(fresh_opt.state[b][k], opt.state[a][k])
+            for a, b in zip(fsdp.parameters(), fresh.parameters())
+            for k in ("exp_avg", "exp_avg_sq", "step")
+        ),
+    )
+    if world.rank == 0:
+        out_npz = ckpt_dir.with_suffix(".npz")
+        consolidate(Path(saved), out_npz)
+        arrays = np.load(out_npz)
+        for name, p in ref.named_parameters():
+            for moment in ("exp_avg", "exp_avg_sq"):
+                key = f"optim/state.{name}.{moment}"
+                got = arrays[key] if key in arrays.files else None
+                rep.check(
+                    f"consolidated {moment} of {name} = one process's",
+                    got is not None and _close_arrays(got, ref_opt.state[p][moment].numpy()),
+                    key,
+                )
+        out_npz.unlink()
+    g.barrier()
+    if world.rank == 0:
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
 
     # Gradients final when loss.backward() returns (no attach): the global norm matches one process;
     # torch's helper over the shards sees only this rank's shards (documented as wrong).

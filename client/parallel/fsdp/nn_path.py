@@ -58,8 +58,21 @@ class ModulePath(Protocol):
         """What ``clip_grad_norm_`` returns for the global norm ``norm``."""
         ...
 
-    def expose(self, shard: Parameter) -> Any:
-        """A shard as ``parameters()`` hands it to an optimizer."""
+    def named_parameters(self, units: list[FlatUnit]) -> list[tuple[str, Any]]:
+        """What ``parameters()`` hands an optimizer: each unit's shard (or, torch ``use_orig_params``, one
+        view of it per original parameter), by name."""
+        ...
+
+    def before_grad_sync(self, units: list[FlatUnit]) -> None:
+        """Before the shards' gradients are set or added to (what the optimizer's parameters say of them)."""
+        ...
+
+    def after_grad_change(self, units: list[FlatUnit]) -> None:
+        """The shards' gradients were set or dropped (the optimizer's parameters follow)."""
+        ...
+
+    def optim_slots(self, units: list[FlatUnit]) -> list[tuple[Any, Callable[[Any], dict[str, Any]]]]:
+        """Each optimizer parameter with the cut of an array shaped like it into ``ShardedArray``s by key."""
         ...
 
     def attach(self, optimizer: Any) -> RemovableHandle: ...
@@ -188,8 +201,17 @@ class NNPath:
         return norm
 
     # -- optimizer ---------------------------------------------------------------------------------
-    def expose(self, shard: Parameter) -> Parameter:
-        return shard
+    def named_parameters(self, units: list[FlatUnit]) -> list[tuple[str, Any]]:
+        return [(u.shard.name, u.shard) for u in units]
+
+    def before_grad_sync(self, units: list[FlatUnit]) -> None:
+        pass
+
+    def after_grad_change(self, units: list[FlatUnit]) -> None:
+        pass
+
+    def optim_slots(self, units: list[FlatUnit]) -> list[tuple[Any, Callable[[Any], dict[str, Any]]]]:
+        return [(u.shard, u.shard.layout.views) for u in units]
 
     def attach(self, optimizer: Any) -> RemovableHandle:
         if not isinstance(optimizer, Optimizer):

@@ -13,6 +13,7 @@ created as zeros first: those named in ``STATE_ARRAYS`` for the optimizer's clas
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from paramplane.parallel.sharding import ShardedArray
@@ -31,19 +32,25 @@ STATE_ARRAYS: dict[str, tuple[str, ...]] = {
 
 
 class TorchOptimState:
-    """Checkpoint state (``sharded_state_dict`` / ``load_sharded_state_dict``) of ``optimizer`` over the shards
-    of ``units`` (an FSDP's units, whose ``shard.tensor`` the optimizer steps)."""
+    """Checkpoint state (``sharded_state_dict`` / ``load_sharded_state_dict``) of ``optimizer`` over an FSDP's
+    ``slots``: each parameter it steps (a shard, or a piece of one) with the cut of an array shaped like it into
+    ``ShardedArray``s by module parameter name."""
 
-    def __init__(self, optimizer: Any, units: list[Any], state_arrays: tuple[str, ...] | None = None) -> None:
+    def __init__(
+        self,
+        optimizer: Any,
+        slots: list[tuple[Any, Callable[[Any], dict[str, ShardedArray]]]],
+        state_arrays: tuple[str, ...] | None = None,
+    ) -> None:
         import torch
 
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optim_state takes a torch.optim optimizer, got {type(optimizer).__name__}")
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        self._shards = [(u.shard.layout, u.shard.tensor) for u in units if id(u.shard.tensor) in stepped]
-        if not self._shards:
+        self._slots = [(tensor, cut) for tensor, cut in slots if id(tensor) in stepped]
+        if not self._slots:
             raise ValueError(
-                "the optimizer steps none of this FSDP's shards: build it over fsdp.parameters()"
+                "the optimizer steps none of this FSDP's parameters: build it over fsdp.parameters()"
             )
         self.optimizer = optimizer
         if state_arrays is None:
@@ -57,7 +64,7 @@ class TorchOptimState:
         """Zero state for shards the optimizer has not stepped yet (a fresh optimizer a checkpoint fills)."""
         import torch
 
-        missing = [t for _, t in self._shards if not self.optimizer.state.get(t)]
+        missing = [t for t, _ in self._slots if not self.optimizer.state.get(t)]
         if not missing:
             return
         if self.state_arrays is None:
@@ -74,13 +81,13 @@ class TorchOptimState:
     def sharded_state_dict(self) -> dict[str, ShardedArray | Any]:
         self._ensure_state()
         out: dict[str, ShardedArray | Any] = {}
-        for layout, tensor in self._shards:
+        for tensor, cut in self._slots:
             for name, value in sorted(self.optimizer.state[tensor].items()):
                 if value is None:  # e.g. SGD's momentum_buffer without momentum
                     continue
                 if hasattr(value, "shape") and tuple(value.shape) == tuple(tensor.shape):
                     flat = to_array(value, f"optimizer state {name!r}").reshape(-1)
-                    for key, piece in layout.views(flat).items():
+                    for key, piece in cut(flat).items():
                         out[f"state.{key}.{name}"] = piece
                 else:  # the same on every shard (a step count): saved once
                     out[f"scalar.{name}"] = float(value)
@@ -88,7 +95,7 @@ class TorchOptimState:
 
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
         """The state arrays were written in place by the loader; scalar state is set on every shard."""
-        for _, tensor in self._shards:
+        for tensor, _ in self._slots:
             for name, value in self.optimizer.state[tensor].items():
                 key = f"scalar.{name}"
                 if key in state and hasattr(value, "fill_"):

@@ -45,7 +45,7 @@ import numpy as np
 
 from paramplane.nn.module import Parameter, RemovableHandle
 from paramplane.parallel.fsdp.units import FlatUnit, UnitGroup, UnitsByClass, choose_units
-from paramplane.parallel.sharding import ShardedArray
+from paramplane.parallel.sharding import LayoutEntry, ShardedArray
 from paramplane.parallel.torch_params import (
     TorchFlatParam,
     TorchParam,
@@ -83,15 +83,23 @@ def _as_numpy(value: Any, key: str) -> Any:
     return np.asarray(value)
 
 
+def _whole_piece(entry: LayoutEntry) -> Callable[[Any], dict[str, ShardedArray]]:
+    """The cut of an array shaped like ``entry``'s piece: that piece of its global array, whole."""
+    return lambda flat: {entry.key: ShardedArray(entry.global_shape, entry.start, flat)}
+
+
 class TorchPath:
     """A ``torch.nn.Module``'s path (module docstring): ``cpu_offload`` changes nothing (the tensors are in
     host memory already); ``mixed_precision`` gathers and computes in ``param_dtype`` (the forward's
     floating-point inputs are cast to it) and reduces in ``reduce_dtype``, with float32 (or float64) master
     shards."""
 
-    def __init__(self, module: Any, fsdp: FSDP) -> None:
+    def __init__(self, module: Any, fsdp: FSDP, use_orig_params: bool = False) -> None:
         self.module = module
         self.fsdp = fsdp
+        self.use_orig_params = use_orig_params
+        self.views: dict[int, list[tuple[LayoutEntry, Any]]] = {}
+        """``use_orig_params``: per unit (by id), each original parameter's piece of the shard as a Parameter."""
         self.by_tensor: dict[int, TorchFlatParam] = {}
         self.optimizer: Any = None
         self.finish_queued = False
@@ -172,6 +180,12 @@ class TorchPath:
             shard = TorchParam(unit.shard.name, torch.nn.Parameter(to_tensor(unit.shard.data)))
             shard.layout = unit.shard.layout  # type: ignore[attr-defined]
             unit.shard = cast(Parameter, shard)
+            if self.use_orig_params:  # leaves over the shard's memory: an optimizer step writes the shard
+                flat = shard.tensor.detach()
+                self.views[id(unit)] = [
+                    (e, torch.nn.Parameter(flat[e.offset : e.offset + e.size]))
+                    for e in cast(Any, shard).layout.entries
+                ]
             for p in unit.params:
                 cast(TorchParam, p).tensor.register_post_accumulate_grad_hook(self._grad_hook(unit))
 
@@ -285,9 +299,35 @@ class TorchPath:
         return torch.tensor(norm, dtype=_torch_dtype(self.fsdp.master_dtype))
 
     # -- optimizer ---------------------------------------------------------------------------------
-    def expose(self, shard: Parameter) -> Any:
-        """A shard as the torch Parameter a torch optimizer steps."""
-        return cast(TorchParam, shard).tensor
+    def named_parameters(self, units: list[FlatUnit]) -> list[tuple[str, Any]]:
+        """The shards as torch Parameters, or with ``use_orig_params`` one 1-D piece per original parameter
+        under its name (torch FSDP1's ``use_orig_params=True``: param groups by name)."""
+        if not self.use_orig_params:
+            return [(u.shard.name, cast(TorchParam, u.shard).tensor) for u in units]
+        return [(e.key, view) for u in units for e, view in self.views[id(u)]]
+
+    def before_grad_sync(self, units: list[FlatUnit]) -> None:
+        """``use_orig_params``: pieces whose grads were all set to None (``opt.zero_grad()``) drop the
+        shard's grad, so the next sync sets it instead of adding to the last step's."""
+        if not self.use_orig_params:
+            return
+        for u in units:
+            if u.shard.grad is not None and all(view.grad is None for _, view in self.views[id(u)]):
+                u.shard.grad = None
+
+    def after_grad_change(self, units: list[FlatUnit]) -> None:
+        """``use_orig_params``: each piece's grad is its piece of the shard's grad (or None)."""
+        if not self.use_orig_params:
+            return
+        for u in units:
+            grad = cast(TorchParam, u.shard).tensor.grad
+            for e, view in self.views[id(u)]:
+                view.grad = None if grad is None else grad[e.offset : e.offset + e.size]
+
+    def optim_slots(self, units: list[FlatUnit]) -> list[tuple[Any, Callable[[Any], dict[str, Any]]]]:
+        if not self.use_orig_params:
+            return [(cast(TorchParam, u.shard).tensor, cast(Any, u.shard).layout.views) for u in units]
+        return [(view, _whole_piece(e)) for u in units for e, view in self.views[id(u)]]
 
     def attach(self, optimizer: Any) -> RemovableHandle:
         """Make the torch optimizer's ``step()`` call ``finish_gradient_sync`` first (optional: a

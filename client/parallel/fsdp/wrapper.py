@@ -97,6 +97,7 @@ class FSDP:
         reshard_after_forward: bool | None = None,
         sync_module_states: bool = True,
         comm_dtype: str | None = None,
+        use_orig_params: bool = False,
     ) -> None:
         if not isinstance(module, Module) and not is_torch_module(module):
             raise ValueError(
@@ -112,7 +113,13 @@ class FSDP:
             raise ValueError(f"comm_dtype must be one of {COMM_DTYPES}, got {comm_dtype!r}")
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise ValueError("mixed_precision must be a pp.MixedPrecision")
-        path: ModulePath = TorchPath(module, self) if is_torch_module(module) else NNPath(module, self)
+        if use_orig_params and not is_torch_module(module):
+            raise ValueError(
+                "use_orig_params applies to torch modules (a paramplane.nn optimizer steps the shards)"
+            )
+        path: ModulePath = (
+            TorchPath(module, self, use_orig_params) if is_torch_module(module) else NNPath(module, self)
+        )
         self._path = path
         named = path.trainable()
         if not named:
@@ -229,7 +236,9 @@ class FSDP:
         A no-op when no synchronised backward ran since the last call, but for waiting for and dropping
         pending prefetched gathers (they read the shards, which an optimizer step changes next).
         """
+        self._path.before_grad_sync(self.units)
         self._reducer.finish()
+        self._path.after_grad_change(self.units)
 
     def attach(self, optimizer: Any) -> RemovableHandle:
         """Make ``optimizer.step()`` call :meth:`finish_gradient_sync` first; returns the hook handle.
@@ -246,7 +255,7 @@ class FSDP:
         fsdp.optim_state(opt)}, ...)``."""
         if isinstance(optimizer, Optimizer):
             return optimizer
-        return TorchOptimState(optimizer, self.units, state_arrays)
+        return TorchOptimState(optimizer, self._path.optim_slots(self.units), state_arrays)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -286,11 +295,12 @@ class FSDP:
 
     # -- inspection --------------------------------------------------------------------------------
     def parameters(self) -> list[Any]:
-        """This rank's flat shards (what an optimizer should step; torch Parameters for a torch module)."""
-        return [self._path.expose(u.shard) for u in self.units]
+        """This rank's flat shards (what an optimizer should step; torch Parameters for a torch module, one
+        piece per original parameter with ``use_orig_params``)."""
+        return [p for _, p in self.named_parameters()]
 
     def named_parameters(self) -> list[tuple[str, Any]]:
-        return [(u.shard.name, self._path.expose(u.shard)) for u in self.units]
+        return self._path.named_parameters(self.units)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for unit in self.units:
@@ -299,6 +309,7 @@ class FSDP:
             elif unit.shard.grad is not None:
                 unit.shard.grad[...] = 0
             unit.drop_param_grads()
+        self._path.after_grad_change(self.units)
         self.memory.update()
 
     def train(self, mode: bool = True) -> FSDP:
