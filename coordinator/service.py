@@ -260,13 +260,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> pb.HeartbeatResponse:
         progress = {p.group: (p.issued, p.completed) for p in request.progress}
-        aborted, reason = await self._guard(
+        abort = await self._guard(
             context,
             self._sync(
                 lambda: self._state.heartbeat(request.epoch, request.rank, progress, time.monotonic())
             ),
         )
-        return pb.HeartbeatResponse(aborted=aborted, reason=reason)
+        if abort is None:
+            return pb.HeartbeatResponse(aborted=False, rank=-1)
+        return pb.HeartbeatResponse(aborted=True, reason=abort.reason, rank=abort.rank, lost=abort.lost)
 
     async def Watch(
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext

@@ -429,11 +429,12 @@ class CoordinatorState:
     # -- liveness ---------------------------------------------------------------------------------
     def heartbeat(
         self, epoch: int, rank: int, progress: Mapping[str, tuple[int, int]], now: float
-    ) -> tuple[bool, str]:
-        """Record that ``rank`` is alive and its (issued, completed) per group; answers (aborted, reason)."""
+    ) -> Event | None:
+        """Record that ``rank`` is alive and its (issued, completed) per group; answers the world's abort (the
+        event its watchers get), or None."""
         world = self.member(epoch, rank, allow_aborted=True)
         if world.abort is not None:
-            return True, world.abort.reason
+            return world.abort
         for group, (issued, completed) in progress.items():
             if not 0 <= completed <= issued:
                 raise StateError(
@@ -446,7 +447,7 @@ class CoordinatorState:
             old = per_rank.get(rank)
             if old is None or (old.issued, old.completed) != (issued, completed):
                 per_rank[rank] = _Progress(issued, completed, now)
-        return False, ""
+        return None
 
     def leave(self, epoch: int, rank: int) -> None:
         """``rank`` is done: its silence is no longer a death, and barriers still waiting for it fail."""

@@ -329,8 +329,9 @@ class CoordinatorClient:
         )
         await self._wait("barrier", self._stub.Barrier, request, timeout_s + WAIT_MARGIN_S)
 
-    async def heartbeat(self, progress: Mapping[str, tuple[int, int]]) -> tuple[bool, str]:
-        """Report liveness and (issued, completed) per group; answers (aborted, reason)."""
+    async def heartbeat(self, progress: Mapping[str, tuple[int, int]]) -> WatchEventInfo | None:
+        """Report liveness and (issued, completed) per group; answers the world's abort (as the watch stream
+        tells it) or None."""
         m = self._member()
         request = pb.HeartbeatRequest(
             epoch=m.epoch,
@@ -339,7 +340,9 @@ class CoordinatorClient:
         )
         response = await self._call("heartbeat", self._stub.Heartbeat, request)
         assert isinstance(response, pb.HeartbeatResponse)
-        return response.aborted, response.reason
+        if not response.aborted:
+            return None
+        return WatchEventInfo("abort", response.rank, response.reason, m.epoch, response.lost)
 
     async def watch(self) -> AsyncGenerator[WatchEventInfo, None]:
         """Membership first, then abort / left / shutdown events until the stream ends.

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from paramplane.node.coord_client import CoordinatorClient, Membership
+from paramplane.node.coord_client import CoordinatorClient, Membership, WatchEventInfo
 from paramplane.node.engine import GroupEngine, Tracer
 from paramplane.node.errors import CoordinatorUnavailable, PeerLost, PlaneClosed, PlaneError, WorldAborted
 from paramplane.node.loop import LoopThread
@@ -220,21 +220,25 @@ class NodeRuntime:
         Raises PlaneError or TimeoutError when the coordinator does not answer."""
         progress = {name: g.progress() for name, g in list(self._groups.items())}
         try:
-            aborted, reason = await asyncio.wait_for(self.coord.heartbeat(progress), timeout)
+            abort = await asyncio.wait_for(self.coord.heartbeat(progress), timeout)
         except (WorldAborted, PeerLost) as exc:
             self._abort(exc)
             return
-        if aborted:
-            self._abort(WorldAborted(f"the coordinator aborted the world: {reason}"))
+        if abort is not None:
+            self._abort_from(abort)
+
+    def _abort_from(self, event: WatchEventInfo) -> None:
+        """The coordinator's abort, however it arrived (watch stream or heartbeat): the same error either way."""
+        if event.lost and 0 <= event.rank != self.rank:
+            self._abort(PeerLost(f"rank {event.rank} was lost: {event.reason}", event.rank))
+        else:
+            self._abort(WorldAborted(f"the world was aborted: {event.reason}", event.rank))
 
     async def _watch(self) -> None:
         try:
             async for event in self.coord.watch():
                 if event.kind == "abort":
-                    if event.lost and 0 <= event.rank != self.rank:
-                        self._abort(PeerLost(f"rank {event.rank} was lost: {event.reason}", event.rank))
-                    else:
-                        self._abort(WorldAborted(f"the world was aborted: {event.reason}", event.rank))
+                    self._abort_from(event)
                     return
                 if event.kind == "left" and event.rank != self.rank:
                     # Its plane flushes its last sends after leaving, for at most its shutdown grace.

@@ -480,18 +480,27 @@ class HeartbeatResponse(_message.Message):
 
     ABORTED_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    LOST_FIELD_NUMBER: _builtins.int
     aborted: _builtins.bool
     """True once the world has aborted; reason says why."""
     reason: _builtins.str
+    rank: _builtins.int
+    """The abort's rank (-1: none) and whether that rank was lost, as in the WatchEvent of the same abort: a rank
+    that hears of the abort here first fails with the same error as one that hears it on its watch stream.
+    """
+    lost: _builtins.bool
     def __init__(
         self,
         *,
         aborted: _builtins.bool = ...,
         reason: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        lost: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "lost", b"lost", "rank", b"rank", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

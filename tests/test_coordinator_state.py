@@ -225,7 +225,7 @@ def test_silent_rank_is_declared_dead_at_the_heartbeat_timeout() -> None:
     s.barrier(1, "x", 0, [], 60.0, waiter=9, now=100.0)
     for t in (101.0, 105.0, 109.0):
         for rank in (0, 2):
-            assert s.heartbeat(1, rank, {}, now=t) == (False, "")
+            assert s.heartbeat(1, rank, {}, now=t) is None
         s.tick(t)
     s.tick(110.0)
     assert not s.take_effects().events
@@ -237,7 +237,8 @@ def test_silent_rank_is_declared_dead_at_the_heartbeat_timeout() -> None:
         "rank 1 missed heartbeats for 10.5 s (last seen never since the world formed"
     )
     assert [(r.waiter, r.error and r.error.kind) for r in effects.resolved] == [(9, ErrorKind.ABORTED)]
-    assert s.heartbeat(1, 0, {}, now=111.0) == (True, event.reason)
+    # A heartbeat answers the same abort the watchers got: a lost rank, named (not a bare "aborted").
+    assert s.heartbeat(1, 0, {}, now=111.0) == event and event.lost
     with pytest.raises(StateError) as after:
         s.kv_get(1, "k")
     assert after.value.kind is ErrorKind.ABORTED and after.value.rank == 1
