@@ -194,7 +194,8 @@ async def test_silent_rank_is_reported_dead_on_watch_streams() -> None:
         assert time.monotonic() - formed < 1.0 + 4.0  # the heartbeat timeout, with slack for a busy machine
         assert (event.kind, event.rank) == ("abort", silent)
         assert event.reason.startswith(f"rank {silent} missed heartbeats for 1.")
-        assert await alive.heartbeat({}) == event  # a heartbeat answers the abort the watchers got, rank and all
+        # A heartbeat answers the abort the watchers got, rank and all.
+        assert await alive.heartbeat({}) == event
         with pytest.raises(WorldAborted) as err:
             await alive.kv_get("k")
         assert err.value.rank == silent
