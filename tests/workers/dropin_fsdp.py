@@ -114,6 +114,21 @@ def _close_arrays(got: np.ndarray, want: np.ndarray, rtol: float = 1e-8) -> bool
     return float(np.linalg.norm(got - want)) <= rtol * max(float(np.linalg.norm(want)), 1e-30)
 
 
+def _same_adamw_state(rep: Report, what: str, a: tuple[Any, Any], b: tuple[Any, Any]) -> None:
+    """Two (FSDP, torch AdamW) pairs hold equal optimizer state, parameter by parameter."""
+    import torch
+
+    (fsdp_a, opt_a), (fsdp_b, opt_b) = a, b
+    rep.check(
+        what,
+        all(
+            torch.equal(opt_b.state[q][k], opt_a.state[p][k])
+            for p, q in zip(fsdp_a.parameters(), fsdp_b.parameters())
+            for k in ("exp_avg", "exp_avg_sq", "step")
+        ),
+    )
+
+
 def _same_state(
     rep: Report, what: str, got: dict[str, Any], want: dict[str, Any], rtol: float = 1e-9
 ) -> None:
@@ -273,13 +288,8 @@ def focused(world: Any, rep: Report) -> None:
     again = pp.FSDP(tm.build("gpt2", seed=4), g, "full_shard", use_orig_params=True)
     again_opt = torch.optim.AdamW(by_name(again.named_parameters()), lr=0.01)
     pp.checkpoint.load({"model": again, "optim": again.optim_state(again_opt)}, saved, g)
-    rep.check(
-        "use_orig_params: optimizer state round-trips by parameter",
-        all(
-            torch.equal(again_opt.state[b][k], opt.state[a][k])
-            for a, b in zip(fsdp.parameters(), again.parameters())
-            for k in ("exp_avg", "exp_avg_sq", "step")
-        ),
+    _same_adamw_state(
+        rep, "use_orig_params: optimizer state round-trips by parameter", (fsdp, opt), (again, again_opt)
     )
     g.barrier()
     if world.rank == 0:
@@ -302,14 +312,7 @@ def focused(world: Any, rep: Report) -> None:
     fresh = pp.FSDP(tm.build("gpt2", seed=9), g, "full_shard")
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01, weight_decay=0.0)
     pp.checkpoint.load({"model": fresh, "optim": fresh.optim_state(fresh_opt)}, saved, g)
-    rep.check(
-        "optimizer state loads into a fresh optimizer",
-        all(
-            torch.equal(fresh_opt.state[b][k], opt.state[a][k])
-            for a, b in zip(fsdp.parameters(), fresh.parameters())
-            for k in ("exp_avg", "exp_avg_sq", "step")
-        ),
-    )
+    _same_adamw_state(rep, "optimizer state loads into a fresh optimizer", (fsdp, opt), (fresh, fresh_opt))
     if world.rank == 0:
         out_npz = ckpt_dir.with_suffix(".npz")
         consolidate(Path(saved), out_npz)
