@@ -25,6 +25,9 @@ EXAMPLES = Path(importlib.import_module("paramplane.examples").__file__ or "").r
 EXAMPLE = EXAMPLES / "train_ddp.py"
 FSDP_EXAMPLE = EXAMPLES / "train_fsdp.py"
 TORCH_EXAMPLE = EXAMPLES / "train_gpt.py"
+DEMO_MODULES = ("sklearn", "tqdm", "matplotlib")
+"""What the DDP/FSDP demo's examples import beyond paramplane (the ``demo`` extra)."""
+DEMO_HINT = "pip install 'paramplane[demo]' (scikit-learn's digits, tqdm, matplotlib)"
 TORCH_HINT = (
     "paramplane demo --torch needs torch: pip install torch "
     "(and pip install 'paramplane[test]' to train transformers' GPT-2 rather than the example's own GPT)"
@@ -89,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.torch:
         return _torch_demo(args)
+    missing = [m for m in DEMO_MODULES if importlib.util.find_spec(m) is None]
+    if missing:  # the examples' imports would fail in every rank, one traceback each
+        print(f"paramplane demo needs {', '.join(missing)}: {DEMO_HINT}", file=sys.stderr)
+        return 1
     example = FSDP_EXAMPLE if args.fsdp else EXAMPLE
     if not example.is_file():
         print(f"paramplane demo: {example} is missing from this installation", file=sys.stderr)

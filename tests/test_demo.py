@@ -103,3 +103,22 @@ def test_demo_torch_without_torch_prints_what_to_install(
     assert demo.main(["--torch"]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "pip install torch" in err and "paramplane[test]" in err
+
+
+@pytest.mark.parametrize("missing", ["sklearn", "tqdm", "matplotlib"])
+def test_demo_without_the_demo_extra_says_what_to_install_in_one_line(
+    missing: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`pip install paramplane` then `paramplane demo`: one line naming the extra, no rank started (no
+    traceback per rank)."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        demo.importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a)
+    )
+    started: list[object] = []
+    monkeypatch.setattr("paramplane.launch.launch", lambda config: started.append(config) or 0)
+    for argv in ([], ["--fsdp"]):
+        assert demo.main(argv) == 1
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and missing in err and "paramplane[demo]" in err, err
+    assert not started
