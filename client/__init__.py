@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from paramplane import checkpoint, nn, optim
     from paramplane.group import ProcessGroup
     from paramplane.parallel.ddp import DDP, shard_range
+    from paramplane.parallel.diloco import DiLoCo
     from paramplane.parallel.fsdp import FSDP, CPUOffload, MixedPrecision, units_by_class
     from paramplane.parallel.mesh import Mesh
     from paramplane.parallel.pipeline import Pipeline
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 # Heavy parts (grpc, numpy, the runtime) load on first use, so the CLI starts fast.
 _LAZY = {
     "DDP": "paramplane.parallel.ddp",
+    "DiLoCo": "paramplane.parallel.diloco",
     "shard_range": "paramplane.parallel.ddp",
     "Mesh": "paramplane.parallel.mesh",
     "FSDP": "paramplane.parallel.fsdp",
@@ -82,6 +84,7 @@ __all__ = [
     "ColumnParallelLinear",
     "CoordinatorUnavailable",
     "DeviceCommError",
+    "DiLoCo",
     "KVStore",
     "Mesh",
     "MixedPrecision",
