@@ -22,11 +22,12 @@ from paramplane.optim import SGD
 from paramplane.parallel.ddp import DDP
 from paramplane.parallel.ddp_buckets import MIB, assign_buckets, shard_range
 
-# world size -> (env for every rank, per-rank env, global batch). World 4 spans two fake hosts
-# (2 host ids x 2 ranks), so its gradient all-reduces take the hierarchical path (shm + gRPC).
+# world size -> (env for every rank, per-rank env, global batch). World 3 runs on gRPC streams (lanes off: the
+# path TLS uses); world 4 spans two fake hosts (2 host ids x 2 ranks), so its gradient all-reduces take the
+# hierarchical path (shm + lanes).
 WORLDS: dict[int, tuple[dict[str, str], Any, int]] = {
     2: ({}, None, 12),
-    3: ({"PARAMPLANE_TRANSPORT": "grpc"}, None, 13),
+    3: ({"PARAMPLANE_TRANSPORT": "grpc", "PARAMPLANE_TCP_LANE": "0"}, None, 13),
     4: ({"PARAMPLANE_TRANSPORT": "auto"}, lambda r: {"PARAMPLANE_HOST_ID": f"host{r // 2}"}, 16),
 }
 

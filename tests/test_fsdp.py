@@ -19,9 +19,15 @@ HOSTS = {0: "hostA", 1: "hostA", 2: "hostB", 3: "hostB"}
 
 
 def _run(
-    n: int, args: list[str], target: str = "fsdp.py", min_checks: int = 20, **kw: object
+    n: int,
+    args: list[str],
+    target: str = "fsdp.py",
+    min_checks: int = 20,
+    env: dict[str, str] | None = None,
+    **kw: object,
 ) -> list[dict[str, object]]:
-    world = run_world(n, target, args=args, env={"PARAMPLANE_TIMEOUT": "60"}, timeout=240, **kw)  # type: ignore[arg-type]
+    env = {"PARAMPLANE_TIMEOUT": "60", **(env or {})}
+    world = run_world(n, target, args=args, env=env, timeout=240, **kw)  # type: ignore[arg-type]
     results = world.check_ok()
     assert all(int(r["num_checks"]) >= min_checks for r in results), [r["num_checks"] for r in results]  # type: ignore[call-overload]
     assert world.shm_leaks() == set()
@@ -42,6 +48,17 @@ def test_hybrid_strategies_on_two_hosts() -> None:
     _run(
         4,
         ["hybrid_shard,hybrid_shard_zero2", "--quick"],
+        rank_env={r: {"PARAMPLANE_HOST_ID": h} for r, h in HOSTS.items()},
+    )
+
+
+@pytest.mark.timeout(300)  # its own bounds (240 s), not the global 120 s
+def test_hybrid_shard_across_hosts_on_grpc_streams() -> None:
+    """The same across hosts with lanes off: the replicas' all-reduces ride gRPC streams (the path TLS uses)."""
+    _run(
+        4,
+        ["hybrid_shard", "--quick"],
+        env={"PARAMPLANE_TCP_LANE": "0"},
         rank_env={r: {"PARAMPLANE_HOST_ID": h} for r, h in HOSTS.items()},
     )
 

@@ -22,6 +22,8 @@ def _rounds() -> list[tuple[str, int, str, int, int, float]]:
         n = 4 if transport == "hier" else 3
         op = rng.choice(["all_reduce", "all_gather", "broadcast", "reduce_scatter"])
         rounds.append((transport, n, op, rng.randrange(n), rng.randrange(1, 6), rng.uniform(0.0, 8.0)))
+    # One round on gRPC streams (lanes off: the path TLS uses) instead of raw lanes.
+    rounds.append(("grpc-streams", 3, "all_reduce", 1, 3, 2.0))
     return rounds
 
 
@@ -30,7 +32,8 @@ def test_a_killed_rank_is_named_to_every_survivor(
     transport: str, n: int, op: str, victim: int, kill_at: int, delay_ms: float
 ) -> None:
     env = {
-        "PARAMPLANE_TRANSPORT": "auto" if transport == "hier" else transport,
+        "PARAMPLANE_TRANSPORT": {"hier": "auto", "grpc-streams": "grpc"}.get(transport, transport),
+        "PARAMPLANE_TCP_LANE": "0" if transport == "grpc-streams" else "1",
         "PARAMPLANE_TIMEOUT": "60",
         "KILL_RANK": str(victim),
         "KILL_AT": str(kill_at),

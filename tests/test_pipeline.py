@@ -148,11 +148,25 @@ def test_a_pipeline_whose_transfer_threads_poll_equals_one_process() -> None:
     check_equivalence("interleaved_1f1b", 2, 8, 2, "mean", None, poll_us=100)
 
 
+@pytest.mark.timeout(180)  # its own bounds (120 s), not the global 120 s
+def test_a_pipeline_over_grpc_streams_equals_one_process() -> None:
+    """Lanes off: activations and gradients ride gRPC streams (the path TLS uses)."""
+    check_equivalence("1f1b", 2, 4, 1, "mean", None, poll_us=0, env={"PARAMPLANE_TCP_LANE": "0"})
+
+
 def check_equivalence(
-    schedule: str, p: int, m: int, v: int, reduction: str, group: int | None, *, poll_us: int
+    schedule: str,
+    p: int,
+    m: int,
+    v: int,
+    reduction: str,
+    group: int | None,
+    *,
+    poll_us: int,
+    env: dict[str, str] | None = None,
 ) -> None:
     args = [schedule, str(m), str(v), reduction] + ([str(group)] if group else [])
-    env = {"PARAMPLANE_TIMEOUT": "60", "TEST_PIPELINE_POLL_US": str(poll_us)}
+    env = {"PARAMPLANE_TIMEOUT": "60", "TEST_PIPELINE_POLL_US": str(poll_us), **(env or {})}
     world = run_world(p, "pipeline.py", args=args, env=env, timeout=120)
     results = world.check_ok()
     assert all(r["num_checks"] >= 2 * 2 * v for r in results)
