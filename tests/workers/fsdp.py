@@ -78,7 +78,13 @@ def make_opt(name: str, params: list[Parameter], decay: float = 0.01) -> Any:
 
 
 def reference(
-    dtype: Any, opt_name: str, steps: int, accum: int, root: bool, clip: float | None
+    dtype: Any,
+    opt_name: str,
+    steps: int,
+    accum: int,
+    root: bool,
+    clip: float | None,
+    norm_type: float = 2.0,
 ) -> dict[str, Any]:
     model = make_model(dtype, root_param=root)
     opt = make_opt(opt_name, model.parameters(), 0.0 if root else 0.01)
@@ -94,7 +100,10 @@ def reference(
         losses.append(total / accum)
         if clip is not None:
             grads = [p.grad for p in model.parameters() if p.grad is not None]
-            norm = math.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in grads))
+            if norm_type == math.inf:
+                norm = max(float(np.abs(g).max()) for g in grads)
+            else:
+                norm = math.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in grads))
             norms.append(norm)
             if clip / (norm + 1e-6) < 1:
                 for g in grads:
@@ -136,15 +145,19 @@ def train(
     accum: int = 1,
     root: bool = False,
     clip: float | None = None,
+    norm_type: float = 2.0,
     intra: int | None = None,
     comm_dtype: str | None = None,
 ) -> None:
-    tag = f"{strategy}/{np.dtype(dtype).name}/{opt_name}/accum{accum}/root{int(root)}/clip{clip}/{comm_dtype}"
+    tag = (
+        f"{strategy}/{np.dtype(dtype).name}/{opt_name}/accum{accum}/root{int(root)}/clip{clip}/"
+        f"norm{norm_type}/{comm_dtype}"
+    )
     rtol = 1e-10 if np.dtype(dtype) == np.float64 else 2e-5
     if comm_dtype is not None:
         rtol = 1e-2  # gradients cross hosts in bfloat16
         counter.dtypes["all_reduce"].clear()
-    want = reference(dtype, opt_name, steps, accum, root, clip)
+    want = reference(dtype, opt_name, steps, accum, root, clip, norm_type)
     model = make_model(dtype, root_param=root)
     fsdp = pp.FSDP(model, world.group, strategy, intra_size=intra, comm_dtype=comm_dtype)
     opt = make_opt(opt_name, fsdp.parameters(), 0.0 if root else 0.01)
@@ -178,7 +191,7 @@ def train(
         if step == 0 and not root and accum == 1:
             _check_counts(rep, tag, strategy, num_units, counter.counts, fsdp)
         if clip is not None:
-            norm = fsdp.clip_grad_norm_(clip)
+            norm = fsdp.clip_grad_norm_(clip, norm_type)
             rep.check(
                 f"{tag}: norm step {step}",
                 abs(norm - want["norms"][step]) <= 1e-9 * want["norms"][step],
@@ -242,6 +255,18 @@ def main() -> None:
             train(world, rep, counter, strategy, np.float64, "adamw", accum=2, intra=intra)
             train(world, rep, counter, strategy, np.float64, "adamw", root=True, clip=0.5, intra=intra)
             train(world, rep, counter, strategy, np.float32, "adamw", intra=intra)
+            if strategy.startswith("hybrid"):  # the largest gradient element over both hosts' shards
+                train(
+                    world,
+                    rep,
+                    counter,
+                    strategy,
+                    np.float64,
+                    "adamw",
+                    clip=0.05,
+                    norm_type=math.inf,
+                    intra=intra,
+                )
         rep.values["num_checks"] = rep.num_checks
 
     run_rank(scenario)
