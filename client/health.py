@@ -8,19 +8,18 @@ Meant for container health checks (docker compose ``healthcheck``) and scripts. 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from paramplane.protos.net import resolve_token
+from paramplane.protos.net import resolve_token, tls_paths
 
 
 def channel(address: str) -> Any:
     """A blocking channel to the coordinator (TLS when ``PARAMPLANE_TLS_CA`` names its root certificate)."""
     import grpc
 
-    ca = os.environ.get("PARAMPLANE_TLS_CA")
+    ca = tls_paths()["CA"]
     if ca:  # a TLS coordinator, verified like the ranks verify it
         with open(ca, "rb") as f:
             return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=f.read()))

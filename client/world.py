@@ -21,7 +21,7 @@ from paramplane.node.errors import PlaneError
 from paramplane.node.peer import TlsConfig
 from paramplane.node.runtime import ENV_OF, NodeRuntime, RuntimeConfig
 from paramplane.protos.fields import field_docs
-from paramplane.protos.net import check_seconds, resolve_token
+from paramplane.protos.net import check_seconds, resolve_token, tls_paths
 from paramplane.trace import ChromeTracer
 
 _FILE_VARS = {
@@ -89,7 +89,7 @@ def _env(name: str, default: str | None = None) -> str | None:
 
 def _tls() -> tuple[TlsConfig | None, bytes | None]:
     """Data-plane TLS and the coordinator's root certificate from PARAMPLANE_TLS_*."""
-    paths = {name: _env(f"PARAMPLANE_TLS_{name}") for name in ("CERT", "KEY", "CA")}
+    paths = tls_paths()
     if paths["CERT"] or paths["KEY"]:
         missing = [f"PARAMPLANE_TLS_{n}" for n, v in paths.items() if not v]
         if missing:

@@ -75,3 +75,12 @@ def check_seconds(
         most = f", at most {upper:.0f} (a year)" if upper is not None else ""
         raise ValueError(f"{what} must be a finite number of seconds {bound}{most}, got {value}")
     return float(value)
+
+
+TLS_ENV = {"CERT": "PARAMPLANE_TLS_CERT", "KEY": "PARAMPLANE_TLS_KEY", "CA": "PARAMPLANE_TLS_CA"}
+"""The TLS settings, read in one place (``tls_paths``) by the ranks and the CLI's coordinator channel."""
+
+
+def tls_paths() -> dict[str, str | None]:
+    """``{"CERT", "KEY", "CA"}``: the PEM files the PARAMPLANE_TLS_* variables name (None where unset or empty)."""
+    return {name: os.environ.get(var) or None for name, var in TLS_ENV.items()}
