@@ -148,9 +148,15 @@ class GroupEngine:
                 raise
             finally:
                 if self.ctx.tracer is not None:
-                    self.ctx.tracer.record(name, self.name, seq, nbytes, start, time.monotonic(), transport)
+                    self.ctx.tracer.record(
+                        name, self.name, seq, nbytes, start, time.monotonic(), self._traced(transport)
+                    )
 
         return self.actor.submit(op, async_op=async_op)
+
+    def _traced(self, transport: str) -> str:
+        """A trace's name for ``transport``: the ``grpc`` transport's frames ride lanes or gRPC streams."""
+        return self.ctx.plane.frames_ride if transport == "grpc" else transport
 
     def abort_p2p(self, exc: PlaneError) -> None:
         """Fail the group's point-to-point messages with ``exc`` here and on its other members (from any
@@ -196,7 +202,9 @@ class GroupEngine:
             if self.ctx.tracer is not None and started:
                 nbytes = int(moved.nbytes) if moved is not None else 0
                 seq = started["spec"].seq
-                self.ctx.tracer.record(name, self.name, seq, nbytes, started["at"], time.monotonic(), "grpc")
+                self.ctx.tracer.record(
+                    name, self.name, seq, nbytes, started["at"], time.monotonic(), self._traced("grpc")
+                )
 
         p2p = self.transports.p2p
         inner: concurrent.futures.Future[Any] | None
@@ -259,7 +267,9 @@ class GroupEngine:
 
         def trace(moved: Any) -> None:
             if tracer is not None:
-                tracer.record("send", self.name, seq, int(moved.nbytes), start, time.monotonic(), "grpc")
+                tracer.record(
+                    "send", self.name, seq, int(moved.nbytes), start, time.monotonic(), self._traced("grpc")
+                )
 
         if rest is None:
             trace(x)
@@ -282,7 +292,9 @@ class GroupEngine:
         if got is None:
             return None
         if tracer is not None:
-            tracer.record("recv", self.name, got[0], int(got[1].nbytes), start, time.monotonic(), "grpc")
+            tracer.record(
+                "recv", self.name, got[0], int(got[1].nbytes), start, time.monotonic(), self._traced("grpc")
+            )
         return got[1]
 
     def close(self) -> None:

@@ -1,7 +1,7 @@
 """The raw TCP data lane: the peer plane's frames on plain sockets, beside its gRPC streams.
 
 grpc.aio copies every byte about three times in user space on one Python thread, which caps a
-64 MiB exchange at about 0.45x of gloo on loopback (``../shared/notes/grpc-throughput.md``).
+64 MiB exchange at about 0.45x of gloo on loopback (measured when the lanes were designed).
 A lane carries the same frames (a length-prefixed ``FrameHeader``, then ``nbytes`` of raw
 payload) over one socket per (sender, stream key): the sender writes straight from the array
 (``sock_sendall`` of a memoryview) and the receiver reads chunks into a small pool of reused

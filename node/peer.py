@@ -1,11 +1,12 @@
-"""The peer plane: this rank's data-plane gRPC server, its outbound streams and its inboxes.
+"""The peer plane: this rank's data-plane gRPC server, its outbound links and its inboxes.
 
-Bulk data travels on long-lived client streams of raw bytes (identity
-serializers): the first message of a stream is an encoded ``StreamOpen``
-naming the sender and the stream key (one stream per process group and
-direction, so groups never block one another); after it the sender writes,
-for every frame, an encoded ``FrameHeader`` and then exactly ``num_chunks``
-raw payload chunks. Only headers are parsed; nothing is unpickled.
+Frames travel by default on lanes (``lane.py``): raw sockets (an abstract Unix socket on one machine, TCP
+between hosts) whose port each rank's gRPC ``Hello`` names and which open with an HMAC of the job token.
+Under TLS, or with ``PARAMPLANE_TCP_LANE=0``, the same frames ride long-lived gRPC client streams of raw
+bytes (identity serializers). Either way a link's first message is an encoded ``StreamOpen`` naming the
+sender and the stream key (one link per process group and direction, so groups never block one another);
+after it the sender writes, for every frame, an encoded ``FrameHeader`` and then the raw payload. Only
+headers are parsed; nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -214,6 +215,12 @@ class PeerPlane:
         """How long a stream for a group this rank has not created yet waits for it before it is refused."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self.lost: set[int] = set()
+
+    @property
+    def frames_ride(self) -> str:
+        """How frames to other ranks travel: ``"lane"`` (raw sockets, Unix or TCP; the default) or
+        ``"grpc-stream"`` (under TLS or with ``PARAMPLANE_TCP_LANE=0``). Traces label that traffic with it."""
+        return "lane" if self._lane_wanted else "grpc-stream"
 
     @property
     def serves_lanes(self) -> bool:

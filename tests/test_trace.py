@@ -43,6 +43,19 @@ def test_each_rank_writes_its_collectives_and_merge_joins_them(tmp_path: Path) -
     assert a["ts"] <= b["ts"] + b["dur"] + slack_us and b["ts"] <= a["ts"] + a["dur"] + slack_us, (a, b)
 
 
+@pytest.mark.parametrize(("lanes", "label"), [("1", "lane"), ("0", "grpc-stream")])
+def test_traces_name_how_the_grpc_transport_moved_the_frames(tmp_path: Path, lanes: str, label: str) -> None:
+    """The ``grpc`` transport's frames ride lanes by default and gRPC streams with lanes off (or under TLS):
+    the trace says which, not "grpc" for both."""
+    folder = tmp_path / "trace"
+    env = {"PARAMPLANE_TRACE": str(folder), "PARAMPLANE_TRANSPORT": "grpc", "PARAMPLANE_TCP_LANE": lanes}
+    check_ok(run_world(2, "trace", tmp_path, env=env))
+    for rank in range(2):
+        events = json.loads((folder / f"rank-{rank}.json").read_text())["traceEvents"]
+        labels = {e["args"]["transport"] for e in events if e.get("cat") == "collective"}
+        assert labels == {label}, labels
+
+
 def test_merge_of_an_empty_folder_says_how_to_get_traces(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="PARAMPLANE_TRACE"):
         trace.merge(tmp_path)
