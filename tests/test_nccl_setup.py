@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import types
 
 import numpy as np
@@ -119,3 +120,79 @@ def test_an_nccl_async_error_aborts_the_world_on_every_rank() -> None:
     results = run_world(2, "nccl_async.py", timeout=60, heartbeat_interval_s=0.2).check_ok()
     for res in results:
         assert "NCCL communicator error" in res["values"]["error"], res
+
+
+class _StandInNccl:
+    """``cupy.cuda.nccl`` without a GPU: a fixed unique id, communicators that record what they were built
+    from, and an init that can be told to block (a member that never joins)."""
+
+    class NcclError(Exception):
+        pass
+
+    def __init__(self, block: bool = False) -> None:
+        self.block = block
+        self.built: list[tuple[int, tuple[int, ...], int]] = []
+        self.released = threading.Event()
+
+    def get_unique_id(self) -> tuple[int, ...]:
+        return tuple((i * 7) % 256 - 128 for i in range(128))
+
+    def NcclCommunicator(self, n: int, uid: tuple[int, ...], index: int) -> object:
+        if self.block:
+            self.released.wait(30)
+        self.built.append((n, tuple(uid), index))
+        return types.SimpleNamespace(n=n, index=index)
+
+
+def _stand_in_cupy(monkeypatch: pytest.MonkeyPatch, nccl: _StandInNccl) -> None:
+    import contextlib
+    import sys
+
+    from paramplane.node.transports import nccl as nccl_transport
+
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = types.SimpleNamespace(Device=lambda _device: contextlib.nullcontext())  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(nccl_transport, "_nccl", lambda: nccl)
+
+
+async def test_nccl_unique_id_goes_through_the_coordinator_and_init_is_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NcclComm.create on a real coordinator with a stand-in NCCL: the group's first member publishes the unique
+    id in the key/value store and the other builds its communicator from the same id; a member whose peer never
+    joins NCCL's init fails with CollectiveTimeout naming the group and its ranks within the timeout."""
+    import asyncio
+
+    from paramplane.coordinator.server import CoordinatorConfig, CoordinatorServer
+    from paramplane.node.coord_client import CoordinatorClient
+    from paramplane.node.errors import CollectiveTimeout
+    from paramplane.node.transports.nccl import NcclComm
+
+    nccl = _StandInNccl()
+    _stand_in_cupy(monkeypatch, nccl)
+    server = await CoordinatorServer.start(CoordinatorConfig(host="127.0.0.1", port=0, world_size=2))
+    try:
+        async with CoordinatorClient(server.address) as a, CoordinatorClient(server.address) as b:
+            joins = [
+                c.join(host_id="h", peer_address=f"127.0.0.1:{7000 + i}", instance_id=f"i{i}", timeout_s=10)
+                for i, c in enumerate((a, b))
+            ]
+            members = await asyncio.wait_for(asyncio.gather(*joins), 20)
+            first, second = (a, b) if members[0].rank == 0 else (b, a)
+            # The second member asks first: it waits in the store until the first publishes.
+            later = asyncio.ensure_future(NcclComm.create(second, "g", [0, 1], 1, 0, timeout_s=10))
+            comms = [await asyncio.wait_for(NcclComm.create(first, "g", [0, 1], 0, 0, timeout_s=10), 20)]
+            comms.append(await asyncio.wait_for(later, 20))
+            uid = nccl.get_unique_id()
+            assert sorted(nccl.built, key=lambda b: b[2]) == [(2, uid, 0), (2, uid, 1)]
+            assert [c.size for c in comms] == [2, 2]
+
+            nccl.block = True  # a member that never joins NCCL's init
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(CollectiveTimeout, match=r"'h2'.*ranks \[0, 1\] never joined"):
+                await NcclComm.create(first, "h2", [0, 1], 0, 0, timeout_s=1.0)
+            assert asyncio.get_running_loop().time() - started < 1.0 + 5.0
+    finally:
+        nccl.released.set()
+        await server.stop(grace=0.1)
