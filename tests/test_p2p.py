@@ -20,9 +20,10 @@ def test_timeout_and_mismatch_fail_promptly_and_bad_arguments_fail_nothing() -> 
     assert r0["num_checks"] >= 10 and r1["num_checks"] >= 7
     for waited in ("timeout_elapsed", "direct_timeout_elapsed"):
         assert 1.5 <= r0["values"][waited] < 15
-    # The receiver's error frames reach the sender: it fails well before its own 2 s deadline could.
-    assert r0["values"]["mismatch_elapsed"] < 1.5
-    assert r0["values"]["direct_mismatch_elapsed"] < 1.5
+    # The receiver's error frames reach the sender: it fails long before its group's own 30 s deadline could
+    # (a third of it: slack for two busy cores, and still no timeout could have told it).
+    assert r0["values"]["mismatch_elapsed"] < 10.0
+    assert r0["values"]["direct_mismatch_elapsed"] < 10.0
 
 
 def test_recv_into_a_cupy_array_receives_the_data() -> None:

@@ -151,10 +151,14 @@ def order(world: pp.World, rep: Report) -> None:
     rep.equal("exchange: 8 MiB each way", theirs, np.full(1 << 20, float(peer)))
 
 
+MISMATCH_TIMEOUT = 30.0
+"""The mismatch groups' own timeout: their error frames must arrive far sooner (the test allows a third)."""
+
+
 def errors(world: pp.World, rep: Report) -> None:
     me = world.rank
     silent = world.new_group([0, 1])
-    mismatch = world.new_group([0, 1])
+    mismatch = world.new_group([0, 1], timeout=MISMATCH_TIMEOUT)  # its error must come well before this
     assert silent is not None and mismatch is not None
 
     # Rank 1 never sends: rank 0's receive gives CollectiveTimeout after PARAMPLANE_TIMEOUT (2 s).
@@ -187,7 +191,7 @@ def errors(world: pp.World, rep: Report) -> None:
     # The same two failures on groups that already carried a message, so the blocking receive waits on the
     # caller's thread for its frame.
     silent2 = world.new_group([0, 1])
-    mismatch2 = world.new_group([0, 1])
+    mismatch2 = world.new_group([0, 1], timeout=MISMATCH_TIMEOUT)
     assert silent2 is not None and mismatch2 is not None
     receives = count_direct_receives()
     # One message each way the failing receives will wait: rank 0's receive on mismatch2 then waits on the
