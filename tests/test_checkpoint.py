@@ -107,7 +107,6 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path: Path) -
         "checkpoint.py",
         args=["crash", str(tmp_path)],
         env={**ENV, "PARAMPLANE_TIMEOUT": "20"},
-        rank_env={1: {"PARAMPLANE_TEST_CRASH_IN_SAVE": "1@step_2"}},
         heartbeat_timeout_s=3.0,
         timeout=90,
     )

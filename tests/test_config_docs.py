@@ -13,7 +13,7 @@ from paramplane.world import ENV_VARS
 ROOT = Path(__file__).resolve().parent.parent
 NAME = re.compile(r"PARAMPLANE_[A-Z][A-Z_]*[A-Z](?![A-Z_{])")
 SET_BY_LAUNCHER = {"PARAMPLANE_LOCAL_RANK", "PARAMPLANE_RESTART_COUNT"}
-TEST_HOOKS = {"PARAMPLANE_TEST_CRASH_IN_SAVE"}
+TEST_HOOKS: set[str] = set()  # none: tests inject faults by wrapping functions in their workers
 
 
 def _read_by_package() -> set[str]:

@@ -10,7 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from paramplane.checkpoint.api import _as_sharded, _Reader, read_manifest
+from paramplane.checkpoint.files import _Reader
+from paramplane.checkpoint.flatten import _as_sharded
+from paramplane.checkpoint.manifest import read_manifest
 from paramplane.node.arrays import DTYPES
 
 

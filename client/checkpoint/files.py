@@ -1,6 +1,6 @@
 """The files of a checkpoint directory: durable writes, file names, per-rank failure reports, the verdict
 that settles a failed save against its commit, and the reader that checks and reads flat ranges out of them
-with ``pread`` (``api`` holds the protocol).
+with ``pread`` (``commit`` holds the protocol, ``load`` the validation).
 
 A save writes one data file per rank (``rank-<r>.data``): the rank's pieces back to back as raw bytes, each
 starting at a multiple of ``ALIGN`` bytes; the manifest's record of a piece names the file, the byte

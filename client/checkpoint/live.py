@@ -20,21 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from paramplane.checkpoint.api import (
-    CheckpointError,
-    ShardedArray,
-    _agree,
-    _apply,
-    _as_sharded,
-    _entries,
-    _flat_view,
-    _is_array,
-    _prepare_optimizers,
-    _problems,
-)
+from paramplane.checkpoint.agree import _agree
+from paramplane.checkpoint.files import CheckpointError
+from paramplane.checkpoint.flatten import _as_sharded, _entries, _flat_view, _is_array
+from paramplane.checkpoint.load import _apply, _prepare_optimizers, _problems
 from paramplane.group import ProcessGroup
 from paramplane.node.arrays import DTYPES, array_module, dtype_name, to_host
 from paramplane.optim.optimizer import Optimizer
+from paramplane.parallel.sharding import ShardedArray
 
 _DIRECT_BYTES = (
     1 << 20

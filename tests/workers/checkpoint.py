@@ -7,11 +7,13 @@ dense   a plain model and AdamW (no FSDP) load DIR/step_3: parameters, moments a
         from the flat shards' layout; 3 more steps equal a single process trained 6 steps.
 plain   DDP + SGD state and plain values round-trip; a mismatching model is refused before any change;
         save_async overlaps further training.
-crash   save step_1, then a save during which rank 1 dies after writing its shards.
+crash   save step_1, then a save during which rank 1 dies after writing its shards (its data file, durable),
+        before it lists them for the commit: the test wraps the writer of that list.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,6 +26,7 @@ from _common import Report, run_rank
 from fsdp import BATCH, batch, make_model, make_opt, reference
 
 import paramplane as pp
+from paramplane.checkpoint import commit
 from paramplane.nn import CrossEntropyLoss, Linear, ReLU, Sequential
 from paramplane.optim import SGD
 from paramplane.parallel.ddp import shard_range
@@ -204,6 +207,15 @@ def crash(world: Any, rep: Report, root: Path) -> None:
     fsdp = pp.FSDP(model, world.group)
     pp.checkpoint.save({"model": fsdp, "step": 1}, root / "step_1", world.group)
     rep.values["saved_step_1"] = True
+    if world.rank == 1:
+        write_json = commit._write_json
+
+        def die_before_listing(file: Path, obj: Any) -> None:
+            if file == root / "step_2" / ".rank-1.json":
+                os._exit(17)  # a rank killed after its shards were written, before the commit
+            write_json(file, obj)
+
+        commit._write_json = die_before_listing
     try:
         pp.checkpoint.save({"model": fsdp, "step": 2}, root / "step_2", world.group)
     except pp.PlaneError as exc:

@@ -1,7 +1,9 @@
 """Checkpoint edge cases (see tests/test_checkpoint.py). Usage: ``checkpoint_edges.py MODE DIR``.
 
 retry     a save into the directory of a crashed attempt (its per-rank lists, an error file, data files and
-          a temporary left behind) commits only with this attempt's lists and files, and loads back.
+          a temporary left behind) commits only with this attempt's lists and files, and loads back; rank 0
+          does not commit while rank 1 is held before writing its pieces (until rank 0 has looked for rank
+          1's list and goes on waiting).
 fail_io   rank 1 cannot write (ENOSPC): every rank fails at once, rank 0 naming rank 1 and the error; rank 0
           removes its complete data file (nothing will reference it).
 fail_json a plain value JSON cannot hold: every rank raises CheckpointError naming the key, nothing written.
@@ -20,8 +22,8 @@ reads     a data file cut short after the load checked it (no SIGBUS), and a rea
           a CheckpointError naming the file; the load's files are closed either way.
 records   a manifest record that is valid JSON but not a record (float stop, no crc32, a bool offset, ...) of a
           piece only rank 1 reads: every rank refuses the load, naming the key.
-late      rank 1 gives the save up (a timeout) after rank 0 decided to commit: it keeps its data file, and the
-          committed checkpoint loads.
+late      rank 1 gives the save up (a timeout) after rank 0 decided to commit: it keeps its data file (rank 0
+          writes the manifest only once rank 1's save has returned), and the committed checkpoint loads.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +46,46 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Report, run_rank
 
 import paramplane as pp
-from paramplane.checkpoint import api, files
+from paramplane.checkpoint import commit, files
 from paramplane.nn import Linear, Sequential
 from paramplane.optim import AdamW
 from paramplane.parallel.sharding import ShardedArray
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> bool:
+    """Poll ``condition`` until it holds or ``timeout`` seconds pass (a bound far above what it needs, below
+    the world's timeout); whether it held."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def _tell_when_rank_0_waits_for_rank_1(marker: Path) -> Callable[[], None]:
+    """Rank 0 creates ``marker`` once it has looked for rank 1's list of this save (and not found it) and
+    goes on waiting for it; returns what undoes the wrapping."""
+    real_await, real_check = commit._await, commit._check_failures
+    polls = {"awaiting rank 1": 0, "of rank 1's list": 0}
+
+    def await_list(file: Path, *args: Any) -> Any:
+        polls["awaiting rank 1"] = int(file.name == ".rank-1.json")
+        return real_await(file, *args)
+
+    def check(target: Path, save_id: str) -> None:  # the first thing each poll of a wait does
+        if polls["awaiting rank 1"]:
+            polls["of rank 1's list"] += 1
+            if polls["of rank 1's list"] == 2:  # the first poll found no list of this save
+                marker.touch()
+        real_check(target, save_id)
+
+    commit._await, commit._check_failures = await_list, check
+
+    def undo() -> None:
+        commit._await, commit._check_failures = real_await, real_check
+
+    return undo
 
 
 def _piece(world: Any, fill: float) -> ShardedArray:
@@ -74,14 +113,17 @@ def retry(world: Any, rep: Report, root: Path) -> None:
         ):
             (path / name).write_bytes(b"stale" * 20)
     g.barrier()
-    if world.rank == 1:  # a slow disk: rank 0 must wait for this rank's list, not commit with the stale one
-        real = os.fsync
+    # A slow disk: rank 1 is held before its pieces are durable until rank 0 has looked for rank 1's list and
+    # goes on waiting for it (or, wrongly, committed): rank 0 must not commit with the stale list.
+    waits, real, undo = root / "rank0-waits-for-rank1", os.fsync, None
+    if world.rank == 0:
+        undo = _tell_when_rank_0_waits_for_rank_1(waits)
+    else:
 
         def slow_fsync(fd: int) -> None:  # its data file's: the first
             os.fsync = real
-            deadline = time.monotonic() + 1.0
-            while time.monotonic() < deadline and not (path / "manifest.json").exists():
-                time.sleep(0.01)
+            _wait_for(lambda: waits.exists() or (path / "manifest.json").exists())
+            rep.check("rank 0 waits for rank 1's list", waits.exists())
             rep.check("no commit before rank 1 wrote its pieces", not (path / "manifest.json").exists())
             real(fd)
 
@@ -89,8 +131,9 @@ def retry(world: Any, rep: Report, root: Path) -> None:
     try:
         pp.checkpoint.save({"w": _piece(world, 0.5), "step": 2}, path, g)
     finally:
-        if world.rank == 1:
-            os.fsync = real
+        os.fsync = real
+        if undo is not None:
+            undo()
     target = _piece(world, -100.0)
     got = pp.checkpoint.load({"w": target, "step": 0}, path, g)
     rep.equal("loaded this attempt's pieces", target.local, _piece(world, 0.5).local)
@@ -612,28 +655,24 @@ def records(world: Any, rep: Report, root: Path) -> None:
 
 def late(world: Any, rep: Report, root: Path) -> None:
     g, path = world.group, root / "s"
-    real_write_json, real_await = api._write_json, api._await
+    real_write_json, real_await = commit._write_json, commit._await
+    returned = root / "rank1-save-returned"  # rank 1's save has given up and removed what it may
 
     def slow_commit(file: Path, obj: Any) -> None:  # rank 0 decided to commit; rank 1 gives up meanwhile
         if file.name == "manifest.json":
-            deadline = time.monotonic() + 10.0
-            while not (file.parent / ".rank-1.error").exists() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            time.sleep(0.3)  # while rank 1 removes what it may
+            rep.check("rank 1 gave up before the manifest was written", _wait_for(returned.exists))
         real_write_json(file, obj)
 
     def give_up(file: Path, target: Path, save_id: str, *args: Any) -> Any:
         if file.name == "manifest.json":
-            deadline = time.monotonic() + 10.0
-            while not list(target.glob(".verdict-*")) and time.monotonic() < deadline:
-                time.sleep(0.01)
+            rep.check("rank 0 decided to commit", _wait_for(lambda: bool(list(target.glob(".verdict-*")))))
             raise pp.CollectiveTimeout("gave up waiting for the commit (test)")
         return real_await(file, target, save_id, *args)
 
     if world.rank == 0:
-        api._write_json = slow_commit
+        commit._write_json = slow_commit
     else:
-        api._await = give_up
+        commit._await = give_up
     try:
         if world.rank == 0:
             rep.check("rank 0 commits", pp.checkpoint.save({"w": _piece(world, 0.5)}, path, g) == path)
@@ -645,7 +684,9 @@ def late(world: Any, rep: Report, root: Path) -> None:
                 "gave up",
             )
     finally:
-        api._write_json, api._await = real_write_json, real_await
+        commit._write_json, commit._await = real_write_json, real_await
+        if world.rank == 1:
+            returned.touch()
     g.barrier()
     rep.check("rank 1 kept its data file", (path / "rank-1.data").exists(), str(list(path.iterdir())))
     target = _piece(world, -100.0)
