@@ -55,6 +55,7 @@ from paramplane.group import ProcessGroup
 from paramplane.nn.module import Module
 from paramplane.optim import SGD, AdamW
 from paramplane.optim.optimizer import Optimizer
+from paramplane.parallel.ddp_buckets import broadcast_arrays
 from paramplane.parallel.diloco_comm import WIRE_DTYPES, start_mean
 from paramplane.parallel.torch_params import is_torch_module, to_array, to_tensor
 
@@ -102,7 +103,11 @@ class DiLoCo:
         fragments: int = 1,
         overlap: bool = False,
         outer_dtype: str | None = None,
+        *,
+        init_sync: bool = True,
     ) -> None:
+        """``init_sync`` broadcasts the parameters from group rank 0 (every replica must start equal; a
+        collective every member joins); ``False`` when they are equal already (a checkpoint follows)."""
         if not isinstance(group, ProcessGroup):
             raise ValueError(f"DiLoCo needs a ProcessGroup of replicas, got {type(group).__name__}")
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
@@ -156,6 +161,8 @@ class DiLoCo:
         if self.outer_optimizer is inner_optimizer:
             raise ValueError("the outer optimizer must not be the inner optimizer: give DiLoCo a second one")
         self._check_outer()
+        if init_sync and group.size > 1:
+            broadcast_arrays(group, [self._values(i) for i in range(len(self.params))])
         self.last = [self._values(i).copy() for i in range(len(self.params))]
         self.step = 0
         self._pending: _Pending | None = None
