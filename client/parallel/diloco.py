@@ -53,6 +53,7 @@ import numpy as np
 
 from paramplane.group import ProcessGroup
 from paramplane.nn.module import Module
+from paramplane.node.arrays import array_module
 from paramplane.optim import SGD, AdamW
 from paramplane.optim.optimizer import Optimizer
 from paramplane.parallel.ddp_buckets import broadcast_arrays
@@ -249,10 +250,9 @@ class DiLoCo:
         for i in idx:
             by_dtype.setdefault(self._values(i).dtype, []).append(i)
         waits = []
-        for dtype, members in by_dtype.items():
-            flat = np.concatenate([(self.last[i] - self._values(i)).reshape(-1) for i in members]).astype(
-                dtype
-            )
+        for members in by_dtype.values():
+            xp = array_module(self.last[members[0]])  # numpy or cupy
+            flat = xp.concatenate([(self.last[i] - self._values(i)).reshape(-1) for i in members])
             waits.append((members, start_mean(self.group, flat, self.outer_dtype)))
         snap = [self._values(i).copy() for i in idx] if self.overlap else []
         return _Pending(f, waits, snap)
