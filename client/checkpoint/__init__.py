@@ -11,7 +11,8 @@ one as ``latest()``). The modules, one job each: ``flatten`` (state trees <-> na
 (what every rank must agree on before anything is written or modified), ``save`` (staging, ``save`` and
 ``save_async``), ``commit`` (the commit protocol: data files, per-rank lists, the manifest, failures),
 ``manifest`` (``read_manifest``, ``latest``, ``prune``), ``load`` (validation, then reading in place,
-resharded), ``files`` (durable writes and checked reads), ``live`` (``sync``).
+resharded), ``files`` (durable writes, failure reports, the verdict), ``reader`` (checked reads), ``live``
+(``sync``).
 """
 
 from __future__ import annotations

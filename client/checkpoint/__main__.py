@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from paramplane.checkpoint.files import _Reader
 from paramplane.checkpoint.flatten import _as_sharded
 from paramplane.checkpoint.manifest import read_manifest
+from paramplane.checkpoint.reader import _Reader
 from paramplane.node.arrays import DTYPES
 
 

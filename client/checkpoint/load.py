@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 
 from paramplane.checkpoint.agree import _agree
-from paramplane.checkpoint.files import CheckpointError, _Reader
+from paramplane.checkpoint.files import CheckpointError
 from paramplane.checkpoint.flatten import Fill, _as_sharded, _entries, _fill_leaf, _is_array
 from paramplane.checkpoint.manifest import read_manifest
+from paramplane.checkpoint.reader import _Reader
 from paramplane.group import ProcessGroup
 from paramplane.node.arrays import DTYPES, dtype_name, to_host
 from paramplane.optim.optimizer import Optimizer

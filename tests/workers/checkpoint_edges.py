@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Report, run_rank
 
 import paramplane as pp
-from paramplane.checkpoint import commit, files
+from paramplane.checkpoint import commit, reader
 from paramplane.nn import Linear, Sequential
 from paramplane.optim import AdamW
 from paramplane.parallel.sharding import ShardedArray
@@ -565,14 +565,14 @@ def reads(world: Any, rep: Report, root: Path) -> None:
     data = root / "s" / f"rank-{world.rank}.data"
     # Rank 1's file cut short after the load checked it (a copy over it, a full disk): with a memory map,
     # reading it would kill the rank with SIGBUS.
-    real_fill = files._Reader.fill
+    real_fill = reader._Reader.fill
 
     def cut_then_fill(self: Any, key: str, entry: Any, target: Any) -> None:
         if world.rank == 1 and data.stat().st_size > 4096:
             os.truncate(data, 4096)
         real_fill(self, key, entry, target)
 
-    files._Reader.fill = cut_then_fill  # type: ignore[method-assign]
+    reader._Reader.fill = cut_then_fill  # type: ignore[method-assign]
     target = big(-100.0)
     try:
         if world.rank == 1:
@@ -586,7 +586,7 @@ def reads(world: Any, rep: Report, root: Path) -> None:
             pp.checkpoint.load({"big": target, "small": np.zeros(7)}, root / "s", g)
             rep.equal("rank 0 loads its own file", target.local, big(0.5).local)
     finally:
-        files._Reader.fill = real_fill  # type: ignore[method-assign]
+        reader._Reader.fill = real_fill  # type: ignore[method-assign]
     rep.check("its files closed after the failure", not _open_files(root), str(_open_files(root)))
     g.barrier()
     pp.checkpoint.save({"big": big(0.5), "small": np.ones(7)}, root / "t", g)
