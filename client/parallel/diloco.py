@@ -181,10 +181,10 @@ class DiLoCo:
     def _find_layouts(self, model: Any) -> list[Any]:
         if not self._torch:
             return [getattr(p, "layout", None) for p in self.params]
-        slots = {}
-        path, units = getattr(model, "_path", None), getattr(model, "units", None)
-        if path is not None and units is not None and hasattr(path, "optim_slots"):
-            slots = {id(t): views for t, views in path.optim_slots(units)}
+        pieces = getattr(
+            model, "optim_slots", None
+        )  # a pp.FSDP: its parameters are pieces of module parameters
+        slots = {id(t): cut for t, cut in pieces()} if pieces is not None else {}
         return [slots.get(id(p)) for p in self.params]
 
     def _default_outer(self) -> Any:

@@ -255,7 +255,13 @@ class FSDP:
         fsdp.optim_state(opt)}, ...)``."""
         if isinstance(optimizer, Optimizer):
             return optimizer
-        return TorchOptimState(optimizer, self._path.optim_slots(self.units), state_arrays)
+        return TorchOptimState(optimizer, self.optim_slots(), state_arrays)
+
+    def optim_slots(self) -> list[tuple[Any, Any]]:
+        """Each parameter ``parameters()`` hands an optimizer, with the cut of an array shaped like it (its
+        optimizer state) into ``ShardedArray``s of module parameters by name: what resharding checkpoints of
+        optimizer state (``optim_state``, ``pp.DiLoCo``) are built from."""
+        return self._path.optim_slots(self.units)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
