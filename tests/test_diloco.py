@@ -5,6 +5,8 @@ trips (plain, FSDP shards, torch), FSDP inside a host and a torch module with to
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 from _world import run_world
@@ -35,6 +37,8 @@ def test_diloco_world_4_on_two_hosts() -> None:
         rank_env={r: {"PARAMPLANE_HOST_ID": h} for r, h in HOSTS.items()},
         timeout=180,
     )
-    results = world.check_ok(min_checks=200)
+    with_torch = importlib.util.find_spec("torch") is not None  # the torch module under DiLoCo runs too
+    results = world.check_ok(min_checks=200 if with_torch else 190)
+    assert all(bool(r["values"].get("torch_checked")) == with_torch for r in results)
     errors = results[0]["values"]["wire_errors"]
     assert errors["float16"] < errors["bfloat16"], errors

@@ -128,6 +128,8 @@ def plain(world: Any, rep: Report, root: Path) -> None:
         opt.zero_grad()
     table = np.arange(6.0).reshape(2, 3)
     path = pp.checkpoint.save({"model": model, "optim": opt, "step": 2, "table": table}, root / "plain", g)
+    # Rank 1's save returns once the manifest exists; rank 0 removes the commit's bookkeeping right after.
+    g.barrier()
     files = sorted(p.name for p in path.iterdir() if p.name != "manifest.json")
     pieces = [rec for a in pp.checkpoint.read_manifest(path)["arrays"].values() for rec in a["pieces"]]
     rep.check(  # params, momenta, table: by group rank 0, in its one data file; rank 1 writes no file
