@@ -24,7 +24,7 @@ from typing import Any, Protocol, cast
 from paramplane.nn.module import Array, Module, Parameter
 from paramplane.optim.optimizer import Optimizer
 from paramplane.parallel.torch_params import (
-    queue_backward_callback,
+    EndOfBackward,
     torch_buffers,
     torch_params,
     torch_stream,
@@ -106,7 +106,7 @@ class TorchPath:
         self.module = module
         self._sync_next_forward = True  # torch's require_forward_param_sync
         self._sync_backward = True  # whether the last forward with grad enabled ran outside no_sync
-        self._queued_for: int | None = None  # the backward (graph task) whose end runs the sync
+        self._end_of_backward: EndOfBackward | None = None
 
     def params(self) -> list[Parameter]:
         # Duck-typed Parameters: DLPack views of the tensors, torch's post-accumulate-grad hooks.
@@ -132,14 +132,9 @@ class TorchPath:
         return self._sync_backward
 
     def on_grad(self, finish: Callable[[], None]) -> None:
-        import torch
-
-        # Once per backward (graph task): a backward that raised never ran its callback, so the next one
-        # queues its own rather than trusting a flag that the lost callback would have cleared.
-        task = int(torch._C._current_graph_task_id())
-        if task != self._queued_for:
-            self._queued_for = task
-            queue_backward_callback(finish)  # runs when this backward ends, before loss.backward() returns
+        if self._end_of_backward is None:
+            self._end_of_backward = EndOfBackward(finish)
+        self._end_of_backward.request()  # finish runs when this backward ends, before loss.backward() returns
 
     def attach(self, optimizer: Any, finish: Callable[[], None]) -> Any:
         torch = sys.modules.get("torch")

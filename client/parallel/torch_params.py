@@ -24,6 +24,7 @@ import numpy as np
 from paramplane.node.arrays import DTYPES, to_torch, torch_cpu_view
 
 __all__ = [
+    "EndOfBackward",
     "TorchFlatParam",
     "TorchParam",
     "is_torch_module",
@@ -51,6 +52,24 @@ def queue_backward_callback(fn: Callable[[], None]) -> None:
     from torch.autograd import Variable
 
     Variable._execution_engine.queue_callback(fn)
+
+
+class EndOfBackward:
+    """Runs ``fn`` once at the end of each backward in which ``request()`` is called (from autograd hooks), as
+    torch's DDP reducer and FSDP2 finish their gradient sync: once per graph task, so a backward that raised
+    (its callback never ran) cannot make the next one skip its own."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn = fn
+        self._task: int | None = None
+
+    def request(self) -> None:
+        import torch
+
+        task = int(torch._C._current_graph_task_id())
+        if task != self._task:
+            self._task = task
+            queue_backward_callback(self._fn)
 
 
 def to_array(tensor: Any, what: str) -> Any:

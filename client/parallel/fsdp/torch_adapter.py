@@ -47,9 +47,9 @@ from paramplane.nn.module import Parameter, RemovableHandle
 from paramplane.parallel.fsdp.units import FlatUnit, UnitGroup, UnitsByClass, choose_units
 from paramplane.parallel.sharding import LayoutEntry, ShardedArray
 from paramplane.parallel.torch_params import (
+    EndOfBackward,
     TorchFlatParam,
     TorchParam,
-    queue_backward_callback,
     to_array,
     to_tensor,
     to_torch,
@@ -102,7 +102,7 @@ class TorchPath:
         """``use_orig_params``: per unit (by id), each original parameter's piece of the shard as a Parameter."""
         self.by_tensor: dict[int, TorchFlatParam] = {}
         self.optimizer: Any = None
-        self.finish_queued = False
+        self._finish = EndOfBackward(self._finish_sync)
 
     # -- construction ------------------------------------------------------------------------------
     def trainable(self) -> list[tuple[str, Parameter]]:
@@ -214,16 +214,12 @@ class TorchPath:
     # -- forward / backward ------------------------------------------------------------------------
     def _queue_finish(self) -> None:
         """From inside a synchronised backward: finish the gradient sync when that backward ends."""
-        if self.fsdp._reducer.no_sync or self.finish_queued:
-            return
-        self.finish_queued = True
+        if not self.fsdp._reducer.no_sync:
+            self._finish.request()
 
-        def finish() -> None:
-            self.finish_queued = False
-            with self._stream():
-                self.fsdp.finish_gradient_sync()
-
-        queue_backward_callback(finish)
+    def _finish_sync(self) -> None:
+        with self._stream():
+            self.fsdp.finish_gradient_sync()
 
     def _pre_backward(self, unit: FlatUnit) -> None:
         self._queue_finish()
@@ -267,7 +263,6 @@ class TorchPath:
         for u in fsdp.units:
             u.forward_done = False
             u.extra["ready"] = 0
-        self.finish_queued = False
         with self._stream():
             fsdp._gather.begin_forward()
         if fsdp.param_dtype != fsdp.master_dtype:
