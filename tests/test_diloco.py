@@ -42,3 +42,33 @@ def test_diloco_world_4_on_two_hosts() -> None:
     assert all(bool(r["values"].get("torch_checked")) == with_torch for r in results)
     errors = results[0]["values"]["wire_errors"]
     assert errors["float16"] < errors["bfloat16"], errors
+
+
+@pytest.mark.timeout(200)  # its own bounds (150 s), not the global 120 s
+@pytest.mark.parametrize(
+    ("h", "fragments", "overlap", "steps"), [(4, 1, False, 12), (4, 2, True, 10)], ids=["H4", "streaming"]
+)
+def test_a_replica_lost_between_syncs_is_replaced_and_training_ends_like_the_simulation(
+    h: int, fragments: int, overlap: bool, steps: int
+) -> None:
+    """Rank 1 exits at the start of step 5 (after the sync of step 4); the survivors notice at the next
+    sync, reform, and the replacement gets the last synced state live (tests/workers/diloco_reform.py checks
+    every rank's parameters against the simulation at every step after the loss)."""
+    env = {"FAIL_AT": "5", "STEPS": str(steps), "H": str(h), "FRAGMENTS": str(fragments)}
+    env.update(OVERLAP=str(int(overlap)), VICTIM="1", PARAMPLANE_TIMEOUT="60")
+    outcome = run_world(
+        4,
+        "diloco_reform.py",
+        env=env,
+        rank_env={r: {"PARAMPLANE_HOST_ID": h} for r, h in HOSTS.items()},
+        replace={1: {"PARAMPLANE_HOST_ID": HOSTS[1]}},
+        timeout=150,
+        heartbeat_timeout_s=5,
+    )
+    assert [r.returncode for r in outcome.replaced] == [3], outcome.describe()
+    results = outcome.check_ok()
+    assert all(res["values"]["errors"] for r, res in enumerate(results) if r != 1)
+    assert len({res["values"]["resumed_at"] for res in results}) == 1, results
+    assert results[0]["digests"], "no state to compare"
+    for res in results:  # last, the outer momentum (and after a whole sync the parameters): equal everywhere
+        assert res["digests"] == results[0]["digests"], res["rank"]

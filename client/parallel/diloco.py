@@ -166,6 +166,7 @@ class DiLoCo:
             broadcast_arrays(group, [self._values(i) for i in range(len(self.params))])
         self.last = [self._values(i).copy() for i in range(len(self.params))]
         self.step = 0
+        self._started = 0  # the step whose sync last started
         self._pending: _Pending | None = None
         if not hasattr(inner_optimizer, "register_step_post_hook"):
             raise ValueError(
@@ -230,31 +231,38 @@ class DiLoCo:
 
     def _after_inner_step(self) -> None:
         self.step += 1
+        self._sync_due()
+
+    def _sync_due(self) -> None:
+        """Apply a sync in flight, then start the one due after this step (if any). A sync whose collective
+        fails (a lost replica: PlaneError) stays in ``_pending`` for :meth:`rejoin` to redo."""
         self.finish()
-        if self.step % self.interval == 0:
-            pending = self._start((self.step // self.interval - 1) % self.fragments)
-            if self.overlap:
-                self._pending = pending
-            else:
-                self._apply(pending)
+        if self.step % self.interval == 0 and self._started != self.step:
+            self._pending = self._start((self.step // self.interval - 1) % self.fragments)
+            self._started = self.step
+            if not self.overlap:
+                self.finish()
 
     def finish(self) -> None:
         """Apply an overlapped sync still in flight (at the end of training; saving calls it too)."""
         if self._pending is not None:
-            pending, self._pending = self._pending, None
-            self._apply(pending)
+            self._apply(self._pending)  # waits first: a failed collective leaves everything as it was
+            self._pending = None
 
-    def _start(self, f: int) -> _Pending:
+    def _start(self, f: int, base: list[Any] | None = None) -> _Pending:
+        """Start fragment ``f``'s mean of ``last - base`` (``base``: the fragment's current values)."""
         idx = self.fragment_indices[f]
+        base = base if base is not None else [self._values(i) for i in idx]
         by_dtype: dict[Any, list[int]] = {}
         for i in idx:
             by_dtype.setdefault(self._values(i).dtype, []).append(i)
         waits = []
+        at = {i: k for k, i in enumerate(idx)}
         for members in by_dtype.values():
             xp = array_module(self.last[members[0]])  # numpy or cupy
-            flat = xp.concatenate([(self.last[i] - self._values(i)).reshape(-1) for i in members])
+            flat = xp.concatenate([(self.last[i] - base[at[i]]).reshape(-1) for i in members])
             waits.append((members, start_mean(self.group, flat, self.outer_dtype)))
-        snap = [self._values(i).copy() for i in idx] if self.overlap else []
+        snap = [b.copy() for b in base] if self.overlap else []
         return _Pending(f, waits, snap)
 
     def _apply(self, pending: _Pending) -> None:
@@ -283,6 +291,25 @@ class DiLoCo:
             if drift:
                 self._values(i)[...] += drift[k]
 
+    def rejoin(self, group: ProcessGroup | None = None, *, has_state: bool) -> int:
+        """After ``world.reform()`` replaced a lost replica: every member of ``group`` (default: the same
+        group, e.g. ``world.group``; pass a remade ``mesh.group("replicate")``) calls it. The lowest rank with
+        ``has_state=True`` sends ``last``, the outer optimizer's state and the step count live; ranks with
+        ``has_state=False`` (the replacement, made with ``init_sync=False``) set their parameters to
+        ``last``: the lost replica restarts from the last sync, its progress since then is lost. A sync
+        that failed is then redone (the replacement's outer gradient is zero) and one that was due but
+        never started is started. Returns the step count (inner steps done) to resume the loop from.
+        See :func:`~paramplane.parallel.diloco_recover.rejoin`."""
+        from paramplane.parallel.diloco_recover import rejoin
+
+        return rejoin(self, group, has_state=has_state)
+
+    def per_replica(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` with each key suffixed by this replica's index (``"model"`` -> ``"model.replica1"``), for
+        ``pp.checkpoint`` between syncs, where the replicas' modules and inner optimizers differ (under one
+        key the save refuses them as replicas that disagree). The ranks of one replica get the same keys."""
+        return {f"{key}.replica{self.group.rank}": value for key, value in state.items()}
+
     def remove(self) -> None:
         """Stop syncing (unregister the inner optimizer's hook)."""
         self._hook.remove()
@@ -305,7 +332,7 @@ class DiLoCo:
         for key, a in zip(self.keys, self.last, strict=True):
             a[...] = np.asarray(state["last"][key]).reshape(a.shape)
         self.outer_optimizer.load_state_dict(state["outer"])
-        self.step = int(state["step"])
+        self.step = self._started = int(state["step"])
         self._pending = None
 
     def _materialize_outer(self) -> None:
@@ -359,7 +386,7 @@ class DiLoCo:
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
         """Take the step count and the outer optimizer's hyper-parameters (arrays were loaded in place)."""
         self._pending = None
-        self.step = int(state["step"])
+        self.step = self._started = int(state["step"])
         if isinstance(self.outer_optimizer, Optimizer):
             self.outer_optimizer.load_sharded_state_dict(
                 {k[len("outer.") :]: v for k, v in state.items() if k.startswith("outer.")}

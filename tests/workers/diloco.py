@@ -212,8 +212,15 @@ def scenario(world: Any, rep: Report) -> None:
     d = pp.DiLoCo(model, opt, g, sync_every=4)
     for step in range(6):
         train_step(model, opt, *data(step, me))
-    # Between syncs the replicas' modules differ: each under a key of its own (DiLoCo's state is replicated).
-    pp.checkpoint.save({f"model{me}": model, "optim": opt, "diloco": d}, ckpt, g)
+    # Between syncs the replicas' modules differ: under one key the save refuses them, naming the key.
+    rep.raises(
+        "one key mid-interval",
+        pp.checkpoint.CheckpointError,
+        lambda: pp.checkpoint.save({"model": model, "diloco": d}, ckpt, g),
+        "'model",
+    )
+    # ... each under a key of its own (DiLoCo's state is replicated).
+    pp.checkpoint.save({**d.per_replica({"model": model, "optim": opt}), "diloco": d}, ckpt, g)
     memory = d.state_dict()
     after = []
     for step in range(6, 10):
@@ -222,7 +229,7 @@ def scenario(world: Any, rep: Report) -> None:
     model2 = make_model(seed=99)
     opt2 = SGD(model2.parameters(), lr=0.1)
     d2 = pp.DiLoCo(model2, opt2, g, sync_every=4, init_sync=False)
-    pp.checkpoint.load({f"model{me}": model2, "optim": opt2, "diloco": d2}, ckpt, g)
+    pp.checkpoint.load({**d2.per_replica({"model": model2, "optim": opt2}), "diloco": d2}, ckpt, g)
     rep.check("checkpoint step", d2.step == 6, str(d2.step))
     for step in range(6, 10):
         train_step(model2, opt2, *data(step, me))
@@ -259,11 +266,20 @@ def fsdp_scenario(world: Any, rep: Report) -> None:
         full = fsdp.state_dict()
         for i, (key, _) in enumerate(make_model().named_parameters()):
             rep.equal(f"fsdp step {step} {key}", np.asarray(full[key]), want[step][host][i], rtol=1e-10)
+    # Mid-interval (5 steps, H = 2): each host's module and inner optimizer under keys of its own.
     ckpt = Path(os.environ["PARAMPLANE_TEST_OUT"]) / "ckpt-fsdp"
-    pp.checkpoint.save({"diloco": d}, ckpt, world.group)
+    pp.checkpoint.save({**d.per_replica({"model": fsdp, "optim": opt}), "diloco": d}, ckpt, world.group)
     fsdp2 = pp.FSDP(make_model(seed=5), mesh.group("shard"), strategy="full_shard")
-    d2 = pp.DiLoCo(fsdp2, SGD(fsdp2.parameters(), lr=0.1), mesh.group("replicate"), 2, init_sync=False)
-    pp.checkpoint.load({"diloco": d2}, ckpt, world.group)
+    opt2 = SGD(fsdp2.parameters(), lr=0.1)
+    fsdp2.attach(opt2)
+    d2 = pp.DiLoCo(fsdp2, opt2, mesh.group("replicate"), 2, init_sync=False)
+    pp.checkpoint.load({**d2.per_replica({"model": fsdp2, "optim": opt2}), "diloco": d2}, ckpt, world.group)
+    for step in range(5, 8):  # the resumed job goes on exactly as the one that was saved
+        train_step(fsdp, opt, *data(step, world.rank))
+        train_step(fsdp2, opt2, *data(step, world.rank))
+        full, full2 = fsdp.state_dict(), fsdp2.state_dict()
+        for key in full:
+            rep.equal(f"fsdp resumed step {step} {key}", np.asarray(full2[key]), np.asarray(full[key]))
     for i in range(len(d.last)):
         rep.equal(f"fsdp last {i} restored", d2.last[i], d.last[i])
         rep.equal(
