@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo test lint typecheck unit protos bench clean compose-demo test-compose test-py313 test-gpu
+.PHONY: install demo test lint typecheck unit protos bench clean compose-demo test-compose test-py313 test-gpu test-mpi
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -52,6 +52,11 @@ compose-demo:
 
 test-compose:
 	bash scripts/compose.sh test
+
+# mpirun -np 3 of a DDP job with pp.init() and no other setup (root: installs Open MPI from Debian's packages).
+test-mpi: $(STAMP)
+	command -v mpirun >/dev/null || apt-get install -y -q --no-install-recommends openmpi-bin
+	$(BIN)/python -m pytest -q -ra tests/test_mpi.py
 
 # The suite under Python 3.13 (Debian trixie in a chroot; root): the top of the declared Python range.
 test-py313:

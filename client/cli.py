@@ -20,6 +20,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "paramplane.coordinator.cli",
     ),
     "launch": ("start N rank processes of a script on this host (like torchrun)", "paramplane.launch"),
+    "env": (
+        "print this process's rank, world size, node and coordinator as pp.init() finds them, and from where",
+        "paramplane.placement",
+    ),
     "demo": (
         "the main job: DDP (or --fsdp) training on 4 local ranks (scikit-learn digits); --torch: a GPT",
         "paramplane.demo",

@@ -83,6 +83,11 @@ class LaunchConfig:
     ``--coordinator``, the next epoch of that coordinator (the launcher aborts the failed world there, so
     every host's ranks fail and their launchers restart too). Ranks see the attempt number in
     ``PARAMPLANE_RESTART_COUNT`` and resume from ``pp.checkpoint.latest``."""
+    first_rank: int | None = None
+    """Global rank of this host's first rank, on a job of several hosts (``--slurm``: node index times ``-n``);
+    ``None``: the coordinator numbers them (``PARAMPLANE_RANK=-1``)."""
+    restart_base: int = 0
+    """Added to the attempt number in ``PARAMPLANE_RESTART_COUNT`` (``--slurm``: ``SLURM_RESTART_COUNT``)."""
     max_replacements: int = 0
     """After a rank fails, start a replacement for that rank alone (this many times at most, in all) while
     the other ranks go on: they re-form the world in process (``world.reform()``) and bring the
@@ -407,13 +412,15 @@ class Launcher:
             PARAMPLANE_WORLD_SIZE=str(config.total_ranks),
             PARAMPLANE_HOST_ID=config.host_id or os.environ.get("PARAMPLANE_HOST_ID") or socket.gethostname(),
             PARAMPLANE_LOCAL_RANK=str(index),
-            PARAMPLANE_RESTART_COUNT=str(attempt),
+            PARAMPLANE_RESTART_COUNT=str(config.restart_base + attempt),
             PYTHONUNBUFFERED="1",
         )
         if token is not None:  # without one, only a tokenless coordinator on loopback admits the ranks
             env["PARAMPLANE_TOKEN"] = token
         if config.total_ranks == config.num_ranks:
             env["PARAMPLANE_RANK"] = str(index)
+        else:  # -1: the coordinator numbers them (a scheduler's rank variables must not speak for it)
+            env["PARAMPLANE_RANK"] = "-1" if config.first_rank is None else str(config.first_rank + index)
         if config.timeout_s is not None:
             env["PARAMPLANE_TIMEOUT"] = str(config.timeout_s)
         if config.join_timeout_s is not None:
@@ -545,15 +552,27 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="paramplane launch",
         description="Start N rank processes of a Python script on this host, like torchrun.",
-        usage="paramplane launch -n N (--standalone | --coordinator HOST:PORT) [options] "
+        usage="paramplane launch -n N (--standalone | --coordinator HOST:PORT | --slurm) [options] "
         "(script.py | -m module) [args ...]",
     )
     add = parser.add_argument
     # Every option sets the LaunchConfig field of its dest; its help is that field's docstring.
     doc = field_docs(LaunchConfig)
-    add("-n", "--num-ranks", type=int, required=True, metavar="N", help=doc["num_ranks"])
+    add(
+        "-n",
+        "--num-ranks",
+        type=int,
+        metavar="N",
+        help=doc["num_ranks"] + " (with --slurm: per node, default 1)",
+    )
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--standalone", action="store_true", help=doc["standalone"])
+    where.add_argument(
+        "--slurm",
+        action="store_true",
+        help="run as one task of `srun` per node: world size, this node's ranks, the coordinator (hosted by the "
+        "first node's launcher) and the token come from the Slurm job (see `paramplane env`)",
+    )
     where.add_argument("--coordinator", metavar="HOST:PORT", help=doc["coordinator"])
     add("--world-size", type=int, metavar="W", help=doc["world_size"])
     add("--host-id", metavar="ID", help=doc["host_id"])
@@ -601,6 +620,14 @@ def main(argv: list[str] | None = None) -> int:
         token_file = options.token_file
         del options.token_file
         token = read_token(token_file) if token_file is not None else None
+        slurm = options.slurm
+        del options.slurm
+        if slurm:
+            from paramplane.slurm import slurm_launch
+
+            return slurm_launch({**vars(options), "args": tuple(options.args), "token": token}, launch)
+        if options.num_ranks is None:
+            parser.error("-n N is required (except with --slurm)")
         config = LaunchConfig(**{**vars(options), "args": tuple(options.args), "token": token})
         return launch(config)
     except SystemExit as exit_:

@@ -16,10 +16,12 @@ from types import TracebackType
 from typing import Any
 
 from paramplane.group import ProcessGroup
+from paramplane.hosting import Hosted, find_or_host
 from paramplane.node.engine import GroupEngine
-from paramplane.node.errors import PlaneError
+from paramplane.node.errors import PlaneError, RendezvousError
 from paramplane.node.peer import TlsConfig
 from paramplane.node.runtime import ENV_OF, NodeRuntime, RuntimeConfig
+from paramplane.placement import Placement, resolve
 from paramplane.protos.fields import field_docs
 from paramplane.protos.net import check_seconds, resolve_token, tls_paths
 from paramplane.trace import ChromeTracer
@@ -27,6 +29,8 @@ from paramplane.trace import ChromeTracer
 _FILE_VARS = {
     "PARAMPLANE_TOKEN": "job token every RPC carries",
     "PARAMPLANE_TOKEN_FILE": "file holding the job token",
+    "PARAMPLANE_COORDINATOR_PORT": "Slurm: the coordinator's port on the job's first node (default: derived)",
+    "PARAMPLANE_JOB_DIR": "folder the ranks of a Slurm or single-host MPI job share for the token / address",
     "PARAMPLANE_TRACE": "folder for per-rank Chrome-trace JSON of every collective",
     "PARAMPLANE_TLS_CERT": "PEM certificate this rank's data-plane server presents (with _KEY and _CA)",
     "PARAMPLANE_TLS_KEY": "PEM private key of that certificate",
@@ -135,8 +139,9 @@ class KVStore:
 class World:
     """This rank's view of the job; a context manager that shuts the plane down on exit."""
 
-    def __init__(self, runtime: NodeRuntime) -> None:
+    def __init__(self, runtime: NodeRuntime, hosted: Hosted | None = None) -> None:
         self.group = ProcessGroup(self._adopt(runtime))
+        self._hosted = hosted  # the coordinator this rank found or hosts (Slurm, MPI, env:// jobs)
 
     def _adopt(self, runtime: NodeRuntime) -> GroupEngine:
         """Take ``runtime``'s membership as this world's; returns the engine of its world group."""
@@ -263,6 +268,9 @@ class World:
         if exc is not None:
             self.abort_for(exc)
         self._rt.shutdown()
+        hosted, self._hosted = self._hosted, None
+        if hosted is not None:
+            hosted.stop()
 
     def __enter__(self) -> World:
         return self
@@ -322,8 +330,22 @@ def init(
     advertise: str | None = None,
     replacement: bool | None = None,
 ) -> World:
-    """Join the world; arguments override the PARAMPLANE_* variables (see ``ENV_VARS``)."""
+    """Join the world; arguments override the environment: the PARAMPLANE_* variables (see ``ENV_VARS``), then
+    what Slurm, MPI, Kubernetes or torch's env:// names say (``paramplane.placement``; ``paramplane env``)."""
     tracer = None
+    token = resolve_token(token)
+    hosted = None
+    if coordinator is None:
+        placement = resolve(os.environ)
+        rank = _pick(rank, placement, "rank")
+        world_size = _pick(world_size, placement, "world_size")
+        host_id = host_id if host_id is not None else _pick(None, placement, "node")
+        if placement.coordinator is not None and "PARAMPLANE_COORDINATOR" not in placement.coordinator.source:
+            hosted = _find_or_host(placement, token, join_timeout)
+            coordinator, token = hosted.address, hosted.token
+        if bind is None and _env("PARAMPLANE_BIND") is None and _multi_node(placement):
+            bind = "0.0.0.0"  # peers on other nodes dial this rank at its node's name
+            advertise = advertise or _env("PARAMPLANE_ADVERTISE") or (host_id if host_id else None)
     trace_dir = _env("PARAMPLANE_TRACE")
     if trace_dir:
         tracer = ChromeTracer(trace_dir)
@@ -332,7 +354,7 @@ def init(
         coordinator=coordinator,
         world_size=world_size,
         rank_hint=rank,
-        token=resolve_token(token),
+        token=token,
         host_id=host_id,
         timeout_s=timeout,
         join_timeout_s=join_timeout,
@@ -345,8 +367,13 @@ def init(
         coordinator_root_cert=coordinator_ca,
     )
     runtime = NodeRuntime(config)
-    runtime.start()
-    world = World(runtime)
+    try:
+        runtime.start()
+    except BaseException:
+        if hosted is not None:
+            hosted.stop(wait_s=0)
+        raise
+    world = World(runtime, hosted)
     # A script that forgets shutdown() still says goodbye to its peers (they would see it as lost); one that
     # dies of an uncaught exception aborts the world first (World.abort_for).
     atexit.register(world.shutdown)
@@ -355,3 +382,32 @@ def init(
     if tracer is not None:
         tracer.open(world.rank, world.epoch)
     return world
+
+
+def _pick(given: Any, placement: Placement, name: str) -> Any:
+    """``given``, else the placement's value of ``name`` (None when nothing names it)."""
+    if given is not None:
+        return given
+    found = getattr(placement, name)
+    return None if found is None else found.value
+
+
+def _multi_node(placement: Placement) -> bool:
+    return placement.num_nodes is not None and int(placement.num_nodes.value) > 1
+
+
+def _find_or_host(placement: Placement, token: str | None, join_timeout: float | None) -> Hosted:
+    """The coordinator a scheduler's environment points at (started here on rank 0), within the join timeout."""
+    raw = _env(ENV_OF["join_timeout_s"])
+    limit = (
+        join_timeout
+        if join_timeout is not None
+        else (_parse("PARAMPLANE_JOIN_TIMEOUT", raw, float) if raw else None)
+    )
+    limit = _check_timeout(limit, RuntimeConfig.join_timeout_s)
+    try:
+        return find_or_host(placement, token, limit, os.environ)
+    except TimeoutError as error:
+        raise RendezvousError(
+            f"{error} ({placement.launcher} job, rank {_pick(None, placement, 'rank')})"
+        ) from None

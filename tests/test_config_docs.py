@@ -74,7 +74,8 @@ def test_coordinator_flags_come_from_its_config_dataclass(monkeypatch: pytest.Mo
 
 def test_launcher_options_are_its_config_fields() -> None:
     """Every ``paramplane launch`` option sets the LaunchConfig field of the same name, with that field's
-    docstring as its help; every field but the token (read from --token-file) has an option."""
+    docstring as its help; every field but the token (read from --token-file) and the two that ``--slurm`` sets
+    from the job (first_rank, restart_base) has an option."""
     import dataclasses
 
     from paramplane.launch import LaunchConfig, _parser
@@ -82,9 +83,9 @@ def test_launcher_options_are_its_config_fields() -> None:
 
     parser = _parser()
     docs = field_docs(LaunchConfig)
-    dests = {a.dest: a for a in parser._actions if a.dest not in ("help", "token_file")}
+    dests = {a.dest: a for a in parser._actions if a.dest not in ("help", "token_file", "slurm")}
     fields = {f.name for f in dataclasses.fields(LaunchConfig)}
-    assert set(dests) == fields - {"token"}
+    assert set(dests) == fields - {"token", "first_rank", "restart_base"}
     for name, action in dests.items():
         assert action.help is not None and docs[name] in action.help, name
         default = next(f.default for f in dataclasses.fields(LaunchConfig) if f.name == name)

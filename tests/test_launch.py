@@ -174,7 +174,8 @@ def test_multi_host_world_has_no_rank_hint_and_user_settings_win(tmp_path: Path)
     assert result.returncode == 0, result.stderr
     for rank, lines in _lines_by_rank(result.stdout).items():
         seen = json.loads(lines[0])
-        assert "PARAMPLANE_RANK" not in seen and "PARAMPLANE_TIMEOUT" not in seen
+        # -1: the coordinator numbers the ranks (neither the stale hint nor a scheduler's rank variables)
+        assert seen["PARAMPLANE_RANK"] == "-1" and "PARAMPLANE_TIMEOUT" not in seen
         assert seen["PARAMPLANE_LOCAL_RANK"] == str(rank)
         assert seen["PARAMPLANE_WORLD_SIZE"] == "6"
         assert seen["PARAMPLANE_HOST_ID"] == "node-b"

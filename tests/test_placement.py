@@ -1,0 +1,166 @@
+"""``paramplane.placement``: which variable gives rank, world size, node and coordinator, and the errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from paramplane.placement import FILE_RENDEZVOUS, first_host, resolve, slurm_port
+
+SLURM = {
+    "SLURM_STEP_ID": "0",
+    "SLURM_PROCID": "3",
+    "SLURM_NTASKS": "4",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+    "SLURMD_NODENAME": "node08",
+    "SLURM_JOB_NODELIST": "node[07-08]",
+    "SLURM_STEP_NUM_NODES": "2",
+    "SLURM_JOB_ID": "4242",
+    "SLURM_RESTART_COUNT": "2",
+}
+OMPI = {
+    "OMPI_COMM_WORLD_RANK": "2",
+    "OMPI_COMM_WORLD_SIZE": "3",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+    "OMPI_COMM_WORLD_LOCAL_SIZE": "3",
+    "PMIX_NAMESPACE": "12345",
+}
+
+
+def test_slurm_step() -> None:
+    p = resolve(SLURM)
+    assert p.launcher == "slurm"
+    assert (p.rank and p.rank.value, p.world_size and p.world_size.value) == (3, 4)
+    assert p.local_rank and p.local_rank.value == 1 and p.local_rank.source == "SLURM_LOCALID=1"
+    assert p.node and p.node.value == "node08" and p.node_rank and p.node_rank.value == 1
+    assert p.restart_count.value == 2 and p.restart_count.source == "SLURM_RESTART_COUNT=2"
+    assert p.coordinator and p.coordinator.value == f"node07:{slurm_port(4242, 0)}"
+    assert "SLURM_JOB_NODELIST" in p.coordinator.source and "SLURM_JOB_ID=4242" in p.coordinator.source
+    assert not p.hosts_coordinator
+    assert resolve({**SLURM, "SLURM_PROCID": "0"}).hosts_coordinator
+
+
+def test_slurm_port_is_per_job_step_and_overridable() -> None:
+    assert slurm_port(4242, 0) == slurm_port(4242, 0) != slurm_port(4243, 0)
+    assert slurm_port(4242, 0) != slurm_port(4242, 1)
+    p = resolve({**SLURM, "PARAMPLANE_COORDINATOR_PORT": "31000"})
+    assert p.coordinator and p.coordinator.value == "node07:31000"
+    assert "PARAMPLANE_COORDINATOR_PORT=31000" in p.coordinator.source
+
+
+def test_slurm_batch_script_is_not_a_rank() -> None:
+    """The batch script sees SLURM_PROCID/SLURM_NTASKS too, but only an srun step's tasks are ranks."""
+    env = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"}
+    assert resolve(env).rank is None and resolve(env).launcher == "none"
+
+
+def test_paramplane_wins_over_every_launcher() -> None:
+    env = {
+        **SLURM,
+        **OMPI,
+        "PARAMPLANE_RANK": "1",
+        "PARAMPLANE_WORLD_SIZE": "8",
+        "PARAMPLANE_COORDINATOR": "h:1",
+    }
+    p = resolve(env)
+    assert p.rank and p.rank.source == "PARAMPLANE_RANK=1" and p.world_size and p.world_size.value == 8
+    assert p.coordinator and p.coordinator.value == "h:1" and not p.hosts_coordinator
+    assert p.local_rank and p.local_rank.source == "SLURM_LOCALID=1"  # not given by PARAMPLANE_*: Slurm's
+
+
+def test_launcher_leaves_rank_to_coordinator() -> None:
+    """``paramplane launch`` on several hosts sets PARAMPLANE_RANK=-1: Slurm's task id must not leak in."""
+    p = resolve(
+        {**SLURM, "PARAMPLANE_RANK": "-1", "PARAMPLANE_WORLD_SIZE": "8", "PARAMPLANE_COORDINATOR": "h:1"}
+    )
+    assert p.rank and p.rank.value == -1
+
+
+def test_order_slurm_mpi_kubernetes_torch() -> None:
+    torch = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    kube = {"JOB_COMPLETION_INDEX": "5", "HOSTNAME": "train-5-abc", "PARAMPLANE_WORLD_SIZE": "6"}
+    assert resolve({**SLURM, **OMPI, **kube, **torch}).launcher == "slurm"
+    assert resolve({**OMPI, **kube, **torch}).launcher == "openmpi"
+    mpich = {
+        "PMI_RANK": "0",
+        "PMI_SIZE": "2",
+        "MPI_LOCALRANKID": "0",
+        "MPI_LOCALNRANKS": "2",
+        "PMI_KVSNAME": "k",
+    }
+    assert resolve({**mpich, **kube}).launcher == "mpich"
+    p = resolve({**kube, **torch})
+    assert p.launcher == "kubernetes" and p.rank and p.rank.source == "JOB_COMPLETION_INDEX=5"
+    assert p.world_size and p.world_size.source == "PARAMPLANE_WORLD_SIZE=6"
+    assert p.coordinator and p.coordinator.value == "10.0.0.1:29500"
+    t = resolve(torch)
+    assert t.launcher == "torch" and t.rank and t.rank.value == 1 and not t.hosts_coordinator
+    assert resolve({**torch, "RANK": "0"}).hosts_coordinator
+    elastic = resolve({**torch, "TORCHELASTIC_RUN_ID": "x"})
+    assert elastic.coordinator and elastic.coordinator.value == "10.0.0.1:29501"  # torchrun's store has 29500
+
+
+def test_mpi_single_host_rendezvous_file() -> None:
+    p = resolve(OMPI)
+    assert p.launcher == "openmpi" and p.rank and p.rank.value == 2
+    assert p.coordinator and str(p.coordinator.value).startswith(FILE_RENDEZVOUS + "openmpi-")
+    other_job = resolve({**OMPI, "PMIX_NAMESPACE": "999"})
+    assert other_job.coordinator and other_job.coordinator.value != p.coordinator.value
+    assert resolve({**OMPI, "OMPI_COMM_WORLD_RANK": "0"}).hosts_coordinator
+
+
+@pytest.mark.parametrize(
+    ("env", "names"),
+    [
+        ({"OMPI_COMM_WORLD_RANK": "1"}, ["OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"]),
+        ({"PMI_SIZE": "2"}, ["PMI_SIZE", "PMI_RANK"]),
+        ({**SLURM, "SLURM_PROCID": "4"}, ["SLURM_PROCID=4", "SLURM_NTASKS=4"]),
+        ({**SLURM, "SLURM_NTASKS": "four"}, ["SLURM_NTASKS", "'four'"]),
+        (
+            {"PARAMPLANE_RANK": "5", "PARAMPLANE_WORLD_SIZE": "2"},
+            ["PARAMPLANE_RANK=5", "PARAMPLANE_WORLD_SIZE=2"],
+        ),
+        ({"JOB_COMPLETION_INDEX": "0"}, ["JOB_COMPLETION_INDEX=0", "world size"]),
+        ({"MASTER_ADDR": "h"}, ["MASTER_ADDR", "MASTER_PORT"]),
+        # An MPI job over several hosts has no shared directory to meet in: it needs an address.
+        (
+            {**OMPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "1"},
+            ["OMPI_COMM_WORLD_RANK=2", "PARAMPLANE_COORDINATOR", "MASTER_ADDR"],
+        ),
+        ({"RANK": "0", "WORLD_SIZE": "2"}, ["RANK=0", "no coordinator"]),
+    ],
+)
+def test_errors_name_the_variables(env: dict[str, str], names: list[str]) -> None:
+    with pytest.raises(ValueError) as error:
+        resolve(env)
+    for name in names:
+        assert name in str(error.value)
+
+
+def test_nothing_set() -> None:
+    p = resolve({})
+    assert p.launcher == "none" and p.rank is None and p.coordinator is None
+    assert p.restart_count.value == 0
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "host"),
+    [
+        ("node[07-09,12],gpu1", "node07"),
+        ("a1,b[2-3]", "a1"),
+        ("rack[1-2]-n[03-04]", "rack1-n03"),
+        ("solo", "solo"),
+    ],
+)
+def test_first_host(nodelist: str, host: str) -> None:
+    assert first_host(nodelist) == host
+
+
+def test_bad_host_list() -> None:
+    with pytest.raises(ValueError, match="host list"):
+        first_host("node[1-")
+
+
+def test_master_addr_wins_over_the_mpi_meeting_file() -> None:
+    p = resolve({**OMPI, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29600"})
+    assert p.coordinator and p.coordinator.value == "127.0.0.1:29600"
