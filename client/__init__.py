@@ -32,6 +32,15 @@ if TYPE_CHECKING:
     from paramplane.parallel.mesh import Mesh
     from paramplane.parallel.pipeline import Pipeline
     from paramplane.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+    from paramplane.parallel.tp_torch import (
+        ColwiseParallel,
+        RowwiseParallel,
+        VocabParallel,
+        parallelize,
+        tp_full_state_dict,
+        tp_plan_for,
+        vocab_parallel_cross_entropy,
+    )
     from paramplane.work import Work
     from paramplane.world import KVStore, World, init
 
@@ -47,6 +56,13 @@ _LAZY = {
     "Pipeline": "paramplane.parallel.pipeline",
     "RowParallelLinear": "paramplane.parallel.tensor",
     "MixedPrecision": "paramplane.parallel.fsdp",
+    "ColwiseParallel": "paramplane.parallel.tp_torch",
+    "RowwiseParallel": "paramplane.parallel.tp_torch",
+    "VocabParallel": "paramplane.parallel.tp_torch",
+    "parallelize": "paramplane.parallel.tp_torch",
+    "tp_full_state_dict": "paramplane.parallel.tp_torch",
+    "tp_plan_for": "paramplane.parallel.tp_torch",
+    "vocab_parallel_cross_entropy": "paramplane.parallel.tp_torch",
     "CPUOffload": "paramplane.parallel.fsdp",
     "nn": "paramplane.nn",
     "checkpoint": "paramplane.checkpoint",
@@ -82,6 +98,7 @@ __all__ = [
     "CollectiveMismatch",
     "CollectiveTimeout",
     "ColumnParallelLinear",
+    "ColwiseParallel",
     "CoordinatorUnavailable",
     "DeviceCommError",
     "DiLoCo",
@@ -95,7 +112,9 @@ __all__ = [
     "ProcessGroup",
     "RendezvousError",
     "RowParallelLinear",
+    "RowwiseParallel",
     "TransportError",
+    "VocabParallel",
     "Work",
     "World",
     "WorldAborted",
@@ -103,6 +122,10 @@ __all__ = [
     "init",
     "nn",
     "optim",
+    "parallelize",
     "shard_range",
+    "tp_full_state_dict",
+    "tp_plan_for",
     "units_by_class",
+    "vocab_parallel_cross_entropy",
 ]

@@ -1,0 +1,148 @@
+"""Attention under tensor parallel, per model family, and ready plans (``tp_plan_for``).
+
+A column-parallel q/k/v projection gives each rank whole heads (head_dim stays, the head count divides by
+tp); the attention code then runs unchanged on the local heads, and the row-parallel output projection sums
+the ranks' parts. What each family needs, as torchtitan's ``parallelize_llama`` adjusts ``n_heads``:
+
+- transformers GPT-2 (``GPT2Attention``): the fused ``c_attn`` Conv1D holds q, k and v side by side, so it
+  is split as 3 blocks (``ColwiseParallel(parts=3)``): each rank keeps its heads of q, of k and of v. The
+  module's ``num_heads``, ``embed_dim`` and ``split_size`` (read by its forward) are divided by tp.
+- transformers Llama (and the families with the same q/k/v/o projections and ``head_dim``: Mistral, Qwen2):
+  the forward reshapes with ``-1`` heads, so nothing but the projections changes; grouped-query attention
+  keeps its ratio (``num_key_value_groups``) when both head counts divide by tp. ``num_heads`` /
+  ``num_key_value_heads`` attributes, where a version has them, are divided too.
+
+Cross-attention and other attention modules are not adjusted (a plan that splits their projections raises).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+from paramplane.parallel.tp_torch.styles import ColwiseParallel, RowwiseParallel, Style, VocabParallel
+
+__all__ = ["adjust_attention", "check_attention", "tp_plan_for"]
+
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def _family(module: Any) -> str | None:
+    names = {n for n, _ in module.named_children()}
+    if type(module).__name__.startswith("GPT2Attention") and "c_attn" in names:
+        return "gpt2"
+    if set(_QKV) | {"o_proj"} <= names and hasattr(module, "head_dim"):
+        return "qkvo"
+    return None
+
+
+def _style_of(styles: dict[str, Style], name: str) -> Style | None:
+    return styles.get(name)
+
+
+def _heads_error(where: str, what: str, heads: int, tp: int) -> ValueError:
+    return ValueError(
+        f"attention {where!r} has {heads} {what}, which do not split over tp={tp} tensor-parallel ranks: "
+        f"the {what} must be divisible by the tensor-parallel size"
+    )
+
+
+def check_attention(root: Any, styles: dict[str, Style], tp: int) -> None:
+    """ValueError (naming the head count and tp) for an attention module whose projections the plan splits
+    but whose heads do not divide by ``tp``, or whose projections are split the wrong way."""
+    for name, module in root.named_modules():
+        family = _family(module)
+        prefix = f"{name}." if name else ""
+        if family == "gpt2":
+            style = _style_of(styles, prefix + "c_attn")
+            if style is None:
+                continue
+            if getattr(module, "is_cross_attention", False):
+                raise ValueError(f"{name!r}: cross-attention is not supported under tensor parallel")
+            if not isinstance(style, ColwiseParallel) or style.parts != 3 or style.gather_output:
+                raise ValueError(
+                    f"{name!r}: GPT-2's fused c_attn holds q, k and v side by side; split it with "
+                    "pp.ColwiseParallel(parts=3) (see pp.tp_plan_for)"
+                )
+            if module.num_heads % tp:
+                raise _heads_error(name, "attention heads", module.num_heads, tp)
+        elif family == "qkvo":
+            split = [p for p in _QKV if _style_of(styles, prefix + p) is not None]
+            if not split:
+                continue
+            if len(split) < 3 or not isinstance(styles.get(prefix + "o_proj"), RowwiseParallel):
+                raise ValueError(
+                    f"{name!r}: split q_proj, k_proj and v_proj column-wise and o_proj row-wise together"
+                )
+            hd = int(module.head_dim)
+            heads, kv = module.q_proj.out_features // hd, module.k_proj.out_features // hd
+            if heads % tp:
+                raise _heads_error(name, "attention heads", heads, tp)
+            if kv % tp:
+                raise _heads_error(name, "key/value heads (grouped-query attention)", kv, tp)
+
+
+def adjust_attention(root: Any, styles: dict[str, Style], tp: int) -> None:
+    """Divide the head-count attributes the attention code reads by ``tp`` (after its projections were split)."""
+    for name, module in root.named_modules():
+        family = _family(module)
+        prefix = f"{name}." if name else ""
+        if family == "gpt2" and prefix + "c_attn" in styles:
+            module.num_heads //= tp
+            module.embed_dim //= tp
+            module.split_size //= tp
+        elif family == "qkvo" and prefix + "q_proj" in styles:
+            for attr in ("num_heads", "num_key_value_heads"):
+                if isinstance(getattr(module, attr, None), int):
+                    setattr(module, attr, getattr(module, attr) // tp)
+
+
+_PLANS: dict[str, dict[str, Style]] = {
+    "gpt2": {
+        "*wte": VocabParallel(),
+        "*attn.c_attn": ColwiseParallel(parts=3),
+        "*attn.c_proj": RowwiseParallel(),
+        "*mlp.c_fc": ColwiseParallel(),
+        "*mlp.c_proj": RowwiseParallel(),
+        "lm_head": ColwiseParallel(),
+    },
+    "llama": {
+        "*embed_tokens": VocabParallel(),
+        "*self_attn.q_proj": ColwiseParallel(),
+        "*self_attn.k_proj": ColwiseParallel(),
+        "*self_attn.v_proj": ColwiseParallel(),
+        "*self_attn.o_proj": RowwiseParallel(),
+        "*mlp.gate_proj": ColwiseParallel(),
+        "*mlp.up_proj": ColwiseParallel(),
+        "*mlp.down_proj": RowwiseParallel(),
+        "lm_head": ColwiseParallel(),
+    },
+}
+
+
+def tp_plan_for(model: Any, *, loss_parallel: bool = False, vocab: bool = True) -> dict[str, Style]:
+    """The tensor-parallel plan for a transformers GPT-2 or Llama-family model (or a part of one: a pipeline
+    stage holding some blocks), with only the entries that match a module of ``model``.
+
+    ``loss_parallel``: the head's logits stay split over the vocabulary (for ``pp.vocab_parallel_cross_entropy``);
+    by default they are gathered, so the model's own loss (``labels=``) works unchanged. ``vocab=False``
+    keeps the embedding and head replicated.
+    """
+    names = [n for n, _ in model.named_modules()]
+    families = {_family(m) for _, m in model.named_modules()} - {None}
+    if not families:
+        raise ValueError(
+            f"tp_plan_for knows transformers GPT-2 and Llama-family attention; {type(model).__name__} has "
+            "neither: write the plan (module name globs -> 'colwise' / 'rowwise' / 'vocab')"
+        )
+    family = "gpt2" if "gpt2" in families else "llama"
+    plan: dict[str, Style] = {}
+    for pattern, style in _PLANS[family].items():
+        if isinstance(style, VocabParallel) or pattern == "lm_head":
+            if not vocab:
+                continue
+            if pattern == "lm_head" and not loss_parallel:
+                style = ColwiseParallel(gather_output=True)
+        if any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            plan[pattern] = style
+    return plan
