@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo test lint typecheck unit protos bench clean compose-demo test-compose test-py313 test-gpu test-mpi
+.PHONY: install demo test lint typecheck unit protos bench clean compose-demo test-compose test-py313 test-gpu test-mpi test-slurm
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,7 +28,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 unit: $(STAMP)
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra -m "not slurm"
 
 test: lint typecheck unit
 
@@ -57,6 +57,12 @@ test-compose:
 test-mpi: $(STAMP)
 	command -v mpirun >/dev/null || apt-get install -y -q --no-install-recommends openmpi-bin
 	$(BIN)/python -m pytest -q -ra tests/test_mpi.py
+
+# A real Slurm cluster (slurmctld + two slurmd, each in a network namespace) running sbatch/srun jobs, a node
+# killed mid-run and the job requeued (root: installs slurm-wlm from Debian's packages; about 2 minutes).
+test-slurm: $(STAMP)
+	command -v slurmctld >/dev/null || apt-get install -y -q --no-install-recommends slurm-wlm
+	$(BIN)/python -m pytest -q -ra -m slurm tests/test_slurm.py
 
 # The suite under Python 3.13 (Debian trixie in a chroot; root): the top of the declared Python range.
 test-py313:

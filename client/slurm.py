@@ -29,8 +29,12 @@ def slurm_launch(options: dict[str, Any], launch: Callable[[LaunchConfig], int])
             "--slurm runs as a task of an srun step, and SLURM_STEP_ID, SLURM_PROCID or SLURM_NTASKS is not set "
             "(run `srun --ntasks-per-node=1 paramplane launch --slurm -n N script.py`)"
         )
-    if options.get("world_size") is not None or options.get("coordinator") or options.get("standalone"):
-        raise ValueError("--slurm takes the world size and the coordinator from the job; drop --world-size")
+    if options.pop("world_size", None) is not None:
+        raise ValueError(
+            "--slurm takes the world size from the job (SLURM_NTASKS times -n); drop --world-size"
+        )
+    options.pop("coordinator", None)  # argparse: exclusive with --slurm
+    options.pop("standalone", None)
     num_tasks, node_index = int(step["world_size"].value), int(step["rank"].value)
     nodes = step.get("num_nodes")
     if nodes is not None and int(nodes.value) != num_tasks:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from paramplane.placement import FILE_RENDEZVOUS, first_host, resolve, slurm_port
@@ -164,3 +166,27 @@ def test_bad_host_list() -> None:
 def test_master_addr_wins_over_the_mpi_meeting_file() -> None:
     p = resolve({**OMPI, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29600"})
     assert p.coordinator and p.coordinator.value == "127.0.0.1:29600"
+
+
+def test_launch_slurm_outside_a_step(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from paramplane.launch import main
+
+    for name in list(os.environ):
+        if name.startswith("SLURM_"):
+            monkeypatch.delenv(name)
+    assert main(["--slurm", "-n", "2", __file__]) == 2
+    assert "SLURM_STEP_ID" in capsys.readouterr().err
+
+
+def test_launch_slurm_needs_one_task_per_node(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from paramplane.launch import main
+
+    for name, value in SLURM.items():
+        monkeypatch.setenv(name, value)
+    assert main(["--slurm", "-n", "2", __file__]) == 2
+    err = capsys.readouterr().err
+    assert "SLURM_NTASKS=4" in err and "SLURM_STEP_NUM_NODES=2" in err and "--ntasks-per-node=1" in err
