@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo test lint typecheck unit protos bench clean compose-demo test-compose test-py313 test-gpu test-mpi test-slurm
+.PHONY: install demo test lint typecheck unit protos bench clean compose-demo test-compose test-py313 test-gpu test-mpi test-slurm browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +31,13 @@ unit: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -m "not slurm"
 
 test: lint typecheck unit
+
+# Debian's chromium for tests/test_live_view.py's headless-browser check (root and apt only; that test skips
+# where no chromium can be found). .ci/run calls it as root; bounded to 10 minutes.
+browser:
+	command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+	  && DEBIAN_FRONTEND=noninteractive timeout 600 sh -c 'apt-get update -qq && apt-get install -y -qq chromium >/dev/null' \
+	  || echo "browser: chromium not installed (needs root and apt): the live view's browser test skips"; }
 
 # The gpu-marked tests on a machine with an NVIDIA GPU: installs the gpu extra (cupy, NCCL); torch must be a CUDA
 # build there. tests/test_gpu_stack.py fails (does not skip) where a GPU exists but cupy, NCCL or torch CUDA cannot run.

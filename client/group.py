@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from paramplane.node.arrays import array_module, device_of, from_foreign, is_cupy, to_host
+from paramplane.node.counters import RankCounters
 from paramplane.node.engine import SENT, GroupEngine, check_array
 from paramplane.node.errors import TransportError
 from paramplane.work import Work
@@ -52,6 +53,11 @@ class ProcessGroup:
     @property
     def timeout(self) -> float:
         return self._e.timeout_s
+
+    @property
+    def counters(self) -> RankCounters:
+        """This rank's counters for the coordinator's live view (bytes per transport, reports, commits)."""
+        return self._e.ctx.counters
 
     @property
     def tracer(self) -> Any:

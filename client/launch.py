@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -73,6 +74,9 @@ class LaunchConfig:
     coordinator's join timeout (``None``: their defaults)."""
     heartbeat_timeout_s: float | None = None
     """Embedded coordinator: silence after which a rank counts as dead (``None``: its default)."""
+    http_port: int | None = None
+    """Embedded coordinator: serve its live view (page, /metrics, /api/status) on this port of 127.0.0.1
+    (0: a free one); the address is printed. ``None``: no view."""
     prefix: bool = True
     """Each output line starts with ``[rank i] ``; ``--no-prefix`` (False) passes the ranks' output through untouched."""
     grace_s: float = 5.0
@@ -114,6 +118,8 @@ class LaunchConfig:
             )
         if not self.standalone and self.heartbeat_timeout_s is not None:
             raise ValueError("--heartbeat-timeout configures the --standalone coordinator only")
+        if not self.standalone and self.http_port is not None:
+            raise ValueError("--http-port configures the --standalone coordinator only")
         for name, value in (
             ("--timeout", self.timeout_s),
             ("--join-timeout", self.join_timeout_s),
@@ -238,6 +244,8 @@ def _embedded_coordinator(config: LaunchConfig, token: str | None) -> Coordinato
         settings = dataclasses.replace(settings, join_timeout_s=config.join_timeout_s)
     if config.heartbeat_timeout_s is not None:
         settings = dataclasses.replace(settings, heartbeat_timeout_s=config.heartbeat_timeout_s)
+    if config.http_port is not None:
+        settings = dataclasses.replace(settings, http_port=config.http_port)
     return CoordinatorThread(settings)
 
 
@@ -260,6 +268,10 @@ class Launcher:
         self._signal: int | None = None  # the first signal received
         self._num_signals = 0
         self._num_replacements = 0
+        self._token_generated = False
+        self._view_file: str | None = (
+            None  # holds the live view's URL with a made-up token (removed at the end)
+        )
         self._out = _binary_writer(sys.stdout)
         self._err = _binary_writer(sys.stderr)
         self._locks = (threading.Lock(), threading.Lock())
@@ -268,6 +280,7 @@ class Launcher:
         """Launch, wait, stop; return the launcher's exit status."""
         config = self.config
         token = resolve_token(config.token)
+        self._token_generated = token is None and config.standalone
         if token is None and config.standalone:
             token = secrets.token_hex(16)
         previous = self._install_signal_handlers()
@@ -294,6 +307,8 @@ class Launcher:
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+            if self._view_file is not None:
+                Path(self._view_file).unlink(missing_ok=True)
         if message is not None:
             with self._locks[1]:
                 self._err(f"paramplane launch: {message}\n".encode())
@@ -308,6 +323,8 @@ class Launcher:
             if config.standalone:
                 coordinator = _embedded_coordinator(config, token)
                 address = coordinator.start()
+                if coordinator.http_address is not None:
+                    self._announce_view(coordinator.http_address, token)
             else:
                 assert config.coordinator is not None
                 address = config.coordinator
@@ -330,6 +347,21 @@ class Launcher:
                 if coordinator is not None:
                     coordinator.stop(min(config.grace_s, 1.0))
         return code, message
+
+    def _announce_view(self, address: str, token: str | None) -> None:
+        """Print where the live view is; the URL with a token the launcher made up goes to a private file."""
+        line = f"paramplane launch: live view on http://{address}/"
+        if token is not None and self._token_generated:
+            if self._view_file is None:
+                fd, self._view_file = tempfile.mkstemp(prefix="paramplane-view-", suffix=".url")  # mode 0600
+                os.close(fd)
+            path = self._view_file
+            Path(path).write_text(f"http://{address}/?token={token}\n")
+            line += f" (the URL with this launch's token is in {path})"
+        elif token is not None:
+            line += " (add ?token=<the job token>)"
+        with self._locks[1]:
+            self._err(f"{line}\n".encode())
 
     def _abort_world(self, address: str, token: str | None, reason: str) -> None:
         """Abort the failed world on the coordinator, in the name of one of our ranks that was in it.
@@ -592,6 +624,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="S",
         help=doc["heartbeat_timeout_s"],
     )
+    add("--http-port", type=int, metavar="P", help=doc["http_port"])
     grace = default_of(LaunchConfig, "grace_s")
     add(
         "--grace",

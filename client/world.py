@@ -212,6 +212,12 @@ class World:
         label = name or f"world-{self._num_barriers}"
         self._rt.run(self._rt.coord.barrier(label, timeout_s=limit))
 
+    def report(self, *, step: int, loss: float | None = None, tokens: int = 0) -> None:
+        """Tell the coordinator's live view how training goes: the ``step`` just done, its ``loss`` and the
+        ``tokens`` this rank processed since its last report. Cheap (no RPC: the next heartbeat carries it);
+        the page charts the lowest reporting rank's loss and steps/s, and tokens/s summed over every rank."""
+        self._rt.counters.report(step, loss, tokens)
+
     def abort(self, reason: str, *, timeout: float = 30.0) -> None:
         """Abort the whole job: every rank's pending and later ops fail with WorldAborted."""
         self._rt.run(self._rt.coord.abort(reason), timeout=timeout)

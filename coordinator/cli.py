@@ -23,6 +23,8 @@ FIELD_FLAGS: list[tuple[str, str, type]] = [
     ("--heartbeat-timeout", "heartbeat_timeout_s", float),
     ("--heartbeat-interval", "heartbeat_interval_s", float),
     ("--progress-timeout", "progress_timeout_s", float),
+    ("--http-port", "http_port", int),
+    ("--http-host", "http_host", str),
 ]
 
 
@@ -42,6 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tls-cert", type=Path, help=docs["tls_cert"] + " (a PEM file, with --tls-key)")
     p.add_argument("--tls-key", type=Path, help=docs["tls_key"] + " (a PEM file, with --tls-cert)")
+    p.add_argument("--http-public", action="store_true", help=docs["http_public"])
     p.add_argument("--port-file", type=Path, help="write the bound port to this file once listening")
     p.add_argument(
         "--grace", type=float, default=1.0, help="seconds in-flight calls get on shutdown (default 1)"
@@ -68,6 +71,7 @@ def _config(args: argparse.Namespace) -> CoordinatorConfig:
         token=token,
         tls_cert=args.tls_cert.read_bytes() if args.tls_cert else None,
         tls_key=args.tls_key.read_bytes() if args.tls_key else None,
+        http_public=args.http_public,
         **{name: getattr(args, flag[2:].replace("-", "_")) for flag, name, _ in FIELD_FLAGS},
     )
 
@@ -85,6 +89,8 @@ async def _serve(config: CoordinatorConfig, port_file: Path | None, grace: float
             f"paramplane coordinator listening on {server.address} (world size {config.world_size})",
             flush=True,
         )
+        if server.http_address is not None:
+            print(f"paramplane coordinator live view on http://{server.http_address}/", flush=True)
         await stop.wait()
     finally:
         await server.stop(grace)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -43,6 +43,20 @@ class Joiner:
     rank_hint: int = -1
     world_size: int = 0
     pid: int = 0
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """A rank's cumulative counters, as its heartbeats carry them (see ``RankStats`` in coordinator.proto)."""
+
+    bytes_by_transport: Mapping[str, int] = field(default_factory=dict)
+    ops_by_transport: Mapping[str, int] = field(default_factory=dict)
+    reported: bool = False
+    step: int = 0
+    loss: float = 0.0
+    tokens: int = 0
+    num_checkpoint_commits: int = 0
+    checkpoint_commit_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from paramplane.coordinator.http import HttpView
 from paramplane.coordinator.service import CoordinatorService
 from paramplane.coordinator.state import MAX_VALUE_BYTES, CoordinatorState
 from paramplane.protos import coordinator_pb2_grpc as pb_grpc
@@ -49,6 +50,14 @@ class CoordinatorConfig:
     """How long a rank may lag behind its peers on a group without progress; 0 turns the watchdog off."""
     max_message_bytes: int = 16 * 1024 * 1024
     """Largest gRPC message sent or received."""
+    http_port: int | None = None
+    """Serve the live view (``/`` page, ``/metrics``, ``/api/status``) on this TCP port; 0 picks a free one,
+    None serves none."""
+    http_host: str | None = None
+    """Interface the live view binds (None: ``host``); anything but loopback needs a token."""
+    http_public: bool = False
+    """Serve the live view without the token (it only reads); refused on an interface other than loopback
+    when the job has no token."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -74,6 +83,18 @@ class CoordinatorConfig:
             )
         if not is_loopback(self.host) and not self.token:
             raise ValueError(f"refusing to bind {self.host} without a token; pass --token-file")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in 0..65535 (or None), got {self.http_port}")
+        if self.http_port is not None and not is_loopback(self.view_host) and not self.token:
+            raise ValueError(
+                f"refusing to serve the HTTP view on {self.view_host} without a token (even with --http-public): "
+                "pass --token-file, or bind it to 127.0.0.1"
+            )
+
+    @property
+    def view_host(self) -> str:
+        """The interface the live view binds."""
+        return self.http_host if self.http_host is not None else self.host
 
 
 class CoordinatorServer:
@@ -93,6 +114,7 @@ class CoordinatorServer:
         self._service = service
         self._health = health_servicer
         self._stopped = False
+        self.view: HttpView | None = None
 
     @classmethod
     async def start(cls, config: CoordinatorConfig) -> CoordinatorServer:
@@ -135,6 +157,15 @@ class CoordinatorServer:
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         self = cls(config, server, port, service, health_servicer)
+        if config.http_port is not None:
+            view = HttpView(service.status, token=config.token, public=config.http_public)
+            try:
+                await view.start(config.view_host, config.http_port)
+            except OSError:
+                await self.stop(0)
+                raise
+            self.view = view
+            log.info("live view on http://%s/", view.address)
         log.info(
             "coordinator listening on %s (world size %d%s)",
             self.address,
@@ -152,11 +183,18 @@ class CoordinatorServer:
         """host:port to give to ranks (PARAMPLANE_COORDINATOR)."""
         return host_port(self.config.host, self._port)
 
+    @property
+    def http_address(self) -> str | None:
+        """host:port of the live view (None when it is off)."""
+        return self.view.address if self.view is not None else None
+
     async def stop(self, grace: float = 1.0) -> None:
         """Tell watchers SHUTDOWN, fail waiting calls, then stop serving within ``grace`` seconds."""
         if self._stopped:
             return
         self._stopped = True
+        if self.view is not None:
+            await self.view.stop()
         await self._health.enter_graceful_shutdown()
         self._service.shutdown()
         try:
@@ -181,6 +219,8 @@ class CoordinatorThread:
         self._stop_requested: asyncio.Event | None = None
         self._grace = 1.0
         self._address = ""
+        self.http_address: str | None = None
+        """host:port of the live view once started (None when it is off)."""
 
     @property
     def address(self) -> str:
@@ -210,6 +250,7 @@ class CoordinatorThread:
         self._loop = asyncio.get_running_loop()
         self._stop_requested = asyncio.Event()
         self._address = server.address
+        self.http_address = server.http_address
         self._ready.set()
         try:
             await self._stop_requested.wait()

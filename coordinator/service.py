@@ -21,6 +21,7 @@ from paramplane.coordinator.state import CoordinatorState
 from paramplane.protos import coordinator_pb2 as pb
 from paramplane.protos import coordinator_pb2_grpc as pb_grpc
 from paramplane.protos.auth import ABORT_RANK_METADATA_KEY, LEFT_RANK_METADATA_KEY, MISMATCH_METADATA_KEY
+from paramplane.protos.stats import stats_of
 
 log = logging.getLogger("paramplane.coordinator")
 
@@ -260,10 +261,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> pb.HeartbeatResponse:
         progress = {p.group: (p.issued, p.completed) for p in request.progress}
+        stats = stats_of(request.stats) if request.HasField("stats") else None
         abort = await self._guard(
             context,
             self._sync(
-                lambda: self._state.heartbeat(request.epoch, request.rank, progress, time.monotonic())
+                lambda: self._state.heartbeat(request.epoch, request.rank, progress, time.monotonic(), stats)
             ),
         )
         if abort is None:
@@ -299,13 +301,20 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         )
         return pb.AbortResponse()
 
-    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
-        status = await self._sync(lambda: self._state.status(time.monotonic()))
+    def status(self) -> pb.StatusResponse:
+        """The world now, as ``paramplane status`` and the live view show it."""
+        status = self._state.status(time.monotonic())
         return pb.StatusResponse(
             ranks=[pb.RankStatus(**r) for r in status.pop("ranks", [])],
             groups=[pb.GroupStatus(**g) for g in status.pop("groups", [])],
+            history=[pb.ReportPoint(**p) for p in status.pop("history", [])],
+            heartbeat_interval_s=self._heartbeat_interval_s,
+            heartbeat_timeout_s=self._heartbeat_timeout_s,
             **status,
         )
+
+    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
+        return self.status()
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
         await self._guard(context, self._sync(lambda: self._state.leave(request.epoch, request.rank)))

@@ -21,10 +21,12 @@ from paramplane.coordinator.model import (
     Event,
     EventKind,
     Joiner,
+    RankStats,
     Resolution,
     StateError,
     assign_ranks,
 )
+from paramplane.coordinator.stats import JobStats
 from paramplane.protos.net import check_seconds
 
 MAX_KEY_BYTES = 1024
@@ -77,6 +79,10 @@ class _World:
     left: set[int] = field(default_factory=set)
     progress: dict[str, dict[int, _Progress]] = field(default_factory=dict)  # group -> rank -> progress
     abort: Event | None = None
+    stats: JobStats = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stats = JobStats(len(self.joiners))
 
 
 class CoordinatorState:
@@ -109,6 +115,10 @@ class CoordinatorState:
         self._barriers: dict[str, _Barrier] = {}
         self._waits: dict[int, _Wait] = {}
         self._effects = Effects()
+        self.num_aborts = 0
+        self.num_restarts = 0
+        self.num_reforms = 0
+        self._previous_processes: set[tuple[str, int]] = set()  # (host, pid) of the aborted world's ranks
 
     # -- plumbing ---------------------------------------------------------------------------------
     def take_effects(self) -> Effects:
@@ -137,6 +147,9 @@ class CoordinatorState:
             "world_size": self.world_size,
             "num_waiting": len(self._pending),
             "formed": self.world is not None,
+            "num_aborts": self.num_aborts,
+            "num_restarts": self.num_restarts,
+            "num_reforms": self.num_reforms,
         }
         w = self.world
         if w is None:
@@ -151,9 +164,12 @@ class CoordinatorState:
                 "pid": j.pid,
                 "since_heartbeat_s": (now - seen) if (seen := w.last_seen[r]) is not None else -1.0,
                 "left": r in w.left,
+                "stats": w.stats.rank_dict(r),
             }
             for r, j in enumerate(w.joiners)
         ]
+        out["steps_per_s"], out["tokens_per_s"] = w.stats.rates(now)
+        out["history"] = w.stats.history(now)
         out["groups"] = [
             {
                 "group": g,
@@ -220,6 +236,8 @@ class CoordinatorState:
         world; calls that still name the old epoch are refused ("join again").
         """
         self.epoch += 1
+        if self.world is not None and self.world.abort is not None:
+            self._previous_processes = {(j.host_id, j.pid) for j in self.world.joiners}
         self.world = None
         self._kv.clear()
         self._kv_bytes = 0
@@ -236,6 +254,12 @@ class CoordinatorState:
         members = assign_ranks([p.joiner for p in pending], self.epoch, self._new_job_id())
         joiners = sorted((p.joiner for p in pending), key=lambda j: members[j.instance_id].rank)
         self.world = _World(members, tuple(joiners), now, [None] * self.world_size)
+        if self._previous_processes:
+            if self._previous_processes.intersection((j.host_id, j.pid) for j in joiners):
+                self.num_reforms += 1
+            else:
+                self.num_restarts += 1
+            self._previous_processes = set()
         for p in pending:
             self._resolve(p.waiter, members[p.joiner.instance_id])
         self._effects.formed = tuple(sorted(members.values(), key=lambda a: a.rank))
@@ -428,10 +452,15 @@ class CoordinatorState:
 
     # -- liveness ---------------------------------------------------------------------------------
     def heartbeat(
-        self, epoch: int, rank: int, progress: Mapping[str, tuple[int, int]], now: float
+        self,
+        epoch: int,
+        rank: int,
+        progress: Mapping[str, tuple[int, int]],
+        now: float,
+        stats: RankStats | None = None,
     ) -> Event | None:
-        """Record that ``rank`` is alive and its (issued, completed) per group; answers the world's abort (the
-        event its watchers get), or None."""
+        """Record that ``rank`` is alive, its (issued, completed) per group and its counters; answers the world's
+        abort (the event its watchers get), or None."""
         world = self.member(epoch, rank, allow_aborted=True)
         if world.abort is not None:
             return world.abort
@@ -447,6 +476,8 @@ class CoordinatorState:
             old = per_rank.get(rank)
             if old is None or (old.issued, old.completed) != (issued, completed):
                 per_rank[rank] = _Progress(issued, completed, now)
+        if stats is not None:
+            world.stats.update(rank, stats, now)
         return None
 
     def leave(self, epoch: int, rank: int) -> None:
@@ -483,6 +514,7 @@ class CoordinatorState:
 
     def _abort(self, world: _World, rank: int, reason: str, *, lost: bool = False) -> None:
         world.abort = Event(EventKind.ABORT, self.epoch, rank, reason, lost)
+        self.num_aborts += 1
         self._effects.events.append(world.abort)
         error = self._aborted_error(world.abort)
         for waiter in self._waits:

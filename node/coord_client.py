@@ -17,6 +17,7 @@ from typing import cast
 
 import grpc
 
+from paramplane.coordinator.model import RankStats
 from paramplane.node.errors import (
     AuthError,
     CollectiveMismatch,
@@ -39,6 +40,7 @@ from paramplane.protos.auth import (
     token_metadata,
 )
 from paramplane.protos.net import check_seconds, parse_address
+from paramplane.protos.stats import stats_pb
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # Trailing metadata set by the coordinator (coordinator/server.py uses the same keys).
@@ -329,14 +331,17 @@ class CoordinatorClient:
         )
         await self._wait("barrier", self._stub.Barrier, request, timeout_s + WAIT_MARGIN_S)
 
-    async def heartbeat(self, progress: Mapping[str, tuple[int, int]]) -> WatchEventInfo | None:
-        """Report liveness and (issued, completed) per group; answers the world's abort (as the watch stream
-        tells it) or None."""
+    async def heartbeat(
+        self, progress: Mapping[str, tuple[int, int]], stats: RankStats | None = None
+    ) -> WatchEventInfo | None:
+        """Report liveness, (issued, completed) per group and this rank's counters; answers the world's abort
+        (as the watch stream tells it) or None."""
         m = self._member()
         request = pb.HeartbeatRequest(
             epoch=m.epoch,
             rank=m.rank,
             progress=[pb.GroupProgress(group=g, issued=i, completed=c) for g, (i, c) in progress.items()],
+            stats=stats_pb(stats) if stats is not None else None,
         )
         response = await self._call("heartbeat", self._stub.Heartbeat, request)
         assert isinstance(response, pb.HeartbeatResponse)

@@ -19,6 +19,7 @@ import numpy as np
 
 from paramplane.node.actor import OpActor
 from paramplane.node.arrays import array_module, dtype_name, is_cupy, is_device, to_host
+from paramplane.node.counters import RankCounters
 from paramplane.node.errors import DeviceCommError, PeerLost, PlaneError
 from paramplane.node.spec import OpSpec, check_reduce_op, split_bounds
 from paramplane.node.transports.base import Bounds, Comm, Transport
@@ -38,6 +39,7 @@ class PlaneContext(TransportContext, Protocol):
     """What a group needs from its node runtime."""
 
     tracer: Tracer | None
+    counters: RankCounters
 
     def new_group(self, ranks: Sequence[int], timeout_s: float | None = None) -> GroupEngine: ...
 
@@ -140,7 +142,9 @@ class GroupEngine:
             self.check()
             start = time.monotonic()
             try:
-                return body(seq)
+                result = body(seq)
+                self.ctx.counters.count_op(self._traced(transport), nbytes)
+                return result
             except PlaneError as exc:
                 cause = self._failed(exc)
                 if cause is not exc:
@@ -199,8 +203,9 @@ class GroupEngine:
             return started["spec"]
 
         def trace(moved: Any) -> None:
+            nbytes = int(moved.nbytes) if moved is not None else 0
+            self.ctx.counters.count_op(self._traced("grpc"), nbytes)
             if self.ctx.tracer is not None and started:
-                nbytes = int(moved.nbytes) if moved is not None else 0
                 seq = started["spec"].seq
                 self.ctx.tracer.record(
                     name, self.name, seq, nbytes, started["at"], time.monotonic(), self._traced("grpc")
@@ -266,6 +271,7 @@ class GroupEngine:
         seq, rest = sent
 
         def trace(moved: Any) -> None:
+            self.ctx.counters.count_op(self._traced("grpc"), int(moved.nbytes))
             if tracer is not None:
                 tracer.record(
                     "send", self.name, seq, int(moved.nbytes), start, time.monotonic(), self._traced("grpc")
@@ -291,6 +297,7 @@ class GroupEngine:
             raise self._failed(exc) from None
         if got is None:
             return None
+        self.ctx.counters.count_op(self._traced("grpc"), int(got[1].nbytes))
         if tracer is not None:
             tracer.record(
                 "recv", self.name, got[0], int(got[1].nbytes), start, time.monotonic(), self._traced("grpc")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paramplane.node.coord_client import CoordinatorClient, Membership, WatchEventInfo
+from paramplane.node.counters import RankCounters
 from paramplane.node.engine import GroupEngine, Tracer
 from paramplane.node.errors import CoordinatorUnavailable, PeerLost, PlaneClosed, PlaneError, WorldAborted
 from paramplane.node.loop import LoopThread
@@ -144,6 +145,7 @@ class NodeRuntime:
         self.transport: TransportPolicy = config.transport
         self.shm_slot_bytes = slot_bytes(config.shm_slot_mb)
         self.tracer = config.tracer
+        self.counters = RankCounters()
         self.aborted = threading.Event()
         self._abort_exc: PlaneError | None = None
         self._groups: dict[str, GroupEngine] = {}
@@ -220,7 +222,7 @@ class NodeRuntime:
         Raises PlaneError or TimeoutError when the coordinator does not answer."""
         progress = {name: g.progress() for name, g in list(self._groups.items())}
         try:
-            abort = await asyncio.wait_for(self.coord.heartbeat(progress), timeout)
+            abort = await asyncio.wait_for(self.coord.heartbeat(progress, self.counters.snapshot()), timeout)
         except (WorldAborted, PeerLost) as exc:
             self._abort(exc)
             return

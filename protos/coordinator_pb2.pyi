@@ -449,26 +449,119 @@ class GroupProgress(_message.Message):
 Global___GroupProgress: _TypeAlias = GroupProgress  # noqa: Y015
 
 @_typing.final
+class RankStats(_message.Message):
+    """A rank's counters, sent with every heartbeat (cumulative since the rank joined; no per-op RPC)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class BytesByTransportEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class OpsByTransportEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    BYTES_BY_TRANSPORT_FIELD_NUMBER: _builtins.int
+    OPS_BY_TRANSPORT_FIELD_NUMBER: _builtins.int
+    REPORTED_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    LOSS_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_CHECKPOINT_COMMITS_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_COMMIT_S_FIELD_NUMBER: _builtins.int
+    reported: _builtins.bool
+    """What the job reported last (World.report); reported is false until it reports."""
+    step: _builtins.int
+    loss: _builtins.float
+    tokens: _builtins.int
+    """Tokens this rank processed in total (the sum of World.report's tokens)."""
+    num_checkpoint_commits: _builtins.int
+    """Checkpoints this rank committed (group rank 0 of a save) and the seconds those saves took in total."""
+    checkpoint_commit_s: _builtins.float
+    @_builtins.property
+    def bytes_by_transport(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Payload bytes and ops of this rank's collectives and messages, by transport (shm, lane, unix, grpc, nccl)."""
+
+    @_builtins.property
+    def ops_by_transport(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        bytes_by_transport: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        ops_by_transport: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        reported: _builtins.bool = ...,
+        step: _builtins.int = ...,
+        loss: _builtins.float = ...,
+        tokens: _builtins.int = ...,
+        num_checkpoint_commits: _builtins.int = ...,
+        checkpoint_commit_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_by_transport", b"bytes_by_transport", "checkpoint_commit_s", b"checkpoint_commit_s", "loss", b"loss", "num_checkpoint_commits", b"num_checkpoint_commits", "ops_by_transport", b"ops_by_transport", "reported", b"reported", "step", b"step", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RankStats: _TypeAlias = RankStats  # noqa: Y015
+
+@_typing.final
 class HeartbeatRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     EPOCH_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     PROGRESS_FIELD_NUMBER: _builtins.int
+    STATS_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     rank: _builtins.int
     @_builtins.property
     def progress(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupProgress]: ...
+    @_builtins.property
+    def stats(self) -> Global___RankStats: ...
     def __init__(
         self,
         *,
         epoch: _builtins.int = ...,
         rank: _builtins.int = ...,
         progress: _abc.Iterable[Global___GroupProgress] | None = ...,
+        stats: Global___RankStats | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "progress", b"progress", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "progress", b"progress", "rank", b"rank", "stats", b"stats"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -689,6 +782,7 @@ class RankStatus(_message.Message):
     SINCE_HEARTBEAT_S_FIELD_NUMBER: _builtins.int
     LEFT_FIELD_NUMBER: _builtins.int
     PID_FIELD_NUMBER: _builtins.int
+    STATS_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     host_id: _builtins.str
     address: _builtins.str
@@ -696,6 +790,8 @@ class RankStatus(_message.Message):
     """negative: no heartbeat yet"""
     left: _builtins.bool
     pid: _builtins.int
+    @_builtins.property
+    def stats(self) -> Global___RankStats: ...
     def __init__(
         self,
         *,
@@ -705,10 +801,11 @@ class RankStatus(_message.Message):
         since_heartbeat_s: _builtins.float = ...,
         left: _builtins.bool = ...,
         pid: _builtins.int = ...,
+        stats: Global___RankStats | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "host_id", b"host_id", "left", b"left", "pid", b"pid", "rank", b"rank", "since_heartbeat_s", b"since_heartbeat_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "host_id", b"host_id", "left", b"left", "pid", b"pid", "rank", b"rank", "since_heartbeat_s", b"since_heartbeat_s", "stats", b"stats"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -766,6 +863,14 @@ class StatusResponse(_message.Message):
     ABORT_REASON_FIELD_NUMBER: _builtins.int
     ABORT_RANK_FIELD_NUMBER: _builtins.int
     FORMED_S_AGO_FIELD_NUMBER: _builtins.int
+    NUM_ABORTS_FIELD_NUMBER: _builtins.int
+    NUM_RESTARTS_FIELD_NUMBER: _builtins.int
+    NUM_REFORMS_FIELD_NUMBER: _builtins.int
+    STEPS_PER_S_FIELD_NUMBER: _builtins.int
+    TOKENS_PER_S_FIELD_NUMBER: _builtins.int
+    HISTORY_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     job_id: _builtins.str
     world_size: _builtins.int
@@ -776,10 +881,27 @@ class StatusResponse(_message.Message):
     abort_reason: _builtins.str
     abort_rank: _builtins.int
     formed_s_ago: _builtins.float
+    num_aborts: _builtins.int
+    """Worlds that aborted, and worlds formed again after one: by the same processes (reforms) or new ones
+    (restarts), over this coordinator's life.
+    """
+    num_restarts: _builtins.int
+    num_reforms: _builtins.int
+    steps_per_s: _builtins.float
+    """Training rate from World.report (0 until the job reports twice): steps/s of the lowest reporting rank,
+    tokens/s summed over every rank, both over the last ~10 s.
+    """
+    tokens_per_s: _builtins.float
+    heartbeat_interval_s: _builtins.float
+    heartbeat_timeout_s: _builtins.float
     @_builtins.property
     def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankStatus]: ...
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupStatus]: ...
+    @_builtins.property
+    def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReportPoint]:
+        """The last reports of the lowest reporting rank, oldest first (at most one per heartbeat, bounded)."""
+
     def __init__(
         self,
         *,
@@ -794,11 +916,48 @@ class StatusResponse(_message.Message):
         abort_reason: _builtins.str = ...,
         abort_rank: _builtins.int = ...,
         formed_s_ago: _builtins.float = ...,
+        num_aborts: _builtins.int = ...,
+        num_restarts: _builtins.int = ...,
+        num_reforms: _builtins.int = ...,
+        steps_per_s: _builtins.float = ...,
+        tokens_per_s: _builtins.float = ...,
+        history: _abc.Iterable[Global___ReportPoint] | None = ...,
+        heartbeat_interval_s: _builtins.float = ...,
+        heartbeat_timeout_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_rank", b"abort_rank", "abort_reason", b"abort_reason", "aborted", b"aborted", "epoch", b"epoch", "formed", b"formed", "formed_s_ago", b"formed_s_ago", "groups", b"groups", "job_id", b"job_id", "num_waiting", b"num_waiting", "ranks", b"ranks", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_rank", b"abort_rank", "abort_reason", b"abort_reason", "aborted", b"aborted", "epoch", b"epoch", "formed", b"formed", "formed_s_ago", b"formed_s_ago", "groups", b"groups", "heartbeat_interval_s", b"heartbeat_interval_s", "heartbeat_timeout_s", b"heartbeat_timeout_s", "history", b"history", "job_id", b"job_id", "num_aborts", b"num_aborts", "num_reforms", b"num_reforms", "num_restarts", b"num_restarts", "num_waiting", b"num_waiting", "ranks", b"ranks", "steps_per_s", b"steps_per_s", "tokens_per_s", b"tokens_per_s", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatusResponse: _TypeAlias = StatusResponse  # noqa: Y015
+
+@_typing.final
+class ReportPoint(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    S_AGO_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    LOSS_FIELD_NUMBER: _builtins.int
+    TOKENS_PER_S_FIELD_NUMBER: _builtins.int
+    s_ago: _builtins.float
+    """seconds before this status"""
+    step: _builtins.int
+    loss: _builtins.float
+    tokens_per_s: _builtins.float
+    def __init__(
+        self,
+        *,
+        s_ago: _builtins.float = ...,
+        step: _builtins.int = ...,
+        loss: _builtins.float = ...,
+        tokens_per_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["loss", b"loss", "s_ago", b"s_ago", "step", b"step", "tokens_per_s", b"tokens_per_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportPoint: _TypeAlias = ReportPoint  # noqa: Y015

@@ -100,6 +100,8 @@ say "base image: $PARAMPLANE_BASE_IMAGE"
 compose build >"$LOG" 2>&1 || { tail -40 "$LOG" >&2; exit 1; }
 # The coordinator first (compose v1 may otherwise recreate it while the nodes start), then the nodes.
 compose up -d coordinator >>"$LOG" 2>&1 || { tail -30 "$LOG" >&2; exit 1; }
+view=$(compose port coordinator 8080 2>/dev/null | tail -1 || true)
+[ -z "$view" ] || say "live view: http://$view/?token=<the token in .compose/token> (also /metrics, /api/status)"
 if [ "$MODE" = demo ]; then
   compose up --no-recreate --abort-on-container-exit --exit-code-from node-a node-a node-b
   exit $?

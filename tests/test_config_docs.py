@@ -67,7 +67,9 @@ def test_coordinator_flags_come_from_its_config_dataclass(monkeypatch: pytest.Mo
         assert docs[name] in help_text, name
     by_file = {"token", "tls_cert", "tls_key"}  # --token-file, --tls-cert, --tls-key read files
     internal = {"max_message_bytes"}
-    covered = {name for _f, name, _k in cli.FIELD_FLAGS} | {"world_size"} | by_file | internal
+    switches = {"http_public"}  # --http-public (store_true)
+    assert docs["http_public"] in help_text
+    covered = {name for _f, name, _k in cli.FIELD_FLAGS} | {"world_size"} | by_file | internal | switches
     assert {f.name for f in dataclasses.fields(CoordinatorConfig)} == covered
     assert set(docs) >= covered - internal
 

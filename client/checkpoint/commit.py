@@ -74,6 +74,7 @@ def _write_and_commit(job: _SaveJob, errors: list[BaseException], tracer: Any) -
         )
         if rank == 0:
             _commit(job)
+            job.group.counters.checkpoint_committed(time.monotonic() - start)
         else:
             what = "the checkpoint's commit by group rank 0"
             _await(job.target / MANIFEST, job.target, job.save_id, job.deadline, what, job.group)
