@@ -19,7 +19,6 @@ from urllib.parse import parse_qs, urlsplit
 
 from google.protobuf.json_format import MessageToDict
 
-from paramplane.coordinator.metrics import metrics_text
 from paramplane.protos import coordinator_pb2 as pb
 from paramplane.protos.net import host_port
 
@@ -160,6 +159,10 @@ class HttpView:
         try:
             message = self._status()
             if path == "/metrics":
+                # prometheus_client only where /metrics is scraped (a venv made before it was a dependency still
+                # runs coordinators).
+                from paramplane.coordinator.metrics import metrics_text
+
                 return (
                     200,
                     {"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
