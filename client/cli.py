@@ -25,7 +25,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "paramplane.placement",
     ),
     "demo": (
-        "the main job: DDP (or --fsdp) training on 4 local ranks (scikit-learn digits); --torch: a GPT",
+        "the main job: DDP (or --fsdp) training on 4 local ranks (scikit-learn digits); --torch: a GPT; "
+        "--diloco: DiLoCo across 2 emulated hosts",
         "paramplane.demo",
     ),
     "bench": ("run a benchmark from benchmarks/ (`paramplane bench` lists them)", "paramplane.bench"),

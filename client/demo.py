@@ -9,6 +9,10 @@ and saves the loss curve; the demo prints where.
 GPT-2 when installed) under FSDP full_shard with torch's AdamW, clipping and bfloat16 autocast, saving a
 checkpoint to ``--out``/gpt_checkpoints every ``--checkpoint-every`` steps; ``--resume`` continues from
 the newest one.
+
+``--diloco`` runs ``examples/train_diloco.py`` on two emulated hosts of 2 ranks each (an embedded
+coordinator and one ``paramplane launch`` per host, each with its own host id): FSDP inside a host,
+``pp.DiLoCo`` across the hosts every ``--sync-every`` steps; numpy only.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ EXAMPLES = Path(importlib.import_module("paramplane.examples").__file__ or "").r
 EXAMPLE = EXAMPLES / "train_ddp.py"
 FSDP_EXAMPLE = EXAMPLES / "train_fsdp.py"
 TORCH_EXAMPLE = EXAMPLES / "train_gpt.py"
+DILOCO_EXAMPLE = EXAMPLES / "train_diloco.py"
 DEMO_MODULES = ("sklearn", "tqdm", "matplotlib")
 """What the DDP/FSDP demo's examples import beyond paramplane (the ``demo`` extra)."""
 DEMO_HINT = "pip install 'paramplane[demo]' (scikit-learn's digits, tqdm, matplotlib)"
@@ -62,7 +67,17 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="train a small torch GPT with FSDP, AdamW and checkpoints (examples/train_gpt.py)",
     )
-    parser.add_argument("--steps", type=int, default=40, help="--torch: train up to this step (default 40)")
+    parser.add_argument(
+        "--diloco",
+        action="store_true",
+        help="FSDP inside 2 emulated hosts, DiLoCo across them (examples/train_diloco.py)",
+    )
+    parser.add_argument(
+        "--sync-every", type=int, default=20, help="--diloco: inner steps between syncs (default 20)"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None, help="--torch: train up to this step (default 40); --diloco: 200"
+    )
     parser.add_argument(
         "--checkpoint-every", type=int, default=10, help="--torch: steps between checkpoints (default 10)"
     )
@@ -84,12 +99,20 @@ def main(argv: list[str] | None = None) -> int:
         return exit_.code if isinstance(exit_.code, int) else 2
     if args.world_size is None:
         args.world_size = 2 if args.torch else 4
-    if min(args.epochs, args.world_size, args.steps, args.checkpoint_every) < 1 or not args.timeout > 0:
+    if args.steps is None:
+        args.steps = 200 if args.diloco else 40
+    numbers = (args.epochs, args.world_size, args.steps, args.checkpoint_every, args.sync_every)
+    if min(numbers) < 1 or not args.timeout > 0:
         print(
-            "paramplane demo: --epochs, --world-size, --steps, --checkpoint-every and --timeout must be positive",
+            "paramplane demo: --epochs, --world-size, --steps, --checkpoint-every, --sync-every and --timeout "
+            "must be positive",
             file=sys.stderr,
         )
         return 2
+    if args.diloco:
+        from paramplane.demo_diloco import run
+
+        return run(args.steps, args.sync_every, args.timeout)
     if args.torch:
         return _torch_demo(args)
     missing = [m for m in DEMO_MODULES if importlib.util.find_spec(m) is None]

@@ -122,3 +122,19 @@ def test_demo_without_the_demo_extra_says_what_to_install_in_one_line(
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and missing in err and "paramplane[demo]" in err, err
     assert not started
+
+
+def test_demo_diloco_trains_on_two_emulated_hosts_and_syncs_every_h_steps() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "paramplane.demo", "--diloco", "--steps", "60", "--sync-every", "20"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "2 hosts x 2 ranks; DiLoCo(sync_every=20" in proc.stdout, proc.stdout
+    losses = {int(s): float(v) for s, v in re.findall(r"step (\d+): loss (\d+\.\d+)", proc.stdout)}
+    assert sorted(losses) == [20, 40, 60], proc.stdout  # one line per sync
+    assert losses[60] < losses[20], losses
+    sent = re.search(r"sent ~(\d+) kB .* every step: ~(\d+) kB", proc.stdout)
+    assert sent and int(sent.group(2)) == pytest.approx(20 * int(sent.group(1)), rel=0.05), proc.stdout
