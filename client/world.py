@@ -174,17 +174,7 @@ class World:
         """Make this rank's GPU (``local_rank`` modulo the visible devices) cupy's current device
         and return its id. Call it before creating cupy arrays, like ``torch.cuda.set_device``.
         Where a host runs more ranks than it has GPUs, ranks share them (see README, GPUs)."""
-        from paramplane.node.arrays import cupy_module
-        from paramplane.node.transports.nccl import share_gpu_env
-
-        cupy = cupy_module()
-        if cupy is None:
-            raise RuntimeError("use_gpu needs cupy and a CUDA device: pip install 'paramplane[gpu]'")
-        num_devices = int(cupy.cuda.runtime.getDeviceCount())
-        share_gpu_env(self._rt.topology, self.rank, num_devices)
-        device = self.local_rank % num_devices
-        cupy.cuda.Device(device).use()
-        return device
+        return self._rt.use_gpu()
 
     def new_group(self, ranks: Sequence[int], *, timeout: float | None = None) -> ProcessGroup | None:
         """A group of global ``ranks``; returns None on ranks that are not members.

@@ -1,28 +1,32 @@
-"""One process group's engine: ordering, failure state, deadlines, and running each op on its transport.
+"""One process group's engine: argument checks, issue order, failure state, deadlines, and running each op
+on the transport the factory picks.
 
-Every collective is checked before any communication (in the client), given the next
-sequence number by the group's actor and run on the transport the factory picks from its
-table (``node/transports/factory.py``). The engine stages device arrays through host
-memory for host transports and applies ``mean`` once, after any transport. After a failure
-the group stays failed: later ops raise the same error at once.
+Every op is one call here: its arguments are checked (``ValueError``, before any communication), its
+transport is picked once from the factory's table (``node/transports/factory.py``), and it runs in issue
+order on the group's actor (inline when nothing is queued) through ``node/collective_ops.py``, which stages
+device arrays through host memory for host transports and applies ``mean`` once. After a failure the
+group stays failed: later ops raise the same error at once. ``ProcessGroup`` (``client/group.py``) is the
+user-facing layer over this: foreign tensors, ``Work`` handles, asyncio forms.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import threading
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from paramplane.node import collective_ops
 from paramplane.node.actor import OpActor
-from paramplane.node.arrays import array_module, dtype_name, is_cupy, is_device, to_host
+from paramplane.node.arrays import array_module, dtype_name, is_cupy
+from paramplane.node.checks import check_array, check_chunks, check_out, check_reduce
 from paramplane.node.counters import RankCounters
+from paramplane.node.engine_p2p import SENT, PointToPointOps
 from paramplane.node.errors import DeviceCommError, PeerLost, PlaneError
-from paramplane.node.spec import OpSpec, check_reduce_op, split_bounds
-from paramplane.node.transports.base import Bounds, Comm, Transport
+from paramplane.node.spec import OpSpec, split_bounds
 from paramplane.node.transports.factory import TransportContext, TransportFactory
 
 T = TypeVar("T")
@@ -48,51 +52,14 @@ class PlaneContext(TransportContext, Protocol):
     def cause_of_peer_lost(self, exc: PeerLost) -> PlaneError: ...
 
 
-def check_array(x: Any, what: str = "x", *, writable: bool = True) -> None:
-    """ValueError for anything the plane cannot move in place."""
-    if not (isinstance(x, np.ndarray) or is_device(x)):
-        raise ValueError(f"{what} must be a numpy or cupy array, got {type(x).__name__}")
-    dtype_name(x.dtype)
-    if not x.flags.c_contiguous:
-        raise ValueError(
-            f"{what} is not C-contiguous: pass np.ascontiguousarray({what}) (collectives work in place)"
-        )
-    # cupy arrays are always writable and their flags have no `writeable`.
-    if writable and isinstance(x, np.ndarray) and not x.flags.writeable:
-        raise ValueError(f"{what} is read-only: collectives write their result into it; pass a writable copy")
+_BARRIER_TOKEN = np.empty(0, np.uint8)
 
 
-class _Staged:
-    """``x`` as the comm takes it: itself (host comm and numpy, or a device comm) or a host copy."""
+class GroupEngine(PointToPointOps):
+    """The collectives of one group of global ``ranks`` as seen by rank ``ctx.rank``.
 
-    def __init__(self, x: Any, comm: Comm, *, copy_in: bool = True) -> None:
-        self.x = x
-        self.staged = is_device(x) and not comm.device
-        if self.staged:
-            self.arr = to_host(x) if copy_in else np.empty(x.shape, x.dtype)
-        else:
-            self.arr = x
-        self.flat = self.arr.reshape(-1)
-
-    def write_back(self) -> None:
-        if self.staged:
-            self.x[...] = array_module(self.x).asarray(self.arr)
-
-
-def _settled(result: Any = None, exc: BaseException | None = None) -> concurrent.futures.Future[Any]:
-    fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(result)
-    return fut
-
-
-SENT = _settled()  # every send that left at once shares this (done futures never change)
-
-
-class GroupEngine:
-    """The collectives of one group of global ``ranks`` as seen by rank ``ctx.rank``."""
+    Each op method returns a future, done on return unless ``async_op`` (then the op may run on the
+    group's worker thread). Results are arrays of the caller's kind (numpy or cupy)."""
 
     def __init__(self, ctx: PlaneContext, name: str, ranks: Sequence[int], timeout_s: float) -> None:
         if timeout_s <= 0:
@@ -109,11 +76,39 @@ class GroupEngine:
         self.failure: PlaneError | None = None
         self.transports = TransportFactory(ctx, name, self.ranks, timeout_s)
 
+    # -- the group -------------------------------------------------------------------------------
+    @property
+    def tracer(self) -> Tracer | None:
+        return self.ctx.tracer
+
+    @property
+    def counters(self) -> RankCounters:
+        """This rank's counters for the coordinator's live view (bytes per transport, reports, commits)."""
+        return self.ctx.counters
+
+    def hosts(self) -> list[list[int]]:
+        """Group ranks per host (hosts in node order, ranks ascending)."""
+        index = {r: i for i, r in enumerate(self.ranks)}
+        return [[index[r] for r in host] for host in self.ctx.topology.hosts(self.ranks)]
+
+    def new_subgroup(self, members: Sequence[int], timeout_s: float | None = None) -> GroupEngine:
+        """The engine of a group of the given members of this group (group ranks, this rank among them)."""
+        members = list(members)
+        picked = sorted({int(m) for m in members})
+        if len(picked) != len(members) or not picked:
+            raise ValueError(f"new_subgroup needs distinct group ranks, got {list(members)}")
+        if picked[0] < 0 or picked[-1] >= self.size:
+            raise ValueError(f"new_subgroup ranks must lie in [0, {self.size}), got {list(members)}")
+        if self.rank not in picked:
+            raise ValueError(f"group rank {self.rank} is not among the new subgroup's members {picked}")
+        return self.ctx.new_group([self.ranks[m] for m in picked], timeout_s or self.timeout_s)
+
     # -- ordering, failure, deadlines --------------------------------------------------------------
     def progress(self) -> tuple[int, int]:
         return self.actor.issued, self.actor.completed
 
-    def transport_for(self, x: Any, op: str) -> Transport:
+    def transport_for(self, x: Any, op: str) -> str:
+        """The transport ``op`` on ``x`` runs on (the factory's table)."""
         return self.transports.choose(x, op)
 
     def deadline(self) -> float:
@@ -127,22 +122,32 @@ class GroupEngine:
             self.failure = self.ctx.abort_error()
             raise self.failure
 
-    def run(
-        self,
-        name: str,
-        body: Callable[[int], T],
-        *,
-        nbytes: int,
-        transport: str,
-        async_op: bool,
+    def _issue(
+        self, name: str, x: Any, arg: str, async_op: bool, run: Callable[..., T], *args: Any
     ) -> concurrent.futures.Future[T]:
-        """Issue ``body(seq)`` in order; failures are recorded so the group stays failed."""
+        """Run ``run(comm, spec, deadline, *args)`` in issue order on the transport of ``name`` on ``x`` (picked
+        here, once); a failure is recorded so the group stays failed."""
+        transport = self.transports.choose(x, name)
+        stream = None
+        if is_cupy(x):  # the op may run on the group's worker thread: give it the caller's device and stream
+            from paramplane.node.transports.nccl import capture_stream
+
+            stream = capture_stream()
+        nbytes, dtype, shape = int(x.nbytes), dtype_name(x.dtype), tuple(int(d) for d in x.shape)
 
         def op(seq: int) -> T:
             self.check()
             start = time.monotonic()
             try:
-                result = body(seq)
+                comm = self.transports.get(transport, x)
+                spec = OpSpec(self.name, seq, name, dtype, shape, arg)
+                if stream is None:
+                    result = run(comm, spec, self.deadline(), *args)
+                else:
+                    from paramplane.node.transports.nccl import on_stream
+
+                    with on_stream(x, stream):
+                        result = run(comm, spec, self.deadline(), *args)
                 self.ctx.counters.count_op(self._traced(transport), nbytes)
                 return result
             except PlaneError as exc:
@@ -162,11 +167,6 @@ class GroupEngine:
         """A trace's name for ``transport``: the ``grpc`` transport's frames ride lanes or gRPC streams."""
         return self.ctx.plane.frames_ride if transport == "grpc" else transport
 
-    def abort_p2p(self, exc: PlaneError) -> None:
-        """Fail the group's point-to-point messages with ``exc`` here and on its other members (from any
-        thread but the loop's): their pending and later receives from this group raise it."""
-        self.transports.p2p.fail_soon(exc)
-
     def _failed(self, exc: PlaneError) -> PlaneError:
         """Record an op's failure as the group's (the first one stays) and return what to raise. Blocking (a
         lost peer's cause is asked of the coordinator): never on the loop."""
@@ -177,231 +177,93 @@ class GroupEngine:
             self.ctx.abort_world(exc)
         return cause
 
-    def p2p(
-        self, name: str, x: np.ndarray | None, peer: int, result: Any = None, *, blocking: bool = False
-    ) -> concurrent.futures.Future[Any]:
-        """Start a ``"send"`` of host array ``x`` to group rank ``peer``, or a ``"recv"`` from it into ``x`` (into a
-        new array of the sender's dtype and shape when ``x`` is None, which is then the future's value; else
-        ``result`` is).
-
-        Messages pair up in issue order per direction, on the runtime's loop with no thread of the group in
-        between (a pipeline's activations are latency bound); a ``blocking`` receive with none queued before
-        it waits on the calling thread and returns a done future. A failure is recorded as the group's.
-        """
-        try:
-            self.check()
-        except PlaneError as exc:
-            return _settled(exc=exc)
-        src, dst = (self.rank, peer) if name == "send" else (peer, self.rank)
-        started: dict[str, Any] = {}
-
-        # Called when the op's turn comes (on the loop, or here for a send that leaves at once), so message
-        # numbers follow the order on the wire.
-        def begin(seq: int) -> OpSpec:
-            self.check()
-            started.update(spec=self.p2p_spec(x, src, dst, seq), at=time.monotonic())
-            return started["spec"]
-
-        def trace(moved: Any) -> None:
-            nbytes = int(moved.nbytes) if moved is not None else 0
-            self.ctx.counters.count_op(self._traced("grpc"), nbytes)
-            if self.ctx.tracer is not None and started:
-                seq = started["spec"].seq
-                self.ctx.tracer.record(
-                    name, self.name, seq, nbytes, started["at"], time.monotonic(), self._traced("grpc")
-                )
-
-        p2p = self.transports.p2p
-        inner: concurrent.futures.Future[Any] | None
-        if name == "send":
-            assert x is not None
-            inner = p2p.start_send(x.reshape(-1), peer, begin)
-            if inner is None:
-                trace(x)
-                return SENT
-        else:
-            flat = x.reshape(-1) if x is not None else None
-            if blocking:
-                try:
-                    got = p2p.recv_now(flat, peer, begin)
-                except PlaneError as exc:
-                    trace(x)
-                    return _settled(exc=self._failed(exc))
-                if got is not None:
-                    trace(got)
-                    return _settled(result if x is not None else got)
-            inner = p2p.start_recv(flat, peer, begin)
-        return self._settle(inner, trace, x, result)
-
-    def _settle(
-        self,
-        inner: concurrent.futures.Future[Any],
-        trace: Callable[[Any], None],
-        x: np.ndarray | None,
-        result: Any,
-    ) -> concurrent.futures.Future[Any]:
-        """The caller's future of a point-to-point op the loop finishes: traced, its failure the group's."""
-        out: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-        def done(inner: concurrent.futures.Future[Any]) -> None:
-            exc = inner.exception()
-            trace(x if x is not None or exc is not None else inner.result())
-            if exc is None:
-                out.set_result(result if x is not None else inner.result())
-            elif isinstance(exc, PlaneError):
-                threading.Thread(target=lambda: out.set_exception(self._failed(exc)), daemon=True).start()
-            else:
-                out.set_exception(exc)
-
-        inner.add_done_callback(done)
-        return out
-
-    # The short paths of ``p2p`` for the messages a pipeline sends each step (see node/transports/p2p.py).
-    def send_small(self, x: np.ndarray, peer: int) -> concurrent.futures.Future[Any] | None:
-        """``p2p("send", x, peer)`` for a C-contiguous ``x`` of a dtype and shape sent to ``peer`` before, with
-        nothing queued there: sent from this thread (``SENT``, or the future of its rest); None where the
-        short path does not apply (``p2p`` then)."""
-        if self.failure is not None or self.ctx.aborted.is_set():
-            return None
-        tracer = self.ctx.tracer
-        start = time.monotonic() if tracer is not None else 0.0
-        sent = self.transports.p2p.send_small(x, peer)
-        if sent is None:
-            return None
-        seq, rest = sent
-
-        def trace(moved: Any) -> None:
-            self.ctx.counters.count_op(self._traced("grpc"), int(moved.nbytes))
-            if tracer is not None:
-                tracer.record(
-                    "send", self.name, seq, int(moved.nbytes), start, time.monotonic(), self._traced("grpc")
-                )
-
-        if rest is None:
-            trace(x)
-            return SENT
-        return self._settle(rest, trace, x, None)
-
-    def recv_small(self, x: np.ndarray | None, peer: int) -> np.ndarray | None:
-        """A blocking ``p2p("recv", x, peer)``, into a C-contiguous, writable ``x`` of a dtype and shape received
-        from ``peer`` before or (``x`` None) into a new array, with nothing queued there: the array once it
-        holds the message; None where the short path does not apply (``p2p`` then). A failure is the
-        group's, and raised."""
-        if self.failure is not None or self.ctx.aborted.is_set():
-            return None
-        tracer = self.ctx.tracer
-        start = time.monotonic() if tracer is not None else 0.0
-        try:
-            got = self.transports.p2p.recv_small(x, peer, self.p2p_spec)
-        except PlaneError as exc:
-            raise self._failed(exc) from None
-        if got is None:
-            return None
-        self.ctx.counters.count_op(self._traced("grpc"), int(got[1].nbytes))
-        if tracer is not None:
-            tracer.record(
-                "recv", self.name, got[0], int(got[1].nbytes), start, time.monotonic(), self._traced("grpc")
-            )
-        return got[1]
-
     def close(self) -> None:
         self.actor.close()
         self.recv_actor.close()
         self.transports.close()
 
-    # -- running ops (inside ``run``'s body: in order, one at a time) -------------------------------
-    def _comm(self, x: Any, op: str) -> Comm:
-        return self.transports.get(self.transports.choose(x, op), x)
-
-    def _mean(self, x: Any) -> None:
-        if self.size > 1:
-            if is_cupy(x):
-                x /= self.size
-            else:
-                np.true_divide(x, self.size, out=x, casting="unsafe")
-
-    def _divides_first(self, x: Any, op: str) -> bool:
-        """A float16 ``mean`` divides each rank's values before the sum (as NCCL's ``ncclAvg`` does): a sum of
-        float16 values overflows past 65504 where their mean need not (gradients averaged over ranks). Wider
-        types sum first, which keeps their smallest values exact."""
-        return op == "mean" and self.size > 1 and x.dtype == np.float16
-
-    def all_reduce(self, spec: OpSpec, x: Any, op: str) -> None:
-        comm = self._comm(x, "all_reduce")
-        s = _Staged(x, comm)
-        first = self._divides_first(x, op)
-        if first:
-            self._mean(s.flat)  # in place: the op overwrites x anyway
-        comm.all_reduce(spec, s.flat, "sum" if op == "mean" else op, self.deadline())
-        s.write_back()
-        if op == "mean" and not first:
-            self._mean(x)
-
-    def broadcast(self, spec: OpSpec, x: Any, root: int) -> None:
-        comm = self._comm(x, "broadcast")
-        s = _Staged(x, comm, copy_in=self.rank == root)
-        comm.broadcast(spec, s.flat, root, self.deadline())
-        s.write_back()
-
-    def all_gather(self, spec: OpSpec, x: Any, out: Any) -> None:
-        comm = self._comm(x, "all_gather")
-        piece, result = _Staged(x, comm), _Staged(out, comm, copy_in=False)
-        comm.all_gather(spec, piece.flat, result.flat, self.deadline())
-        result.write_back()
-
-    def reduce_scatter(self, spec: OpSpec, x: Any, bounds: Bounds, op: str, out: Any) -> None:
-        comm = self._comm(x, "reduce_scatter")
-        flat, result = _Staged(x, comm), _Staged(out, comm, copy_in=False)
-        first = self._divides_first(x, op)
-        source = flat.flat
-        if first:
-            source = source / self.size  # a copy: the caller's input stays as it was
-        comm.reduce_scatter(spec, source, bounds, "sum" if op == "mean" else op, result.flat, self.deadline())
-        result.write_back()
-        if op == "mean" and not first:
-            self._mean(out)
-
-    def gather(self, spec: OpSpec, x: Any, root: int, out: Any | None) -> None:
-        comm = self._comm(x, "gather")
-        piece = _Staged(x, comm)
-        result = _Staged(out, comm, copy_in=False) if out is not None else None
-        comm.gather(spec, piece.flat, root, result.flat if result is not None else None, self.deadline())
-        if result is not None:
-            result.write_back()
-
-    def scatter(self, spec: OpSpec, pieces: Sequence[Any] | None, root: int, out: Any) -> None:
-        comm = self._comm(out, "scatter")
-        flats = [_Staged(p, comm).flat for p in pieces] if pieces is not None else None
-        result = _Staged(out, comm, copy_in=False)
-        comm.scatter(spec, flats, root, result.flat, self.deadline())
-        result.write_back()
-
-    def barrier(self, spec: OpSpec) -> None:
-        self._comm(None, "barrier").barrier(spec, self.deadline())
-
-    # -- argument helpers ------------------------------------------------------------------------
-    def spec(self, seq: int, op: str, x: Any, arg: str = "") -> OpSpec:
-        return OpSpec(self.name, seq, op, dtype_name(x.dtype), tuple(int(d) for d in x.shape), arg)
-
-    def p2p_spec(self, x: Any, src: int, dst: int, seq: int) -> OpSpec:
-        """The spec of message ``seq`` from group rank ``src`` to ``dst`` (numbered per direction); ``x`` None
-        for a receive that takes the sender's dtype and shape."""
-        return OpSpec(
-            f"{self.name}/p2p",
-            seq,
-            "send/recv",
-            dtype_name(x.dtype) if x is not None else "any",
-            tuple(x.shape) if x is not None else (),
-            f"{src}->{dst}",
-        )
-
     def check_root(self, root: int, what: str) -> None:
         if not 0 <= root < self.size:
             raise ValueError(f"{what}={root} is not a rank of group '{self.name}' (size {self.size})")
 
-    @staticmethod
-    def check_reduce(op: str, x: Any) -> None:
-        check_reduce_op(op, np.dtype(x.dtype))
+    # -- collectives (x: a numpy or cupy array) --------------------------------------------------------
+    def all_reduce(
+        self, x: Any, op: str = "sum", *, async_op: bool = False
+    ) -> concurrent.futures.Future[None]:
+        """Reduce ``x`` across the group in place."""
+        check_array(x)
+        check_reduce(op, x)
+        return self._issue("all_reduce", x, op, async_op, collective_ops.all_reduce, self.size, x, op)
 
-    def split_rows(self, rows: int) -> list[tuple[int, int]]:
-        return split_bounds(rows, self.size)
+    def broadcast(self, x: Any, src: int = 0, *, async_op: bool = False) -> concurrent.futures.Future[Any]:
+        """Overwrite ``x`` with group rank ``src``'s (the future's value)."""
+        check_array(x)
+        self.check_root(src, "src")
+        run = collective_ops.broadcast
+        return self._issue("broadcast", x, f"src={src}", async_op, run, x, src, self.rank == src)
+
+    def all_gather(
+        self, x: Any, out: Any = None, *, async_op: bool = False
+    ) -> concurrent.futures.Future[Any]:
+        """Every rank's ``x`` along axis 0 in group order, into ``out`` or a new array (the future's value)."""
+        check_array(x, writable=False)
+        rows = x.shape[0] if x.ndim else 1
+        shape = (rows * self.size, *x.shape[1:])
+        check_out(out, shape, x)
+        return self._issue("all_gather", x, "", async_op, collective_ops.all_gather, x, out, shape)
+
+    def reduce_scatter(
+        self, x: Any, op: str = "sum", out: Any = None, *, async_op: bool = False
+    ) -> concurrent.futures.Future[Any]:
+        """This rank's rows (``numpy.array_split`` of axis 0) of the reduction of ``x``, into ``out`` or a new
+        array (the future's value); ``x`` stays unchanged."""
+        check_array(x, writable=False)
+        if x.ndim == 0:
+            raise ValueError("reduce_scatter needs an array with at least one axis (it splits axis 0)")
+        check_reduce(op, x)
+        row = math.prod(x.shape[1:])
+        rows = split_bounds(x.shape[0], self.size)
+        bounds = [(a * row, b * row) for a, b in rows]
+        a, b = rows[self.rank]
+        shape = (b - a, *x.shape[1:])
+        check_out(out, shape, x)
+        run = collective_ops.reduce_scatter
+        return self._issue("reduce_scatter", x, op, async_op, run, self.size, x, bounds, op, out, shape)
+
+    def gather(self, x: Any, dst: int = 0, *, async_op: bool = False) -> concurrent.futures.Future[Any]:
+        """On ``dst``, every rank's ``x`` along axis 0 in group order (a new array); elsewhere None."""
+        check_array(x, writable=False)
+        self.check_root(dst, "dst")
+        rows = x.shape[0] if x.ndim else 1
+        shape = (rows * self.size, *x.shape[1:]) if self.rank == dst else None
+        return self._issue("gather", x, f"dst={dst}", async_op, collective_ops.gather, x, dst, shape)
+
+    def scatter(
+        self, chunks: Sequence[Any] | None, out: Any, src: int = 0, *, async_op: bool = False
+    ) -> concurrent.futures.Future[Any]:
+        """``src`` passes ``chunks`` (one array per rank, ``out`` None); every other rank its receive buffer
+        ``out``. The future's value is the array this rank received into (a new one on ``src``)."""
+        self.check_root(src, "src")
+        if self.rank == src:
+            if chunks is None:
+                raise ValueError(
+                    f"scatter on the source rank needs a sequence of {self.size} arrays (one per rank)"
+                )
+            check_chunks(chunks, self.size)
+            out = array_module(chunks[0]).empty_like(chunks[0])
+        else:
+            if out is None:
+                raise ValueError(
+                    "scatter on a non-source rank needs the receive buffer (an array) as `chunks`"
+                )
+            check_array(out, "chunks")
+            chunks = None
+        run = collective_ops.scatter
+        return self._issue("scatter", out, f"src={src}", async_op, run, chunks, src, out)
+
+    def barrier(self, *, async_op: bool = False) -> concurrent.futures.Future[None]:
+        """Done once every rank of the group has entered."""
+        return self._issue("barrier", _BARRIER_TOKEN, "", async_op, collective_ops.barrier)
+
+
+__all__ = ["SENT", "GroupEngine", "PlaneContext", "Tracer"]

@@ -359,6 +359,21 @@ class NodeRuntime:
             self._abort_exc = PlaneClosed("the plane was shut down: no collective can run after shutdown()")
         self.aborted.set()
 
+    def use_gpu(self) -> int:
+        """Make this rank's GPU (``local_rank`` modulo the visible devices) cupy's current device and return
+        its id, with the NCCL environment of ranks that share a GPU set (``share_gpu_env``)."""
+        from paramplane.node.arrays import cupy_module
+        from paramplane.node.transports.nccl import share_gpu_env
+
+        cupy = cupy_module()
+        if cupy is None:
+            raise RuntimeError("use_gpu needs cupy and a CUDA device: pip install 'paramplane[gpu]'")
+        num_devices = int(cupy.cuda.runtime.getDeviceCount())
+        share_gpu_env(self.topology, self.rank, num_devices)
+        device = self.membership.local_rank % num_devices
+        cupy.cuda.Device(device).use()
+        return device
+
     # -- groups ----------------------------------------------------------------------------------
     def group(self, name: str, ranks: Sequence[int], timeout_s: float | None = None) -> GroupEngine:
         """The engine of group ``name`` over global ``ranks`` (this rank must be one of them)."""
