@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from paramplane.group import ProcessGroup
+from paramplane.node.engine import GroupEngine
 from paramplane.parallel.mesh import Mesh
 
 
@@ -20,9 +21,13 @@ class _Ctx:
         return _engine(ranks, self.me, self)
 
 
+class _Engine(SimpleNamespace):
+    new_subgroup = GroupEngine.new_subgroup  # the engine's own member checks, over the fake context
+
+
 def _engine(ranks: list[int], me: int, ctx: _Ctx) -> Any:
     ctx.me = me  # type: ignore[attr-defined]
-    return SimpleNamespace(
+    return _Engine(
         ranks=list(ranks), rank=ranks.index(me), size=len(ranks), name=f"g{ranks}", timeout_s=5.0, ctx=ctx
     )
 
