@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo test lint typecheck unit protos bench clean compose-demo test-compose test-py313 test-gpu test-mpi test-slurm browser
+.PHONY: install demo test lint typecheck unit protos bench clean compose-demo test-compose test-py313 test-gpu test-mpi test-slurm test-cluster browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,7 +28,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 unit: $(STAMP)
-	$(BIN)/python -m pytest -q -ra -m "not slurm"
+	$(BIN)/python -m pytest -q -ra -m "not cluster"
 
 test: lint typecheck unit
 
@@ -69,7 +69,11 @@ test-mpi: $(STAMP)
 # killed mid-run and the job requeued (root: installs slurm-wlm from Debian's packages; about 2 minutes).
 test-slurm: $(STAMP)
 	command -v slurmctld >/dev/null || apt-get install -y -q --no-install-recommends slurm-wlm
-	$(BIN)/python -m pytest -q -ra -m slurm tests/test_slurm.py
+	$(BIN)/python -m pytest -q -ra -m cluster tests/test_slurm.py
+
+# Every cluster topology test: Slurm above, and deploy/kubernetes/ run as network namespaces (about 3 minutes).
+test-cluster: test-slurm
+	$(BIN)/python -m pytest -q -ra -m cluster tests/test_kubernetes.py
 
 # The suite under Python 3.13 (Debian trixie in a chroot; root): the top of the declared Python range.
 test-py313:

@@ -190,3 +190,25 @@ def test_launch_slurm_needs_one_task_per_node(
     assert main(["--slurm", "-n", "2", __file__]) == 2
     err = capsys.readouterr().err
     assert "SLURM_NTASKS=4" in err and "SLURM_STEP_NUM_NODES=2" in err and "--ntasks-per-node=1" in err
+
+
+def test_paramplane_env_prints_each_value_and_its_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from paramplane.cli import main
+
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "PARAMPLANE_", "OMPI_", "PMI_")) or name in ("RANK", "WORLD_SIZE"):
+            monkeypatch.delenv(name)
+    for name, value in SLURM.items():
+        monkeypatch.setenv(name, value)
+    assert main(["env"]) == 0
+    rows = {line.split()[0]: line.split(None, 2)[1:] for line in capsys.readouterr().out.splitlines()}
+    assert rows["launcher"] == ["slurm"]
+    assert rows["rank"] == ["3", "SLURM_PROCID=3"] and rows["world_size"] == ["4", "SLURM_NTASKS=4"]
+    assert rows["node"] == ["node08", "SLURMD_NODENAME=node08"]
+    assert rows["restart_count"] == ["2", "SLURM_RESTART_COUNT=2"]
+    assert rows["coordinator"][0] == f"node07:{slurm_port(4242, 0)}" and rows["hosts_coordinator"] == ["no"]
+    monkeypatch.setenv("SLURM_PROCID", "9")
+    assert main(["env"]) == 2
+    assert "SLURM_PROCID=9 is not below SLURM_NTASKS=4" in capsys.readouterr().err

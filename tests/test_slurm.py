@@ -27,7 +27,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 NODES = ("n1", "n2")
-pytestmark = [pytest.mark.netns, pytest.mark.slurm]
+pytestmark = [pytest.mark.netns, pytest.mark.cluster]
 
 
 def _have_slurm() -> bool:
@@ -270,7 +270,7 @@ def test_slurm_requeue_resumes_after_node_failure(cluster: Cluster, tmp_path: Pa
     job_dir = tmp_path / "job"
     job_dir.mkdir()
     ckpt = job_dir / "ckpt"
-    cluster.env |= {"SCRIPT": str(REPO / "tests" / "workers" / "slurm_train.py"), "CKPT": str(ckpt)}
+    cluster.env |= {"SCRIPT": str(REPO / "tests" / "workers" / "stall_train.py"), "CKPT": str(ckpt)}
     sbatch = str(REPO / "examples" / "slurm" / "train.sbatch")
     job = cluster.sbatch(sbatch, "--steps", "40", "--stall", cwd=job_dir)
     cluster.wait("no first checkpoint", lambda: (ckpt / "step_20" / "manifest.json").is_file(), 120)
