@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from paramplane.parallel.mesh import Mesh
     from paramplane.parallel.pipeline import Pipeline
     from paramplane.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+    from paramplane.parallel.tensor_attention import TensorParallelAttention
     from paramplane.parallel.tp_torch import (
         ColwiseParallel,
         RowwiseParallel,
@@ -55,6 +56,7 @@ _LAZY = {
     "ColumnParallelLinear": "paramplane.parallel.tensor",
     "Pipeline": "paramplane.parallel.pipeline",
     "RowParallelLinear": "paramplane.parallel.tensor",
+    "TensorParallelAttention": "paramplane.parallel.tensor_attention",
     "MixedPrecision": "paramplane.parallel.fsdp",
     "ColwiseParallel": "paramplane.parallel.tp_torch",
     "RowwiseParallel": "paramplane.parallel.tp_torch",
@@ -113,6 +115,7 @@ __all__ = [
     "RendezvousError",
     "RowParallelLinear",
     "RowwiseParallel",
+    "TensorParallelAttention",
     "TransportError",
     "VocabParallel",
     "Work",

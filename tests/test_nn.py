@@ -456,3 +456,25 @@ def test_cupy_matches_numpy() -> None:
         cp.asnumpy(nn.Dropout(0.5, seed=1)(x_dev)), nn.Dropout(0.5, seed=1)(cp.asnumpy(x_dev))
     )
     assert type(dev.to("cpu").parameters()[0].data) is np.ndarray
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_grads_match_finite_differences(causal: bool) -> None:
+    attn = nn.MultiHeadAttention(4, 2, causal=causal, dtype=np.float64, rng=5)
+    check_module_grads(attn, np.random.default_rng(6).standard_normal((2, 3, 4)), num_params=8)
+
+
+def test_attention_equals_torch_scaled_dot_product_attention_and_checks_heads() -> None:
+    attn = nn.MultiHeadAttention(6, 3, dtype=np.float64, rng=8)
+    x = np.random.default_rng(9).standard_normal((2, 5, 6))
+    y = attn(x)
+    future = x.copy()
+    future[:, -1] += 1.0  # causal: the last position changes nothing before it
+    np.testing.assert_array_equal(attn(future)[:, :-1], y[:, :-1])
+    with pytest.raises(ValueError, match="divisible by num_heads=4"):
+        nn.MultiHeadAttention(6, 4)
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.from_numpy(m(x)).reshape(2, 5, 3, 2).transpose(1, 2) for m in (attn.q, attn.k, attn.v))
+    ctx = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    want = attn.o(ctx.transpose(1, 2).reshape(2, 5, 6).numpy())
+    np.testing.assert_allclose(y, want, rtol=1e-12, atol=1e-14)

@@ -8,6 +8,7 @@ returns the input gradient. See :mod:`paramplane.nn.module` for the protocol.
 
 from __future__ import annotations
 
+from paramplane.nn.attention import MultiHeadAttention
 from paramplane.nn.layers import (
     GELU,
     Dropout,
@@ -34,6 +35,7 @@ __all__ = [
     "Loss",
     "MSELoss",
     "Module",
+    "MultiHeadAttention",
     "Parameter",
     "ReLU",
     "RemovableHandle",

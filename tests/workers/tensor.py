@@ -91,9 +91,50 @@ def tp(world: Any, rep: Report) -> None:
     rep.raises("uneven split", ValueError, lambda: pp.ColumnParallelLinear(D, 7, g), "out_features=7")
     rep.raises("uneven row", ValueError, lambda: pp.RowParallelLinear(7, D, g), "in_features=7")
     rep.raises("wrong slice", ValueError, lambda: model[2].forward(np.ones((2, H))), f"(..., {k})")
+    attention(g, rep)
     # Ranks that disagree on the batch fail the tp group's all-reduce on both, naming the shapes.
     bad = np.ones((2 + r, D))
     rep.raises("mismatch", pp.CollectiveMismatch, lambda: model.forward(bad), "all_reduce")
+
+
+def attention(g: Any, rep: Report) -> None:
+    """pp.TensorParallelAttention equals pp.nn.MultiHeadAttention (heads split over tp): output, input
+    gradient and every parameter gradient (q/k/v rows and output columns of this rank's heads), with one
+    all-reduce forward and one backward."""
+    from paramplane.nn import MultiHeadAttention
+
+    heads, k = 4, D // g.size
+    lo = g.rank * k
+    dense = MultiHeadAttention(D, heads, dtype=np.float64, rng=7)
+    attn = pp.TensorParallelAttention(D, heads, g, dtype=np.float64, rng=7)
+    rep.check("attention local heads", attn.local_heads == heads // g.size, str(attn.local_heads))
+    x = np.random.default_rng(3).standard_normal((2, 5, D))
+    grad_y = np.random.default_rng(4).standard_normal((2, 5, D))
+    calls = [0]
+    inner = g.all_reduce
+
+    def counting(x: Any, op: str = "sum", **kw: Any) -> Any:
+        calls[0] += 1
+        return inner(x, op, **kw)
+
+    g.all_reduce = counting
+    rep.equal("attention output", attn.forward(x), dense.forward(x), rtol=RTOL)
+    rep.equal("attention input grad", attn.backward(grad_y), dense.backward(grad_y), rtol=RTOL)
+    del g.all_reduce
+    rep.check("attention all-reduces", calls[0] == 2, str(calls[0]))
+    for name in ("q", "k", "v"):
+        mine, full = getattr(attn, name), getattr(dense, name)
+        rep.equal(f"attention {name} weight grad", mine.weight.grad, full.weight.grad[lo : lo + k], rtol=RTOL)
+        rep.equal(f"attention {name} bias grad", mine.bias.grad, full.bias.grad[lo : lo + k], rtol=RTOL)
+    rep.equal("attention o weight grad", attn.o.weight.grad, dense.o.weight.grad[:, lo : lo + k], rtol=RTOL)
+    rep.equal("attention o bias grad", attn.o.bias.grad, dense.o.bias.grad, rtol=RTOL)
+    names = [n for n, _ in attn.named_parameters()]
+    rep.check(
+        "attention keys are the dense keys", names == [n for n, _ in dense.named_parameters()], str(names)
+    )
+    rep.raises(
+        "attention heads", ValueError, lambda: pp.TensorParallelAttention(D, 3, g), "num_heads=3", "2 ranks"
+    )
 
 
 def tpdp(world: Any, rep: Report) -> None:
