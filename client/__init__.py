@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from paramplane.parallel.diloco import DiLoCo
     from paramplane.parallel.fsdp import FSDP, CPUOffload, MixedPrecision, units_by_class
     from paramplane.parallel.mesh import Mesh
-    from paramplane.parallel.pipeline import Pipeline
+    from paramplane.parallel.pipeline import Pipeline, causal_lm_loss, pipeline_split
     from paramplane.parallel.tensor import ColumnParallelLinear, RowParallelLinear
     from paramplane.parallel.tensor_attention import TensorParallelAttention
     from paramplane.parallel.tp_torch import (
@@ -55,6 +55,8 @@ _LAZY = {
     "units_by_class": "paramplane.parallel.fsdp",
     "ColumnParallelLinear": "paramplane.parallel.tensor",
     "Pipeline": "paramplane.parallel.pipeline",
+    "pipeline_split": "paramplane.parallel.pipeline",
+    "causal_lm_loss": "paramplane.parallel.pipeline",
     "RowParallelLinear": "paramplane.parallel.tensor",
     "TensorParallelAttention": "paramplane.parallel.tensor_attention",
     "MixedPrecision": "paramplane.parallel.fsdp",
@@ -121,11 +123,13 @@ __all__ = [
     "Work",
     "World",
     "WorldAborted",
+    "causal_lm_loss",
     "checkpoint",
     "init",
     "nn",
     "optim",
     "parallelize",
+    "pipeline_split",
     "shard_range",
     "tp_full_state_dict",
     "tp_plan_for",

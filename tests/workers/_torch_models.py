@@ -25,8 +25,9 @@ SEQ = 8
 MODELS = ("gpt2", "llama", "resnet")
 
 
-def build(name: str, seed: int = 0, dtype: Any = None) -> Any:
-    """A fresh model ``name`` (one of ``MODELS``) with weights from ``seed``, in ``dtype`` (float64 default)."""
+def build(name: str, seed: int = 0, dtype: Any = None, layers: int = 2) -> Any:
+    """A fresh model ``name`` (one of ``MODELS``) with weights from ``seed``, in ``dtype`` (float64 default);
+    ``layers`` transformer blocks."""
     import torch
 
     warnings.filterwarnings("ignore")
@@ -36,7 +37,13 @@ def build(name: str, seed: int = 0, dtype: Any = None) -> Any:
         from transformers import GPT2Config, GPT2LMHeadModel
 
         cfg = GPT2Config(
-            n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0
+            n_layer=layers,
+            n_embd=16,
+            n_head=2,
+            vocab_size=VOCAB,
+            n_positions=SEQ,
+            bos_token_id=0,
+            eos_token_id=0,
         )
         cfg.attn_pdrop = cfg.resid_pdrop = cfg.embd_pdrop = 0.0
         model = GPT2LMHeadModel(cfg)
@@ -44,7 +51,7 @@ def build(name: str, seed: int = 0, dtype: Any = None) -> Any:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         cfg = LlamaConfig(
-            num_hidden_layers=2,
+            num_hidden_layers=layers,
             hidden_size=16,
             intermediate_size=32,
             num_attention_heads=4,

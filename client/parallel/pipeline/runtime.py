@@ -21,6 +21,19 @@ of that many; larger groups hide each transfer behind more compute and keep more
 ``poll_us`` > 0 keeps the transfer threads awake during a step (they wait in slices of that many
 microseconds): their code stays warm, so dependent transfers get faster, for some CPU time per step
 (README: Pipeline bubble).
+torch stage modules (``torch.nn.Module``, e.g. from ``pp.pipeline_split``; a list of chunks for interleaved
+1F1B) run with autograd inside each stage (``torch_stage.py``)::
+
+    pipe = pp.Pipeline(stage, mesh.group("pp"), "1f1b", 8, loss_fn=pp.causal_lm_loss)
+    losses = pipe.step(ids, target=labels, attention_mask=mask)   # every rank passes the kwargs
+    opt.step()                                                     # .grad accumulated over microbatches
+
+Activations and their gradients cross stages as tensors viewed through DLPack (no copy on CPU); keyword
+arguments reach every stage (tensors split into the microbatches, ``shared=`` values whole); the last stage's
+``loss_fn(output, target)`` is a torch scalar; gradients match torch's schedules with ``scale_grads=True``.
+Parameters tied across stages by ``pipeline_split`` get their gradients summed over the stages after the step.
+A ``pp.DDP``-wrapped stage runs without a sync per backward and has its gradients averaged over its group
+once per step (as ``dp_group`` does).
 The training thread only computes: transfers run on threads of their own (``transfers.py``), which
 receive each neighbour's messages in the order it sends them and file them by name. Sends never wait
 for the receiver (what the socket does not take, the sender's event loop finishes in order), so a
@@ -29,19 +42,30 @@ schedule that ``validate`` accepts cannot deadlock, whatever the size of the act
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from paramplane.group import ProcessGroup
 from paramplane.nn.loss import Loss
-from paramplane.nn.module import Array, Module, Parameter
+from paramplane.nn.module import Array, Module
 from paramplane.node.arrays import array_module
-from paramplane.node.errors import CollectiveMismatch, PlaneError
+from paramplane.node.errors import PlaneError
 from paramplane.parallel.pipeline import schedules
-from paramplane.parallel.pipeline.transfers import Message, Transfers
+from paramplane.parallel.pipeline.plan import Op, agree, compile_ops, incoming
+from paramplane.parallel.pipeline.plan import nbytes as state_nbytes
+from paramplane.parallel.pipeline.torch_stage import (
+    STAGE_ATTR,
+    TiedWeights,
+    TorchStage,
+    is_torch_stage,
+    params_of,
+    split_kwargs,
+)
+from paramplane.parallel.pipeline.transfers import Transfers
 
 MAX_POLL_US = 100_000
 
@@ -60,11 +84,11 @@ class Pipeline:
 
     def __init__(
         self,
-        stage_modules: Module | Sequence[Module],
+        stage_modules: Any,
         group: ProcessGroup,
         schedule: str = "1f1b",
         microbatches: int = 8,
-        loss_fn: Loss | None = None,
+        loss_fn: Loss | Any = None,
         scale_grads: bool = True,
         dp_group: ProcessGroup | None = None,
         microbatch_group: int | None = None,
@@ -72,13 +96,22 @@ class Pipeline:
     ) -> None:
         if isinstance(poll_us, bool) or not isinstance(poll_us, int) or not 0 <= poll_us <= MAX_POLL_US:
             raise ValueError(f"poll_us must be an int in [0, {MAX_POLL_US}] (0: no polling), got {poll_us!r}")
-        modules = [stage_modules] if isinstance(stage_modules, Module) else list(stage_modules)
-        if not modules or not all(isinstance(m, Module) for m in modules):
-            raise ValueError("stage_modules must be a Module or a non-empty list of Modules (one per chunk)")
+        single = isinstance(stage_modules, Module) or is_torch_stage(stage_modules)
+        modules: list[Any] = [stage_modules] if single else list(stage_modules)
         if not isinstance(group, ProcessGroup):
             raise ValueError(f"Pipeline needs a ProcessGroup, got {type(group).__name__}")
-        _agree(group, schedule, microbatches, len(modules), microbatch_group)
-        self.modules = modules
+        self._ddps: list[Any] = []
+        self._torch = bool(modules) and all(is_torch_stage(m) for m in modules)
+        if self._torch:
+            modules, dp_group = self._torch_stages(modules, group, dp_group)
+        elif not modules or not all(isinstance(m, Module) for m in modules):
+            raise ValueError(
+                "stage_modules must be a paramplane.nn Module or a torch.nn.Module, or a non-empty list of them "
+                "(one per chunk, all of one kind)"
+            )
+        agree(group, schedule, microbatches, len(modules), microbatch_group)
+        self._tied = TiedWeights(modules, group) if self._torch else None
+        self.modules: list[Any] = modules
         self.group = group
         self.schedule = schedule
         self.num_microbatches = microbatches
@@ -95,16 +128,49 @@ class Pipeline:
         forward_only = [
             schedules.forward_only(r, group.size, microbatches, len(modules)) for r in range(group.size)
         ]
-        self._plan = _compile(self.actions, modules, group.rank, group.size)
-        self._plan_forward_only = _compile(forward_only[group.rank], modules, group.rank, group.size)
-        self._incoming = _incoming(self._all, group.rank)
-        self._incoming_forward_only = _incoming(forward_only, group.rank)
+        self._plan = compile_ops(self.actions, modules, group.rank, group.size)
+        self._plan_forward_only = compile_ops(forward_only[group.rank], modules, group.rank, group.size)
+        self._incoming = incoming(self._all, group.rank)
+        self._incoming_forward_only = incoming(forward_only, group.rank)
         self._peak_sets = 0
         self._peak_bytes = 0
         self._transfers = Transfers(group, poll_us / 1e6)
         self._broken: BaseException | None = None
         tracer = group.tracer
         self._tracer = tracer if hasattr(tracer, "mark") else None
+
+    def _torch_stages(
+        self, modules: list[Any], group: ProcessGroup, dp_group: ProcessGroup | None
+    ) -> tuple[list[TorchStage], ProcessGroup | None]:
+        """torch stage modules as ``TorchStage``s (a ``pp.DDP``-wrapped stage: its group becomes the data-parallel
+        group, its gradients averaged once per step); checks ``pipeline_split``'s stage indices."""
+        from paramplane.parallel.ddp import DDP
+
+        p, v = group.size, len(modules)
+        stages = []
+        for chunk, m in enumerate(modules):
+            stage_id = chunk * p + group.rank
+            if isinstance(m, DDP):
+                if dp_group is not None and dp_group is not m.group:
+                    raise ValueError("a pp.DDP-wrapped stage averages over its own group: leave out dp_group")
+                dp_group = m.group
+                self._ddps.append(m)
+                inner, call = m.module, m
+            elif hasattr(m, "module") and not hasattr(m, "named_parameters"):
+                raise ValueError(
+                    f"Pipeline takes torch stage modules or pp.DDP-wrapped ones, not {type(m).__name__}: average "
+                    "the stages over data-parallel replicas with dp_group=mesh.group('dp')"
+                )
+            else:
+                inner, call = m, m
+            info = getattr(inner, STAGE_ATTR, None)
+            if info is not None and (info.index != stage_id or info.num_stages != p * v):
+                raise ValueError(
+                    f"group rank {group.rank} chunk {chunk} runs stage {stage_id} of {p * v}, but was given stage "
+                    f"{info.index} of {info.num_stages} from pipeline_split (rank r takes stages r, r + p, ...)"
+                )
+            stages.append(TorchStage(inner, call, first=stage_id == 0))
+        return stages, dp_group
 
     # -- inspection ---------------------------------------------------------------------------------
     @property
@@ -119,7 +185,10 @@ class Pipeline:
         """Every rank's compute order (the schedule as data)."""
         return schedules.table(self._all)
 
-    def parameters(self) -> list[Parameter]:
+    def parameters(self) -> list[Any]:
+        """The stages' parameters (for torch stages, ``TorchParam`` views of the tensors)."""
+        if self._torch:
+            return list(params_of(self.modules))
         return [p for m in self.modules for p in m.parameters()]
 
     def memory_stats(self) -> dict[str, Any]:
@@ -149,23 +218,53 @@ class Pipeline:
             return p.data
         return x if x is not None else (target if target is not None else np.empty(0))
 
-    def step(self, x: Array | None = None, target: Array | None = None) -> list[float] | None:
-        """One training step over the batch; per-microbatch losses on the last stage, None elsewhere."""
+    def step(
+        self,
+        x: Array | None = None,
+        target: Array | None = None,
+        *,
+        shared: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> list[float] | None:
+        """One training step over the batch; per-microbatch losses on the last stage, None elsewhere.
+
+        torch stages only: ``kwargs`` reach every stage's forward, each tensor split along dim 0 into the
+        microbatches (an attention mask: pass it on every rank), and ``shared`` values reach every microbatch
+        whole."""
         if self.is_first and x is None:
             raise ValueError("the first pipeline stage needs the batch: step(x, ...)")
         if self.is_last and (target is None or self.loss_fn is None):
             raise ValueError("the last pipeline stage needs step(..., target=...) and a loss_fn")
         inputs, targets = self._split(x, "x"), self._split(target, "target")
+        self._set_kwargs(kwargs, shared, train=True)
         like = self._like(x, target)
         losses: dict[int, float] = {}
-        self._run(self._plan, inputs, targets, like, losses, train=True)
+        with contextlib.ExitStack() as stack:
+            for ddp in self._ddps:  # no sync per backward: the gradients are averaged once, below
+                stack.enter_context(ddp.no_sync())
+            self._run(self._plan, inputs, targets, like, losses, train=True)
+        if self._tied is not None:
+            self._tied.sync()
         if self.dp_group is not None and self.dp_group.size > 1:
             self._sync_data_parallel(self.dp_group)
         return [losses[i] for i in range(self.num_microbatches)] if self.is_last else None
 
+    def _set_kwargs(
+        self, kwargs: Mapping[str, Any], shared: Mapping[str, Any] | None, *, train: bool
+    ) -> None:
+        if not self._torch:
+            if kwargs or shared:
+                raise ValueError(
+                    "keyword arguments reach torch stage modules only; paramplane.nn stages take x"
+                )
+            return
+        per_mb = split_kwargs(kwargs, shared, self.num_microbatches) if kwargs or shared else []
+        for stage in self.modules:
+            stage.kwargs, stage.train = per_mb, train
+
     def _run(
         self,
-        plan: Sequence[_Op],
+        plan: Sequence[Op],
         inputs: list[Array] | None,
         targets: list[Array] | None,
         like: Any,
@@ -194,7 +293,7 @@ class Pipeline:
         states: dict[tuple[int, int], tuple[Any, int]] = {}
         state_bytes: dict[int, int] = {}  # per stage: its microbatches share a shape, so their states a size
         finals: dict[int, Array] = {}
-        last, tracer = self.num_stages - 1, self._tracer
+        last, tracer, torch_stages = self.num_stages - 1, self._tracer, self._torch
         scale = 1.0 / self.num_microbatches if self.scale_grads else 1.0
         if track:
             self._peak_sets = self._peak_bytes = 0
@@ -208,16 +307,20 @@ class Pipeline:
                     else:
                         inp = inputs[mb] if stage == 0 and inputs is not None else local.pop(("F", stage, mb))
                     start = time.monotonic()
-                    out = op.module.forward(inp)
+                    out = op.module.forward(inp, mb) if torch_stages else op.module.forward(inp)
                     end = time.monotonic()  # handing a result to the sender is not compute; the loss is
                     if op.dst is not None:
-                        transfers.send(out, op.dst)
+                        transfers.send(op.module.outgoing(out, op.name) if torch_stages else out, op.dst)
                     elif stage < last:
                         local[("F", stage + 1, mb)] = out
                     elif targets is not None:
                         assert self.loss_fn is not None
-                        losses[mb] = float(self.loss_fn.forward(out, targets[mb]))
-                        local[("B", stage, mb)] = self.loss_fn.backward(grad_scale=scale)
+                        if torch_stages:
+                            losses[mb] = op.module.loss(self.loss_fn, targets[mb], scale)
+                            local[("B", stage, mb)] = None  # the backward starts from the loss
+                        else:
+                            losses[mb] = float(self.loss_fn.forward(out, targets[mb]))
+                            local[("B", stage, mb)] = self.loss_fn.backward(grad_scale=scale)
                         end = time.monotonic()
                     else:
                         finals[mb] = out
@@ -225,7 +328,7 @@ class Pipeline:
                     if train:
                         nbytes = state_bytes.get(stage)
                         if nbytes is None:
-                            nbytes = state_bytes[stage] = _nbytes(state)
+                            nbytes = state_bytes[stage] = state_nbytes(state)
                         states[(stage, mb)] = (state, nbytes)
                         live_bytes += nbytes
                         if len(states) > self._peak_sets:
@@ -280,118 +383,18 @@ class Pipeline:
                 p.grad[...] = flat[start : start + p.grad.size].reshape(p.grad.shape)
                 start += p.grad.size
 
-    def eval_step(self, x: Array | None = None) -> Array | None:
+    def eval_step(
+        self, x: Array | None = None, *, shared: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> Array | None:
         """Forward only, microbatch by microbatch; the concatenated outputs on the last stage."""
         if self.is_first and x is None:
             raise ValueError("the first pipeline stage needs the batch: eval_step(x)")
+        self._set_kwargs(kwargs, shared, train=False)
         like = self._like(x, None)
         finals = self._run(self._plan_forward_only, self._split(x, "x"), None, like, {}, train=False)
         outs = [finals[i] for i in sorted(finals)]
+        if self._torch and outs:
+            import torch
+
+            return torch.cat(outs)
         return array_module(outs[0]).concatenate(outs) if outs else None
-
-
-def _agree(
-    group: ProcessGroup, schedule: str, microbatches: int, chunks: int, microbatch_group: int | None
-) -> None:
-    """Every rank must build the same schedule (each derives every rank's list from its own arguments, and a
-    receiver knows a message only by its place in that list): the sizes are compared across the group
-    first. A rank whose arguments are invalid raises its ValueError, the others a CollectiveMismatch."""
-    try:
-        group_size = schedules.check(schedule, group.size, microbatches, chunks, microbatch_group)
-        error: ValueError | None = None
-    except ValueError as exc:
-        group_size, error = -1, exc
-    known = schedules.SCHEDULES.index(schedule) if schedule in schedules.SCHEDULES else -1
-    mine = np.array([error is None, known, microbatches, chunks, group_size], np.int64)
-    every = group.all_gather(mine).reshape(group.size, -1).tolist()
-    if error is not None:
-        raise error
-    bad = [r for r, row in enumerate(every) if not row[0]]
-    if bad:
-        raise CollectiveMismatch(
-            f"pipeline: group ranks {bad} of '{group.name}' passed arguments their schedule refuses (see their "
-            "ValueError); every rank must build the same pipeline"
-        )
-    names = ("schedule", "microbatches", "stage modules (chunks)", "microbatch_group")
-    for i, name in enumerate(names, start=1):
-        values = [row[i] for row in every]
-        if len(set(values)) != 1:
-            if name == "schedule":
-                values = [schedules.SCHEDULES[v] for v in values]
-            raise CollectiveMismatch(
-                f"pipeline ranks disagree on {name}: {dict(enumerate(values))} (group ranks of '{group.name}'); "
-                "every rank must pass the same schedule, microbatches, number of stage modules and group"
-            )
-
-
-def _message(action: schedules.Action, num_ranks: int) -> Message:
-    """The message a send or receive action moves."""
-    kind, sender, microbatch = schedules.message(action)
-    return Message(sender % num_ranks, kind, sender, microbatch)
-
-
-def _incoming(lists: list[list[schedules.Action]], rank: int) -> dict[int, list[Message]]:
-    """What ``rank`` receives from each other rank, in the order that rank sends it."""
-    p = len(lists)
-    return {
-        src: [
-            _message(a, p)
-            for a in lists[src]
-            if a.kind.startswith("SEND") and schedules.peer_stage(a) % p == rank
-        ]
-        for src in range(p)
-        if src != rank
-    }
-
-
-class _Op(NamedTuple):
-    """A forward or backward of one stage and microbatch, with its transfers: take ``incoming`` first (None:
-    the input is here), then send the result to group rank ``dst`` (None: it stays here)."""
-
-    forward: bool
-    stage: int
-    microbatch: int
-    module: Module
-    incoming: Message | None
-    dst: int | None
-    name: str
-
-
-def _compile(actions: Sequence[schedules.Action], modules: Sequence[Module], rank: int, p: int) -> list[_Op]:
-    """``actions`` as compute ops with their transfers fused in: each receive just before the compute it
-    feeds, each send right after the compute that makes it (receiving later or sending sooner than the
-    schedule says cannot deadlock: receiver threads take messages as they come, sends never wait)."""
-    mine = {(a.kind, a.stage, a.microbatch) for a in actions}
-    ops = []
-    for a in actions:
-        if a.kind not in ("F", "B"):
-            continue
-        forward = a.kind == "F"
-        recv = ("RECV_F" if forward else "RECV_B", a.stage, a.microbatch)
-        send = ("SEND_F" if forward else "SEND_B", a.stage, a.microbatch)
-        incoming = _message(schedules.Action(*recv), p) if recv in mine else None
-        target = (a.stage + 1 if forward else a.stage - 1) % p
-        ops.append(
-            _Op(
-                forward,
-                a.stage,
-                a.microbatch,
-                modules[a.stage // p],
-                incoming if incoming is not None and incoming.src != rank else None,
-                target if send in mine and target != rank else None,
-                str(a),
-            )
-        )
-    return ops
-
-
-def _nbytes(obj: Any) -> int:
-    """Bytes of the arrays in a forward state (nested dicts, lists and tuples of them)."""
-    if type(obj) is dict:
-        obj = obj.values()
-    elif not isinstance(obj, (list, tuple)):
-        return int(obj.nbytes) if hasattr(obj, "nbytes") and hasattr(obj, "shape") else 0
-    total = 0
-    for v in obj:
-        total += _nbytes(v)
-    return total

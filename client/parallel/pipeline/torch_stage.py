@@ -1,0 +1,180 @@
+"""torch stage modules in a ``Pipeline``: autograd inside each stage, tensors across stages through DLPack.
+
+``TorchStage`` gives a ``torch.nn.Module`` the interface the pipeline's executor drives (``forward`` of one
+microbatch, its state kept for ``backward``). A forward runs the module with autograd on a tensor that views
+the received array (``torch.from_numpy``: no copy on CPU) and keeps the graph of that microbatch; what it
+sends is a zero-copy view of its output (``torch_params.to_array``). The backward runs
+``torch.autograd.backward`` from the received output gradient (or from the last stage's loss) and sends the
+input's gradient. Parameters' ``.grad`` accumulate over microbatches, as in torch's schedules.
+
+Loss scaling follows torch's ``scale_grads=True`` (the default of ``torch.distributed.pipelining``'s
+schedules, which divide the stage gradients by the number of microbatches after the step): each
+microbatch's loss gradient is multiplied by ``1 / microbatches`` instead, which gives the same gradients and
+leaves gradients accumulated before the step as they were. Reported losses are the unscaled ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from paramplane.group import ProcessGroup
+from paramplane.parallel.torch_params import TorchParam, to_array, to_tensor
+
+STAGE_ATTR = "_paramplane_stage"
+"""Where ``pipeline_split`` leaves a stage's ``StageInfo`` on its module."""
+
+
+class TorchStage:
+    """One torch stage module (``call`` runs it: the module, or a wrapper around it) as the executor's unit.
+
+    ``first``: its input is the batch (no gradient is sent back for it); ``kwargs[mb]`` are the keyword
+    arguments of microbatch ``mb`` (set by the pipeline before each step)."""
+
+    def __init__(self, module: Any, call: Callable[..., Any], first: bool) -> None:
+        self.module = module
+        self.call = call
+        self.first = first
+        self.kwargs: Sequence[Mapping[str, Any]] = ()
+        self.train = True
+        self._state: tuple[Any, Any] | None = None
+
+    def forward(self, x: Any, mb: int) -> Any:
+        """Run microbatch ``mb``; keeps (input, output) for the backward; returns the output tensor."""
+        import torch
+
+        inp = x if torch.is_tensor(x) else to_tensor(x)
+        if self.train and not self.first and inp.is_floating_point():
+            inp = inp.detach().requires_grad_(True)
+        kwargs = self.kwargs[mb] if self.kwargs else {}
+        with torch.set_grad_enabled(self.train):
+            out = self.call(inp, **kwargs)
+        self._state = (inp, out)
+        return out
+
+    def outgoing(self, out: Any, where: str) -> Any:
+        """A stage's output as the array that crosses to the next stage (a view, no copy)."""
+        import torch
+
+        if not torch.is_tensor(out):
+            raise ValueError(
+                f"{where} returned {type(out).__name__}: a stage that feeds another stage must return one tensor"
+            )
+        return to_array(out.detach(), f"the output of {where}")
+
+    def loss(self, loss_fn: Callable[..., Any], target: Any, scale: float) -> float:
+        """The last stage: the loss of the output kept by ``forward`` (its backward runs at the schedule's
+        backward of this microbatch, from ``loss * scale``)."""
+        import torch
+
+        assert self._state is not None
+        inp, out = self._state
+        tgt = target if torch.is_tensor(target) else to_tensor(target)
+        value = loss_fn(out, tgt)
+        if not torch.is_tensor(value) or value.numel() != 1:
+            raise ValueError("the pipeline's loss_fn must return a scalar tensor")
+        self._state = (inp, value * scale)
+        return float(value.detach())
+
+    def take_forward_state(self) -> Any:
+        state, self._state = self._state, None
+        return state
+
+    def restore_forward_state(self, state: Any) -> None:
+        self._state = state
+
+    def backward(self, grad: Any) -> Any:
+        """From the output's gradient (None: the output is the scaled loss); the input's gradient as an array
+        (None on the first stage)."""
+        import torch
+
+        assert self._state is not None
+        inp, out = self._state
+        self._state = None
+        if grad is None:
+            torch.autograd.backward(out)
+        else:
+            torch.autograd.backward(out, grad if torch.is_tensor(grad) else to_tensor(grad))
+        if self.first or inp.grad is None:
+            return None
+        return to_array(inp.grad, "an input gradient")
+
+
+def is_torch_stage(module: Any) -> bool:
+    from paramplane.parallel.torch_params import is_torch_module
+
+    return is_torch_module(module) or is_torch_module(getattr(module, "module", None))
+
+
+def split_kwargs(kwargs: Mapping[str, Any], shared: Mapping[str, Any] | None, m: int) -> list[dict[str, Any]]:
+    """Per microbatch: tensors of ``kwargs`` split along dim 0 into ``m`` equal parts (torch's default chunk
+    spec), other values and every value of ``shared`` whole."""
+    import torch
+
+    out: list[dict[str, Any]] = [dict(shared or {}) for _ in range(m)]
+    for name, value in kwargs.items():
+        if torch.is_tensor(value) and value.dim() > 0:
+            if value.shape[0] % m:
+                raise ValueError(
+                    f"keyword argument {name!r} has {value.shape[0]} rows, which do not split into {m} equal "
+                    "microbatches (pass values every microbatch shares in shared=...)"
+                )
+            for i, part in enumerate(value.chunk(m)):
+                out[i][name] = part
+        else:
+            for i in range(m):
+                out[i][name] = value
+    return out
+
+
+def params_of(stages: Sequence[TorchStage]) -> list[TorchParam]:
+    """The stages' trainable parameters as DLPack views (for the pipeline's data-parallel sync)."""
+    seen: set[int] = set()
+    out = []
+    for stage in stages:
+        for name, p in stage.module.named_parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(TorchParam(name, p))
+    return out
+
+
+class TiedWeights:
+    """Parameters that ``pipeline_split`` left on more than one stage (a tied embedding and output head): after
+    each step their gradients are summed over the ranks that hold them (Megatron's embedding all-reduce), so
+    the copies, equal at the start, stay equal under the same optimizer."""
+
+    def __init__(self, stages: Sequence[TorchStage], group: ProcessGroup) -> None:
+        self.syncs: list[tuple[ProcessGroup, list[Any]]] = []
+        p = group.size
+        mine: dict[str, list[Any]] = {}
+        holders: dict[str, tuple[int, ...]] = {}
+        for stage in stages:
+            info = getattr(stage.module, STAGE_ATTR, None)
+            if info is None:
+                continue
+            params = dict(stage.module.named_parameters(remove_duplicate=False))
+            for key, (name, stage_ids) in sorted(info.tied.items()):
+                if id(params[name]) not in {id(t) for t in mine.get(key, [])}:
+                    mine.setdefault(key, []).append(params[name])
+                holders[key] = stage_ids
+        by_ranks: dict[tuple[int, ...], list[Any]] = {}
+        for key in sorted(holders):
+            ranks = tuple(sorted({s % p for s in holders[key]}))
+            if len(ranks) > 1:
+                by_ranks.setdefault(ranks, []).extend(mine[key])
+        for ranks, tensors in sorted(by_ranks.items()):
+            self.syncs.append((group.new_subgroup(list(ranks)), tensors))
+
+    def sync(self) -> None:
+        """Sum the tied parameters' gradients over their holders (one all-reduce per holder set)."""
+        import torch
+
+        for sub, tensors in self.syncs:
+            grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            sub.all_reduce(to_array(flat, "tied gradients"), "sum")
+            start = 0
+            for t, g in zip(tensors, grads):
+                t.grad = flat[start : start + g.numel()].view_as(g).clone()
+                start += g.numel()
