@@ -61,6 +61,7 @@ from paramplane.parallel.pipeline.torch_stage import (
     STAGE_ATTR,
     TiedWeights,
     TorchStage,
+    clip_grad_norm_,
     is_torch_stage,
     params_of,
     split_kwargs,
@@ -248,6 +249,16 @@ class Pipeline:
         if self.dp_group is not None and self.dp_group.size > 1:
             self._sync_data_parallel(self.dp_group)
         return [losses[i] for i in range(self.num_microbatches)] if self.is_last else None
+
+    def clip_grad_norm_(self, max_norm: float) -> Any:
+        """torch stages: clip the gradients to a global 2-norm of ``max_norm`` over the whole model (every
+        stage, tensor-parallel pieces, a tied weight once), as ``torch.nn.utils.clip_grad_norm_`` on the unsplit
+        model; returns the norm (a tensor, equal on every rank). Call it on every rank, after ``step``."""
+        if not self._torch:
+            raise ValueError("Pipeline.clip_grad_norm_ is for torch stage modules")
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be positive, got {max_norm!r}")
+        return clip_grad_norm_(self.modules, self.group, float(max_norm))
 
     def _set_kwargs(
         self, kwargs: Mapping[str, Any], shared: Mapping[str, Any] | None, *, train: bool

@@ -178,3 +178,47 @@ class TiedWeights:
             for t, g in zip(tensors, grads):
                 t.grad = flat[start : start + g.numel()].view_as(g).clone()
                 start += g.numel()
+
+
+def clip_grad_norm_(stages: Sequence[TorchStage], group: ProcessGroup, max_norm: float) -> Any:
+    """Scale the stages' gradients so that the whole model's gradient norm (2-norm) is at most ``max_norm``, as
+    ``torch.nn.utils.clip_grad_norm_`` on the unsplit model; returns that norm (a float64 tensor, the same on
+    every rank). Tensor-parallel pieces (parameters with a ``tp_shard``) are summed over their group, a tied
+    parameter counts once (on its first stage), the pipeline's stages are summed over ``group``; gradients
+    already averaged over data-parallel replicas are equal there and count once."""
+    import torch
+
+    sharded = torch.zeros((), dtype=torch.float64)
+    plain = torch.zeros((), dtype=torch.float64)
+    tp_groups: dict[int, ProcessGroup] = {}
+    grads = []
+    for stage in stages:
+        info = getattr(stage.module, STAGE_ATTR, None)
+        skip = set()
+        if info is not None:
+            skip = {name for name, ids in info.tied.values() if min(ids) != info.index}
+        for name, p in stage.module.named_parameters():
+            if p.grad is None:
+                continue
+            grads.append(p.grad)
+            if name in skip:
+                continue
+            square = p.grad.detach().double().pow(2).sum()
+            shard = getattr(p, "tp_shard", None)
+            if shard is not None:
+                tp_groups[id(shard.group)] = shard.group
+                sharded += square
+            else:
+                plain += square
+    if len(tp_groups) > 1:
+        raise ValueError("the stages' tensor-parallel parameters belong to different groups")
+    total = sharded.reshape(1).clone()
+    for tp in tp_groups.values():
+        tp.all_reduce(to_array(total, "a squared gradient norm"), "sum")
+    total += plain
+    group.all_reduce(to_array(total, "a squared gradient norm"), "sum")
+    norm = total.sqrt()[0]
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return norm
