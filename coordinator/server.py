@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from paramplane.coordinator.http import HttpView
-from paramplane.coordinator.service import CoordinatorService
+from paramplane.coordinator.service import CoordinatorService, serialize_join
 from paramplane.coordinator.state import MAX_VALUE_BYTES, CoordinatorState
 from paramplane.protos import coordinator_pb2_grpc as pb_grpc
 from paramplane.protos.auth import TokenAuthInterceptor
@@ -97,6 +97,31 @@ class CoordinatorConfig:
         return self.http_host if self.http_host is not None else self.host
 
 
+def _add_servicer(service: CoordinatorService, server: grpc.aio.Server) -> None:
+    """The generated registration, with Join's response serializer taking the wire bytes Join answers."""
+
+    class _Capture:
+        handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+        def add_generic_rpc_handlers(self, _handlers: object) -> None:
+            pass
+
+        def add_registered_method_handlers(
+            self, _name: str, handlers: dict[str, grpc.RpcMethodHandler]
+        ) -> None:
+            self.handlers = handlers
+
+    capture = _Capture()
+    pb_grpc.add_CoordinatorServicer_to_server(service, capture)
+    handlers = dict(capture.handlers)
+    join = handlers["Join"]
+    handlers["Join"] = grpc.unary_unary_rpc_method_handler(
+        join.unary_unary, request_deserializer=join.request_deserializer, response_serializer=serialize_join
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 class CoordinatorServer:
     """A running coordinator; create it with ``await CoordinatorServer.start(config)``."""
 
@@ -137,7 +162,7 @@ class CoordinatorServer:
             heartbeat_interval_s=config.heartbeat_interval_s,
             heartbeat_timeout_s=config.heartbeat_timeout_s,
         )
-        pb_grpc.add_CoordinatorServicer_to_server(service, server)
+        _add_servicer(service, server)
         health_servicer = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         target = host_port(config.host, config.port)

@@ -16,7 +16,16 @@ from typing import TypeVar
 
 import grpc
 
-from paramplane.coordinator.model import Assignment, Effects, ErrorKind, Event, EventKind, Joiner, StateError
+from paramplane.coordinator.model import (
+    Assignment,
+    Effects,
+    ErrorKind,
+    Event,
+    EventKind,
+    Joiner,
+    Peer,
+    StateError,
+)
 from paramplane.coordinator.state import CoordinatorState
 from paramplane.protos import coordinator_pb2 as pb
 from paramplane.protos import coordinator_pb2_grpc as pb_grpc
@@ -38,8 +47,23 @@ _EVENT_KINDS = {
 }
 
 
-def _assignment_pb(a: Assignment, heartbeat_interval_s: float, heartbeat_timeout_s: float) -> pb.JoinResponse:
-    return pb.JoinResponse(
+def _peers_wire(peers: tuple[Peer, ...]) -> bytes:
+    """The peer table as the wire bytes of a JoinResponse holding only it."""
+    table = [
+        pb.PeerInfo(
+            rank=p.rank, address=p.address, host_id=p.host_id, node_rank=p.node_rank, local_rank=p.local_rank
+        )
+        for p in peers
+    ]
+    return pb.JoinResponse(peers=table).SerializeToString()
+
+
+def _assignment_wire(
+    a: Assignment, peers_wire: bytes, heartbeat_interval_s: float, heartbeat_timeout_s: float
+) -> bytes:
+    """A JoinResponse on the wire: this rank's fields, then the world's peer table serialized once for every
+    joiner (protobuf concatenation merges them): O(ranks) per join instead of building the table again."""
+    own = pb.JoinResponse(
         rank=a.rank,
         world_size=a.world_size,
         node_rank=a.node_rank,
@@ -47,20 +71,16 @@ def _assignment_pb(a: Assignment, heartbeat_interval_s: float, heartbeat_timeout
         local_rank=a.local_rank,
         local_world_size=a.local_world_size,
         epoch=a.epoch,
-        peers=[
-            pb.PeerInfo(
-                rank=p.rank,
-                address=p.address,
-                host_id=p.host_id,
-                node_rank=p.node_rank,
-                local_rank=p.local_rank,
-            )
-            for p in a.peers
-        ],
         heartbeat_interval_s=heartbeat_interval_s,
         heartbeat_timeout_s=heartbeat_timeout_s,
         job_id=a.job_id,
     )
+    return own.SerializeToString() + peers_wire
+
+
+def serialize_join(response: pb.JoinResponse | bytes) -> bytes:
+    """The Join handler's response serializer: ``Join`` answers wire bytes (see ``_assignment_wire``)."""
+    return response if isinstance(response, bytes) else response.SerializeToString()
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
@@ -77,6 +97,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._watchers: set[asyncio.Queue[Event]] = set()
         self._wake = asyncio.Event()
         self._ticker: asyncio.Task[None] | None = None
+        self._peers_wire: tuple[tuple[Peer, ...], bytes] | None = None  # the last world's table, serialized
 
     # -- effects ----------------------------------------------------------------------------------
     def _flush(self) -> None:
@@ -177,7 +198,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._flush()
 
     # -- RPCs -------------------------------------------------------------------------------------
-    async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinResponse:
+    async def Join(  # type: ignore[override]  # wire bytes: see serialize_join
+        self, request: pb.JoinRequest, context: grpc.aio.ServicerContext
+    ) -> bytes:
         joiner = Joiner(
             instance_id=request.instance_id,
             host_id=request.host_id,
@@ -186,13 +209,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             world_size=request.world_size,
             pid=request.pid,
         )
-        log.info("join: host %s pid %d rank hint %d", joiner.host_id, joiner.pid, joiner.rank_hint)
+        log.debug("join: host %s pid %d rank hint %d", joiner.host_id, joiner.pid, joiner.rank_hint)
         work = self._block(
             lambda w: self._state.join(joiner, w, time.monotonic()), self._state.join_timeout_s
         )
         assignment = await self._guard(context, work)
         assert isinstance(assignment, Assignment)
-        return _assignment_pb(assignment, self._heartbeat_interval_s, self._heartbeat_timeout_s)
+        if self._peers_wire is None or self._peers_wire[0] is not assignment.peers:
+            self._peers_wire = (assignment.peers, _peers_wire(assignment.peers))
+        return _assignment_wire(
+            assignment, self._peers_wire[1], self._heartbeat_interval_s, self._heartbeat_timeout_s
+        )
 
     async def KVSet(self, request: pb.KVSetRequest, context: grpc.aio.ServicerContext) -> pb.KVSetResponse:
         await self._guard(
