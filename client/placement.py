@@ -267,39 +267,38 @@ LAYERS: tuple[tuple[str, Callable[[Mapping[str, str]], Layer]], ...] = (
 """The layers in the order they win."""
 
 
-def resolve(env: Mapping[str, str]) -> Placement:
-    """This process's placement as ``env`` describes it (ValueError naming the variables when it cannot)."""
+def resolve(env: Mapping[str, str], coordinator: str | None = None) -> Placement:
+    """This process's placement as ``env`` describes it (ValueError naming the variables when it cannot);
+    ``coordinator``: the address the caller gives (``pp.init(coordinator=...)``), which wins."""
     layers = [(name, read(env)) for name, read in LAYERS]
     merged: dict[str, Found] = {}
     launcher = "none"
     for name, layer in layers:
         if launcher == "none" and "rank" in layer and name != "paramplane":
             launcher = name
-        for key, found in layer.items():
-            merged.setdefault(key, found)
+        for key, value in layer.items():
+            merged.setdefault(key, value)
     if launcher == "none" and "PARAMPLANE_COORDINATOR" in env:
         launcher = "paramplane"
     rank, size = merged.get("rank"), merged.get("world_size")
-    if rank is not None and size is None and int(rank.value) >= 0:
+    found: Found | None = merged.get("coordinator") or merged.get("meeting_file")
+    if coordinator is not None:
+        found = Found(coordinator, "given to pp.init (PARAMPLANE_COORDINATOR)")
+    named = found is not None and "PARAMPLANE_COORDINATOR" in found.source
+    # A running coordinator knows the world size; one this process would host (or look for) needs it here.
+    if rank is not None and size is None and int(rank.value) >= 0 and not named:
         raise ValueError(
             f"{rank.source} names this process's rank but nothing names the world size: "
             "set PARAMPLANE_WORLD_SIZE (or WORLD_SIZE)"
         )
     if rank is not None and size is not None and int(rank.value) >= int(size.value):
         raise ValueError(f"{rank.source} is not below {size.source}")
-    coordinator = merged.get("coordinator") or merged.get("meeting_file")
-    if rank is not None and int(rank.value) >= 0 and coordinator is None:
+    if rank is not None and int(rank.value) >= 0 and found is None:
         raise ValueError(
             f"{rank.source} names this process's rank but no coordinator can be found: set PARAMPLANE_COORDINATOR="
             "HOST:PORT (a running coordinator) or MASTER_ADDR and MASTER_PORT (rank 0 then hosts it there)"
         )
-    hosts = (
-        coordinator is not None
-        and rank is not None
-        and rank.value == 0
-        and "PARAMPLANE_COORDINATOR" not in coordinator.source
-        and launcher != "none"
-    )
+    hosts = found is not None and rank is not None and rank.value == 0 and not named and launcher != "none"
     restart = merged.get("restart_count", Found(0, "default (no launcher names a restart)"))
     return Placement(
         rank=rank,
@@ -308,7 +307,7 @@ def resolve(env: Mapping[str, str]) -> Placement:
         node=merged.get("node"),
         node_rank=merged.get("node_rank"),
         restart_count=restart,
-        coordinator=coordinator,
+        coordinator=found,
         launcher=launcher,
         hosts_coordinator=hosts,
         num_nodes=merged.get("num_nodes"),

@@ -331,17 +331,16 @@ def init(
     tracer = None
     token = resolve_token(token)
     hosted = None
-    if coordinator is None:
-        placement = resolve(os.environ)
-        rank = _pick(rank, placement, "rank")
-        world_size = _pick(world_size, placement, "world_size")
-        host_id = host_id if host_id is not None else _pick(None, placement, "node")
-        if placement.coordinator is not None and "PARAMPLANE_COORDINATOR" not in placement.coordinator.source:
-            hosted = _find_or_host(placement, token, join_timeout)
-            coordinator, token = hosted.address, hosted.token
-        if bind is None and _env("PARAMPLANE_BIND") is None and _multi_node(placement):
-            bind = "0.0.0.0"  # peers on other nodes dial this rank at its node's name
-            advertise = advertise or _env("PARAMPLANE_ADVERTISE") or (host_id if host_id else None)
+    placement = resolve(os.environ, coordinator)
+    rank = _pick(rank, placement, "rank")
+    world_size = _pick(world_size, placement, "world_size")
+    host_id = host_id if host_id is not None else _pick(None, placement, "node")
+    if placement.coordinator is not None and "PARAMPLANE_COORDINATOR" not in placement.coordinator.source:
+        hosted = _find_or_host(placement, token, join_timeout)
+        coordinator, token = hosted.address, hosted.token
+    if bind is None and _env("PARAMPLANE_BIND") is None and _multi_node(placement):
+        bind = "0.0.0.0"  # peers on other nodes dial this rank at its node's name
+        advertise = advertise or _env("PARAMPLANE_ADVERTISE") or (host_id if host_id else None)
     trace_dir = _env("PARAMPLANE_TRACE")
     if trace_dir:
         tracer = ChromeTracer(trace_dir)

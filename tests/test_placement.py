@@ -212,3 +212,13 @@ def test_paramplane_env_prints_each_value_and_its_variable(
     monkeypatch.setenv("SLURM_PROCID", "9")
     assert main(["env"]) == 2
     assert "SLURM_PROCID=9 is not below SLURM_NTASKS=4" in capsys.readouterr().err
+
+
+def test_a_named_coordinator_knows_the_world_size() -> None:
+    """A running coordinator (PARAMPLANE_COORDINATOR or pp.init's argument) gives the size: no error without one."""
+    p = resolve({"PARAMPLANE_RANK": "1", "PARAMPLANE_COORDINATOR": "h:1"})
+    assert p.rank and p.rank.value == 1 and p.world_size is None and not p.hosts_coordinator
+    given = resolve({"JOB_COMPLETION_INDEX": "0"}, coordinator="h:2")
+    assert given.coordinator and given.coordinator.value == "h:2" and not given.hosts_coordinator
+    mpi = resolve({**OMPI, "OMPI_COMM_WORLD_RANK": "0"}, coordinator="h:3")
+    assert mpi.rank and mpi.rank.value == 0 and not mpi.hosts_coordinator  # the given one runs elsewhere
