@@ -153,7 +153,8 @@ def find_or_host(
         ).partition("\n")
         return Hosted(address.strip(), token or shared.strip() or None, None)
     host, port = parse_address(where)
-    if token is None and placement.launcher == "slurm":
+    named = "PARAMPLANE_COORDINATOR" in placement.coordinator.source  # a running one: its token is the user's
+    if token is None and placement.launcher == "slurm" and not named:
         token = slurm_token(env, placement.hosts_coordinator, deadline)
     if token is None and not is_loopback(host):
         raise ValueError(
