@@ -32,6 +32,9 @@ The peer, in the same run unless ``--no-torch`` (or torch is not installed): tor
 the same stand-in as an autograd function, its bubble measured the same way from those functions' spans
 (``impl: "torch"`` lines; torch has no microbatch group setting). Our lines carry
 ``torch_measured_over_theory`` and ``bubble_over_torch`` (our bubble / torch's) for the same schedule and m.
+Also in that run: the very same torch stand-in modules as torch stages of ``pp.Pipeline`` (``impl:
+"paramplane-torch-stages"``: autograd inside each stage, activations across as DLPack views), measured like
+the peer, with their ``bubble_over_torch``.
 One JSON line per configuration and implementation.
 """
 
@@ -52,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from paramplane.benchmarks._jsonl import emit
+from paramplane.benchmarks._pipeline_torch import worker_torch, worker_torch_stages
 from paramplane.benchmarks._ranks import run_ranks
 
 P = 2
@@ -131,85 +135,6 @@ def worker(args: argparse.Namespace) -> None:
                     cold_code_s=cold,
                 )
             )
-    print(json.dumps(rows), flush=True)
-
-
-# The peer: torch.distributed.pipelining over gloo, the same stand-in stages, its schedules at their defaults.
-TORCH_SCHEDULES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved_1f1b": "ScheduleInterleaved1F1B",
-}
-
-
-def worker_torch(args: argparse.Namespace) -> None:
-    import torch
-    import torch.distributed as dist
-    from torch.distributed import pipelining
-
-    rank = int(os.environ["PARAMPLANE_RANK"])
-    dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=rank, world_size=P)
-    spans: list[float] = []
-
-    class WaitFn(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: Any, seconds: float) -> Any:
-            start = time.monotonic()
-            time.sleep(seconds)
-            ctx.seconds = seconds
-            spans.append(time.monotonic() - start)
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx: Any, grad: Any) -> Any:
-            start = time.monotonic()
-            time.sleep(ctx.seconds)
-            spans.append(time.monotonic() - start)
-            return grad.clone(), None
-
-    class Wait(torch.nn.Module):
-        def __init__(self, seconds: float) -> None:
-            super().__init__()
-            self.seconds = seconds
-            self.w = torch.nn.Parameter(torch.zeros(()))  # so the first stage runs its backward too
-
-        def forward(self, x: Any) -> Any:
-            return WaitFn.apply(x + self.w * 0, self.seconds)
-
-    rows = []
-    for schedule, v, group, split, m in _configs(args):
-        if group is not None:
-            continue  # torch's interleaved schedule has no microbatch group setting
-        stage_s = _stage_ms(args, v, split) / 1000
-        stages = [
-            pipelining.PipelineStage(Wait(stage_s), rank + c * P, P * v, torch.device("cpu"))
-            for c in range(v)
-        ]
-        pipe = getattr(pipelining, TORCH_SCHEDULES[schedule])(
-            stages if v > 1 else stages[0], m, loss_fn=torch.nn.functional.mse_loss
-        )
-        x = torch.zeros(m, 8)
-        times, busy, cpu = [], [], []
-        for _ in range(args.steps + 1):
-            dist.barrier()
-            spans.clear()
-            t, c = time.perf_counter(), time.process_time()
-            if rank == 0:
-                pipe.step(x)
-            else:
-                pipe.step(target=x)
-            times.append(time.perf_counter() - t)
-            cpu.append(time.process_time() - c)
-            # (its first step also runs each stage's forward once to learn the shapes: not measured)
-            assert len(spans) == 2 * m * v or not times[1:], (
-                f"expected {2 * m * v} compute spans, got {len(spans)}"
-            )
-            busy.append(sum(spans))
-        rows.append(
-            _measured(schedule, m, v, times, cpu, split, busy_s=busy[1:], torch_version=torch.__version__)
-        )
-    dist.barrier()
-    dist.destroy_process_group()
     print(json.dumps(rows), flush=True)
 
 
@@ -310,14 +235,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll-us", type=int, default=0, help="Pipeline(poll_us=...)")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch.distributed.pipelining rows")
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--worker", choices=("paramplane", "torch"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("paramplane", "torch", "torch-stages"), help=argparse.SUPPRESS)
     parser.add_argument("--store", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker == "paramplane":
         worker(args)
         return 0
-    if args.worker == "torch":
-        worker_torch(args)
+    if args.worker in ("torch", "torch-stages"):
+        run = worker_torch if args.worker == "torch" else worker_torch_stages
+        print(json.dumps(run(args, _configs(args), _stage_ms, _measured)), flush=True)
         return 0
     cmd = [
         sys.executable,
@@ -332,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ, PARAMPLANE_TRACE=trace)
         per_rank = run_ranks(lambda _r: [*cmd, "--worker", "paramplane"], P, env, what="pipeline benchmark")
     peer: dict[tuple[str, int, bool], dict[str, Any]] = {}
+    torch_stage_lines: list[str] = []
     if not args.no_torch and importlib.util.find_spec("torch") is not None:
         with tempfile.TemporaryDirectory(prefix="paramplane-pipeline-torch-") as tmp:
             store = ["--worker", "torch", "--store", os.path.join(tmp, "store")]
@@ -339,8 +266,19 @@ def main(argv: list[str] | None = None) -> int:
                 lambda _r: [*cmd, *store], P, os.environ, what="torch pipeline peer", coordinator=False
             )
         for rows in zip(*torch_ranks):
-            row = _torch_row(rows, args)
+            row = _torch_row(rows, args, "torch")
             peer[(row["schedule"], row["m"], row["split_rank_work"])] = row
+        # torch stage modules under pp.Pipeline: the same stand-in stages as the peer, measured the same way.
+        stage_ranks = run_ranks(
+            lambda _r: [*cmd, "--worker", "torch-stages"], P, os.environ, what="torch stages"
+        )
+        for rows in zip(*stage_ranks):
+            row = _torch_row(rows, args, "paramplane-torch-stages")
+            theirs = peer.get((row["schedule"], row["m"], row["split_rank_work"]))
+            if theirs is not None:
+                row["torch_measured_over_theory"] = theirs["measured_over_theory"]
+                row["bubble_over_torch"] = row["bubble_measured"] / theirs["bubble_measured"]
+            torch_stage_lines.append(json.dumps(row))
     lines = []
     for rows in zip(*per_rank):
         row = _row(rows, args)
@@ -350,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             row["torch_measured_over_theory"] = theirs["measured_over_theory"]
             row["bubble_over_torch"] = row["bubble_measured"] / theirs["bubble_measured"]
         lines.append(json.dumps(row))
-    lines += [json.dumps(row) for row in peer.values()]
+    lines += torch_stage_lines + [json.dumps(row) for row in peer.values()]
     emit(lines, args.out)
     return 0
 
@@ -395,17 +333,18 @@ def _row(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> dict[str, 
     }
 
 
-def _torch_row(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
-    """The peer's line: its bubble measured the same way (per step the rank with the largest idle fraction)."""
+def _torch_row(rows: Sequence[dict[str, Any]], args: argparse.Namespace, impl: str) -> dict[str, Any]:
+    """A line from the torch stand-in's spans: the peer's (``impl`` "torch") or torch stage modules under
+    ``pp.Pipeline`` ("paramplane-torch-stages"); per step the rank with the largest idle fraction."""
     first = rows[0]
     m, v = first["m"], first["v"]
     bubble = [max(1.0 - r["busy_s"][i] / r["step_s"][i] for r in rows) for i in range(len(first["step_s"]))]
     measured, theory = float(np.median(bubble)), _theory(m, v)
     return {
         "bench": "pipeline",
-        "impl": "torch",
+        "impl": impl,
         "torch_version": first["torch_version"],
-        "backend": "gloo",
+        "backend": "gloo" if impl == "torch" else "paramplane",
         "schedule": first["schedule"],
         "microbatch_group": None,
         "p": P,

@@ -23,3 +23,23 @@ def test_torch_stages_equal_one_process_under_every_schedule() -> None:
     tied = out[0]["values"]["tied"]
     assert len(tied) == 7 and all(len(d) == 1 for d in tied.values())
     assert tied == out[1]["values"]["tied"]
+
+
+def test_keyword_arguments_split_into_microbatches_and_shared_ones_whole() -> None:
+    """What every stage's forward gets per microbatch: tensors of ``step``'s kwargs cut along dim 0 (torch's
+    default chunking), non-tensors and ``shared=`` values whole; a tensor that does not split is a ValueError."""
+    import torch
+
+    from paramplane.parallel.pipeline.torch_stage import split_kwargs
+
+    mask = torch.arange(12).reshape(6, 2)
+    causal = torch.ones(3, 3)
+    per_mb = split_kwargs({"attention_mask": mask, "scale": 0.5}, {"bias": causal}, 3)
+    assert [mb["attention_mask"].tolist() for mb in per_mb] == [
+        [[0, 1], [2, 3]],
+        [[4, 5], [6, 7]],
+        [[8, 9], [10, 11]],
+    ]
+    assert all(mb["scale"] == 0.5 and mb["bias"] is causal for mb in per_mb)
+    with pytest.raises(ValueError, match="do not split into 4"):
+        split_kwargs({"attention_mask": mask}, None, 4)

@@ -150,6 +150,13 @@ def errors(world: Any, rep: Report) -> None:
         lambda: pp.Pipeline(stages[(g.rank + 1) % g.size], g, "gpipe", 2, loss_fn=pp.causal_lm_loss),
         "pipeline_split",
     )
+    sharded = pp.FSDP(build("gpt2", 2), g)
+    rep.raises(
+        "an FSDP stage",
+        ValueError,
+        lambda: pp.Pipeline(sharded, g, "gpipe", 2, loss_fn=pp.causal_lm_loss),
+        "pp.DDP-wrapped",
+    )
     rep.raises("boundaries out of order", ValueError, lambda: pp.pipeline_split(model, [2, 1]), "increase")
     rep.raises("boundary past the blocks", ValueError, lambda: pp.pipeline_split(model, [4]), "increase")
 

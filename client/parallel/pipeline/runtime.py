@@ -146,6 +146,8 @@ class Pipeline:
         """torch stage modules as ``TorchStage``s (a ``pp.DDP``-wrapped stage: its group becomes the data-parallel
         group, its gradients averaged once per step); checks ``pipeline_split``'s stage indices."""
         from paramplane.parallel.ddp import DDP
+        from paramplane.parallel.fsdp import FSDP
+        from paramplane.parallel.torch_params import is_torch_module
 
         p, v = group.size, len(modules)
         stages = []
@@ -157,7 +159,7 @@ class Pipeline:
                 dp_group = m.group
                 self._ddps.append(m)
                 inner, call = m.module, m
-            elif hasattr(m, "module") and not hasattr(m, "named_parameters"):
+            elif isinstance(m, FSDP) or not is_torch_module(m):
                 raise ValueError(
                     f"Pipeline takes torch stage modules or pp.DDP-wrapped ones, not {type(m).__name__}: average "
                     "the stages over data-parallel replicas with dp_group=mesh.group('dp')"
