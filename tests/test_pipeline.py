@@ -222,7 +222,7 @@ def test_pipeline_argument_errors_on_every_rank() -> None:
     assert all(r["num_checks"] == 16 for r in world.check_ok())
 
 
-@pytest.mark.timeout(180)  # its own bounds (120 s), not the global 120 s
+@pytest.mark.timeout(300)  # its own bounds (240 s), not the global 120 s
 def test_bubble_benchmark_measures_idle_from_the_traced_compute(tmp_path: Path) -> None:
     """benchmarks/pipeline.py at a tiny size: one line per schedule, the bubble taken from the traced
     forward/backward spans (never negative, below the nominal figure, which also charges sleep overshoot),
@@ -230,7 +230,7 @@ def test_bubble_benchmark_measures_idle_from_the_traced_compute(tmp_path: Path) 
     out = tmp_path / "pipeline.jsonl"
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "pipeline.py"
     args = ["--compute-ms", "4", "--microbatches", "2,4", "--steps", "1", "--out", str(out)]
-    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     every = [json.loads(line) for line in out.read_text().splitlines()]
     rows = [r for r in every if r["impl"] == "paramplane"]
@@ -255,6 +255,18 @@ def test_bubble_benchmark_measures_idle_from_the_traced_compute(tmp_path: Path) 
                 == (schedule, m, None, split_work)
             )
             assert ours["bubble_over_torch"] == pytest.approx(ours["bubble_measured"] / t["bubble_measured"])
+        # torch stage modules under pp.Pipeline: the peer's configurations, measured the same way.
+        staged = {
+            (r["schedule"], r["m"], r["split_rank_work"]): r
+            for r in every
+            if r["impl"] == "paramplane-torch-stages"
+        }
+        assert set(staged) == set(peer)
+        for key, r in staged.items():
+            assert 0 < r["bubble_measured"] < 1 and r["stage_ms"] == peer[key]["stage_ms"], r
+            assert r["bubble_over_torch"] == pytest.approx(
+                r["bubble_measured"] / peer[key]["bubble_measured"]
+            )
     else:
         assert not peer
     for r in rows:
