@@ -23,7 +23,7 @@ from paramplane.node.peer import TlsConfig
 from paramplane.node.runtime import ENV_OF, NodeRuntime, RuntimeConfig
 from paramplane.placement import Placement, resolve
 from paramplane.protos.fields import field_docs
-from paramplane.protos.net import check_seconds, resolve_token, tls_paths
+from paramplane.protos.net import check_seconds, is_loopback, parse_address, resolve_token, tls_paths
 from paramplane.trace import ChromeTracer
 
 _FILE_VARS = {
@@ -338,7 +338,8 @@ def init(
     if placement.coordinator is not None and "PARAMPLANE_COORDINATOR" not in placement.coordinator.source:
         hosted = _find_or_host(placement, token, join_timeout)
         coordinator, token = hosted.address, hosted.token
-    if bind is None and _env("PARAMPLANE_BIND") is None and _multi_node(placement):
+    address = coordinator or _env("PARAMPLANE_COORDINATOR")
+    if bind is None and _env("PARAMPLANE_BIND") is None and _multi_node(placement, address):
         bind = "0.0.0.0"  # peers on other nodes dial this rank at its node's name
         advertise = advertise or _env("PARAMPLANE_ADVERTISE") or (host_id if host_id else None)
     trace_dir = _env("PARAMPLANE_TRACE")
@@ -387,7 +388,10 @@ def _pick(given: Any, placement: Placement, name: str) -> Any:
     return None if found is None else found.value
 
 
-def _multi_node(placement: Placement) -> bool:
+def _multi_node(placement: Placement, coordinator: str | None) -> bool:
+    """The job spans nodes (and this world is not one host's, as under ``launch --standalone`` in an srun step)."""
+    if coordinator is not None and is_loopback(parse_address(coordinator)[0]):
+        return False
     return placement.num_nodes is not None and int(placement.num_nodes.value) > 1
 
 

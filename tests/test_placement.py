@@ -222,3 +222,14 @@ def test_a_named_coordinator_knows_the_world_size() -> None:
     assert given.coordinator and given.coordinator.value == "h:2" and not given.hosts_coordinator
     mpi = resolve({**OMPI, "OMPI_COMM_WORLD_RANK": "0"}, coordinator="h:3")
     assert mpi.rank and mpi.rank.value == 0 and not mpi.hosts_coordinator  # the given one runs elsewhere
+
+
+def test_data_plane_binds_wide_only_for_a_world_over_nodes() -> None:
+    """A two-node srun step binds the data plane for other nodes, unless this world is one host's (a loopback
+    coordinator, as ``paramplane launch --standalone`` run inside the step gives its ranks)."""
+    from paramplane.world import _multi_node
+
+    step = resolve(SLURM)
+    assert _multi_node(step, "node07:29400")
+    assert not _multi_node(step, "127.0.0.1:29400")
+    assert not _multi_node(resolve({**SLURM, "SLURM_STEP_NUM_NODES": "1"}), "node07:29400")
