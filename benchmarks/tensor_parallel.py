@@ -1,7 +1,7 @@
-"""Tensor-parallel MLP step time: column -> GELU -> row on tp = 2 ranks against the dense MLP on one.
+"""Tensor-parallel step time on tp = 2 ranks against the dense model on one: the numpy MLP, and torch blocks.
 
     python benchmarks/tensor_parallel.py [--dim 1024] [--hidden 4096] [--batch 64] [--steps 5] [--repeats 2]
-                                         [--out benchmarks/results/tensor_parallel.jsonl]
+                                         [--suite numpy|torch|all] [--out benchmarks/results/tensor_parallel.jsonl]
 
 One training step is forward, backward and an SGD update, float32, one BLAS thread per process.
 The dense row runs the same model (same seeds) in one process; the tp row runs 2 ranks, each
@@ -9,6 +9,11 @@ holding half of both weights, with one all-reduce forward and one backward per s
 are interleaved ``--repeats`` times; each row reports the median step time of its run (tp: the
 slowest rank). On a 2-core machine shared with other work the ratio mostly measures the
 all-reduces of (batch, dim) activations against halved matmuls; it is noisy, say so when quoting it.
+
+The torch rows (``--suite torch``, see ``_tp_torch.py``) time one transformer block of transformers GPT-2
+and of Llama (``--torch-embd`` 1024, 16 heads, MLP 4x, ``--torch-seq`` 256 tokens x ``--torch-batch`` 4,
+float32, AdamW) dense on one process, under ``pp.parallelize`` on tp = 2, and (Llama) under torch's own
+``parallelize_module`` (ColwiseParallel / RowwiseParallel over gloo DTensors) on tp = 2, each at its defaults.
 """
 
 from __future__ import annotations
@@ -94,14 +99,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--suite", choices=("numpy", "torch", "all"), default="all")
+    parser.add_argument("--torch-embd", type=int, default=1024)
+    parser.add_argument("--torch-seq", type=int, default=256)
+    parser.add_argument("--torch-batch", type=int, default=4)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--worker", choices=("dense", "tp"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
         return 0
-    lines = []
-    for repeat in range(args.repeats):
+    lines: list[str] = []
+    if args.suite in ("torch", "all"):
+        from paramplane.benchmarks import _tp_torch
+
+        lines += _tp_torch.rows(args.torch_embd, args.torch_seq, args.torch_batch, args.steps, args.repeats)
+    for repeat in range(args.repeats if args.suite != "torch" else 0):
         dense = _run("dense", args)
         tp = _run("tp", args)
         shape = {"dim": args.dim, "hidden": args.hidden, "batch": args.batch, "dtype": "float32"}
