@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from paramplane.parallel.tp_torch import (
         ColwiseParallel,
         RowwiseParallel,
+        SequenceParallel,
         VocabParallel,
         parallelize,
         tp_full_state_dict,
@@ -62,6 +63,7 @@ _LAZY = {
     "MixedPrecision": "paramplane.parallel.fsdp",
     "ColwiseParallel": "paramplane.parallel.tp_torch",
     "RowwiseParallel": "paramplane.parallel.tp_torch",
+    "SequenceParallel": "paramplane.parallel.tp_torch",
     "VocabParallel": "paramplane.parallel.tp_torch",
     "parallelize": "paramplane.parallel.tp_torch",
     "tp_full_state_dict": "paramplane.parallel.tp_torch",
@@ -117,6 +119,7 @@ __all__ = [
     "RendezvousError",
     "RowParallelLinear",
     "RowwiseParallel",
+    "SequenceParallel",
     "TensorParallelAttention",
     "TransportError",
     "VocabParallel",

@@ -4,7 +4,8 @@
 split over the vocabulary and ``pp.vocab_parallel_cross_entropy``; every rank also trains the dense model on the
 same batch in float64 and checks: every step's loss, the first step's gradients (each shard against the same
 piece of the dense gradient), the final parameters (``full_state_dict``) and the number of all-reduces of a
-step (one forward and one backward per column/row pair, Llama's separate q/k/v included). Then the
+step (one forward and one backward per column/row pair, Llama's separate q/k/v included); GPT-2 also under
+Megatron sequence parallel (``tp_plan_for(..., sequence_parallel=True)``), the same checks. Then the
 gathered-logits plan: logits and the model's own loss equal the dense model's; and a plain ``nn.Sequential``
 with ``gather_output`` / ``input_is_parallel=False``.
 
@@ -27,7 +28,7 @@ from _common import Report, run_rank
 
 import paramplane as pp
 
-VOCAB, SEQ, STEPS = 48, 8, 3
+VOCAB, SEQ, STEPS = 48, 12, 3
 RTOL = 1e-9
 
 
@@ -107,13 +108,13 @@ def _counting(group: Any) -> list[int]:
     return calls
 
 
-def train_one(rep: Report, name: str, tp: Any) -> None:
+def train_one(rep: Report, name: str, tp: Any, sequence: bool = False) -> None:
     import torch
     import torch.nn.functional as F
 
-    tag = f"{name} tp{tp.size}"
+    tag = f"{name} tp{tp.size}" + (" sp" if sequence else "")
     dense, model = build(name), build(name)
-    pp.parallelize(model, tp, pp.tp_plan_for(model, loss_parallel=True))
+    pp.parallelize(model, tp, pp.tp_plan_for(model, loss_parallel=True, sequence_parallel=sequence))
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (dense, model)]
     calls = _counting(tp)
     num_layers = len(model.transformer.h if name == "gpt2" else model.model.layers)
@@ -129,7 +130,8 @@ def train_one(rep: Report, name: str, tp: Any) -> None:
         got.backward()
         # forward: a row all-reduce per attention and MLP, the embedding's, the loss's two; backward: the
         # column input's per attention and MLP and the head's
-        rep.check(f"{tag} all-reduces per step", calls[0] == 4 * num_layers + 4, f"{calls[0]}")
+        if not sequence:
+            rep.check(f"{tag} all-reduces per step", calls[0] == 4 * num_layers + 4, f"{calls[0]}")
         _close(rep, f"{tag} loss step {step}", got.item(), want.item())
         if step == 0:
             dense_params = dict(dense.named_parameters())
@@ -186,6 +188,8 @@ def train(world: Any, rep: Report) -> None:
             continue
         for name in ("gpt2", "llama"):
             train_one(rep, name, tp)
+            if name == "gpt2":
+                train_one(rep, name, tp, sequence=True)
             gathered(rep, name, tp)
         sequential(rep, tp)
 
@@ -224,6 +228,7 @@ def errors(rep: Report, tp: Any) -> None:
         "unmatched", ValueError, lambda: pp.parallelize(wrong, tp, {"*nothing": "colwise"}), "*nothing"
     )
     rep.raises("style", ValueError, lambda: pp.parallelize(wrong, tp, {"lm_head": "diagonal"}), "diagonal")
+    rep.raises("llama sp", ValueError, lambda: pp.tp_plan_for(llama, sequence_parallel=True), "GPT-2 only")
 
 
 def cross_entropy(rep: Report, tp: Any) -> None:

@@ -7,11 +7,17 @@ from paramplane.parallel.tp_torch.families import tp_plan_for
 from paramplane.parallel.tp_torch.loss import vocab_parallel_cross_entropy
 from paramplane.parallel.tp_torch.plan import parallelize
 from paramplane.parallel.tp_torch.state import TPShard, tp_full_state_dict
-from paramplane.parallel.tp_torch.styles import ColwiseParallel, RowwiseParallel, VocabParallel
+from paramplane.parallel.tp_torch.styles import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    VocabParallel,
+)
 
 __all__ = [
     "ColwiseParallel",
     "RowwiseParallel",
+    "SequenceParallel",
     "TPShard",
     "VocabParallel",
     "parallelize",

@@ -19,7 +19,18 @@ from typing import Any
 from paramplane.group import ProcessGroup
 from paramplane.parallel.torch_params import to_array, to_tensor, torch_stream
 
-__all__ = ["SharedCopy", "all_reduce_", "copy_to", "gather_last", "reduce_from", "scatter_last"]
+__all__ = [
+    "SharedCopy",
+    "all_reduce_",
+    "copy_to",
+    "gather_last",
+    "gather_seq",
+    "leave_seq",
+    "reduce_from",
+    "reduce_scatter_seq",
+    "scatter_last",
+    "split_seq",
+]
 
 
 def all_reduce_(t: Any, group: ProcessGroup, op: str = "sum") -> Any:
@@ -55,6 +66,37 @@ def _split(t: Any, group: ProcessGroup) -> Any:
         )
     k = size // group.size
     return t[..., group.rank * k : (group.rank + 1) * k].contiguous()
+
+
+def _gather_seq(t: Any, group: ProcessGroup) -> Any:
+    """Every rank's ``t`` concatenated along dimension 1 (the sequence), in group order."""
+    front = t.detach().movedim(1, 0).contiguous()
+    with torch_stream(front):
+        gathered = to_tensor(group.all_gather(to_array(front, "a sequence-parallel activation")))
+    return gathered.movedim(0, 1).contiguous()
+
+
+def _reduce_scatter_seq(t: Any, group: ProcessGroup) -> Any:
+    """This rank's equal part, along dimension 1, of the sum of ``t`` over the group."""
+    _check_seq(t, group)
+    front = t.detach().movedim(1, 0).contiguous()
+    with torch_stream(front):
+        part = to_tensor(group.reduce_scatter(to_array(front, "a sequence-parallel activation"), "sum"))
+    return part.movedim(0, 1).contiguous()
+
+
+def _check_seq(t: Any, group: ProcessGroup) -> int:
+    if t.dim() < 2 or t.shape[1] % group.size:
+        raise ValueError(
+            f"sequence parallel splits dimension 1 (the sequence) over {group.size} ranks; got shape "
+            f"{tuple(t.shape)}: the sequence length must be divisible by the tensor-parallel size"
+        )
+    return int(t.shape[1]) // group.size
+
+
+def _split_seq(t: Any, group: ProcessGroup) -> Any:
+    k = _check_seq(t, group)
+    return t.detach()[:, group.rank * k : (group.rank + 1) * k].contiguous()
 
 
 def _function() -> Any:
@@ -117,7 +159,49 @@ class _Fns:
             def backward(ctx: Any, grad: Any) -> Any:
                 return _gather(grad, ctx.group), None
 
+        class GatherSeq(Function):  # type: ignore[misc, valid-type]
+            @staticmethod
+            def forward(ctx: Any, x: Any, group: ProcessGroup) -> Any:
+                ctx.group = group
+                return _gather_seq(x, group)
+
+            @staticmethod
+            def backward(ctx: Any, grad: Any) -> Any:
+                return _reduce_scatter_seq(grad, ctx.group), None
+
+        class ReduceScatterSeq(Function):  # type: ignore[misc, valid-type]
+            @staticmethod
+            def forward(ctx: Any, x: Any, group: ProcessGroup) -> Any:
+                ctx.group = group
+                return _reduce_scatter_seq(x, group)
+
+            @staticmethod
+            def backward(ctx: Any, grad: Any) -> Any:
+                return _gather_seq(grad, ctx.group), None
+
+        class SplitSeq(Function):  # type: ignore[misc, valid-type]
+            @staticmethod
+            def forward(ctx: Any, x: Any, group: ProcessGroup) -> Any:
+                ctx.group = group
+                return _split_seq(x, group)
+
+            @staticmethod
+            def backward(ctx: Any, grad: Any) -> Any:
+                return _gather_seq(grad, ctx.group), None
+
+        class LeaveSeq(Function):  # type: ignore[misc, valid-type]
+            @staticmethod
+            def forward(ctx: Any, x: Any, group: ProcessGroup) -> Any:
+                ctx.group = group
+                return _gather_seq(x, group)
+
+            @staticmethod
+            def backward(ctx: Any, grad: Any) -> Any:
+                return _split_seq(grad, ctx.group), None
+
         cls.built.update(copy=CopyTo, reduce=ReduceFrom, gather=GatherLast, scatter=ScatterLast)
+        cls.built.update(gather_seq=GatherSeq, reduce_scatter_seq=ReduceScatterSeq, split_seq=SplitSeq)
+        cls.built.update(leave_seq=LeaveSeq)
 
 
 def copy_to(x: Any, group: ProcessGroup) -> Any:
@@ -140,22 +224,45 @@ def scatter_last(x: Any, group: ProcessGroup) -> Any:
     return _Fns.get("scatter").apply(x, group) if group.size > 1 else x
 
 
+def gather_seq(x: Any, group: ProcessGroup) -> Any:
+    """Sequence parallel's entry to a column layer: all-gather along dimension 1; backward reduce-scatters."""
+    return _Fns.get("gather_seq").apply(x, group) if group.size > 1 else x
+
+
+def reduce_scatter_seq(x: Any, group: ProcessGroup) -> Any:
+    """Sequence parallel's exit from a row layer: the sum over the group, this rank's part of dimension 1;
+    backward all-gathers."""
+    return _Fns.get("reduce_scatter_seq").apply(x, group) if group.size > 1 else x
+
+
+def split_seq(x: Any, group: ProcessGroup) -> Any:
+    """The start of a sequence-parallel region: this rank's part of dimension 1; backward all-gathers."""
+    return _Fns.get("split_seq").apply(x, group) if group.size > 1 else x
+
+
+def leave_seq(x: Any, group: ProcessGroup) -> Any:
+    """The end of a sequence-parallel region: all-gather along dimension 1 into a replicated tensor; backward
+    keeps this rank's part of the (replicated) gradient."""
+    return _Fns.get("leave_seq").apply(x, group) if group.size > 1 else x
+
+
 class SharedCopy:
-    """f applied once per input tensor: consecutive column layers reading the same tensor (same object, same
-    version) share one f, so their input gradients are summed locally and all-reduced once."""
+    """f (or, for a sequence-parallel input, the all-gather along the sequence) applied once per input
+    tensor: consecutive column layers reading the same tensor (same object, same version) share it, so their
+    input gradients are summed locally and reduced once."""
 
     def __init__(self, group: ProcessGroup) -> None:
         self.group = group
-        self._last: tuple[Any, int, Any] | None = None
+        self._last: tuple[Any, int, bool, Any] | None = None
 
-    def __call__(self, x: Any) -> Any:
-        if self.group.size == 1 or not x.requires_grad:
+    def __call__(self, x: Any, sequence: bool = False) -> Any:
+        if self.group.size == 1 or (not x.requires_grad and not sequence):
             return x
         last = self._last
-        if last is not None and last[0]() is x and last[1] == x._version:
-            return last[2]
-        y = copy_to(x, self.group)
-        self._last = (weakref.ref(x), x._version, y)
+        if last is not None and last[0]() is x and last[1] == x._version and last[2] == sequence:
+            return last[3]
+        y = gather_seq(x, self.group) if sequence else copy_to(x, self.group)
+        self._last = (weakref.ref(x), x._version, sequence, y)
         return y
 
     def clear(self) -> None:

@@ -17,10 +17,17 @@ Cross-attention and other attention modules are not adjusted (a plan that splits
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from typing import Any
 
-from paramplane.parallel.tp_torch.styles import ColwiseParallel, RowwiseParallel, Style, VocabParallel
+from paramplane.parallel.tp_torch.styles import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    Style,
+    VocabParallel,
+)
 
 __all__ = ["adjust_attention", "check_attention", "tp_plan_for"]
 
@@ -120,13 +127,47 @@ _PLANS: dict[str, dict[str, Style]] = {
 }
 
 
-def tp_plan_for(model: Any, *, loss_parallel: bool = False, vocab: bool = True) -> dict[str, Style]:
+_SEQUENCE = {"gpt2": ("GPT2Block", ("*ln_1", "*ln_2"), "ln_f")}
+
+
+def _sequence_plan(model: Any, family: str, plan: dict[str, Style]) -> dict[str, Style]:
+    """Megatron sequence parallel on top of ``plan``: the region from the first block's input to the final
+    norm's output, the norms inside it, the column layers gathering and the row layers reduce-scattering."""
+    if family != "gpt2":
+        raise ValueError(
+            "sequence_parallel plans exist for GPT-2 only: Llama-family attention reshapes q/k/v with its "
+            "input's sequence length, so the all-gather would have to come before the attention module (not done)"
+        )
+    block, norms, final = _SEQUENCE[family]
+    names = [n for n, m in model.named_modules() if type(m).__name__.endswith(block)]
+    last = [n for n, _ in model.named_modules() if n == final or n.endswith(f".{final}")]
+    if not names or not last:
+        raise ValueError(
+            "sequence_parallel needs the blocks and the final norm in the module (the region ends there); "
+            f"{type(model).__name__} lacks {'the blocks' if not names else repr(final)}"
+        )
+    out: dict[str, Style] = {}
+    for pattern, style in plan.items():
+        if isinstance(style, (ColwiseParallel, RowwiseParallel)) and pattern != "lm_head":
+            style = dataclasses.replace(style, sequence_parallel=True)
+        out[pattern] = style
+    out[names[0]] = SequenceParallel(scatter_input=True)
+    out.update({n: SequenceParallel() for n in norms})
+    out[last[-1]] = SequenceParallel(gather_output=True)
+    return out
+
+
+def tp_plan_for(
+    model: Any, *, loss_parallel: bool = False, vocab: bool = True, sequence_parallel: bool = False
+) -> dict[str, Style]:
     """The tensor-parallel plan for a transformers GPT-2 or Llama-family model (or a part of one: a pipeline
     stage holding some blocks), with only the entries that match a module of ``model``.
 
     ``loss_parallel``: the head's logits stay split over the vocabulary (for ``pp.vocab_parallel_cross_entropy``);
     by default they are gathered, so the model's own loss (``labels=``) works unchanged. ``vocab=False``
-    keeps the embedding and head replicated.
+    keeps the embedding and head replicated. ``sequence_parallel``: Megatron sequence parallel between the
+    first block and the final norm (``styles.SequenceParallel``; the sequence length must divide by tp; GPT-2
+    only: a ValueError for Llama).
     """
     names = [n for n, _ in model.named_modules()]
     families = {_family(m) for _, m in model.named_modules()} - {None}
@@ -145,4 +186,4 @@ def tp_plan_for(model: Any, *, loss_parallel: bool = False, vocab: bool = True) 
                 style = ColwiseParallel(gather_output=True)
         if any(fnmatch.fnmatchcase(n, pattern) for n in names):
             plan[pattern] = style
-    return plan
+    return _sequence_plan(model, family, plan) if sequence_parallel else plan

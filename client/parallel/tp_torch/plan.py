@@ -4,8 +4,8 @@
 ``plan`` maps module names to styles. A name is a glob over the module's dotted name as
 ``module.named_modules()`` gives it (``fnmatch``: ``*`` also crosses dots, so ``"*attn.c_attn"`` matches the
 projection in every block, whether ``module`` is the whole model or a pipeline stage holding some blocks). A
-style is ``"colwise"``, ``"rowwise"``, ``"vocab"`` or a ``ColwiseParallel`` / ``RowwiseParallel`` /
-``VocabParallel`` with options. Everything is checked before anything changes: an unmatched pattern, a
+style is ``"colwise"``, ``"rowwise"``, ``"vocab"``, ``"sequence"`` or a ``ColwiseParallel`` /
+``RowwiseParallel`` / ``VocabParallel`` / ``SequenceParallel`` with options (see ``styles.py``). Everything is checked before anything changes: an unmatched pattern, a
 module two patterns match, a style that does not fit a module, sizes (heads, vocabulary, features) that do
 not divide by tp, a tied parameter only one of whose modules is split: each a ValueError.
 
@@ -63,8 +63,9 @@ def _check_ties(module: Any, chosen: dict[str, styles.Style]) -> None:
     for name, sub in module.named_modules(remove_duplicate=False):
         for pname, p in sub.named_parameters(recurse=False, remove_duplicate=False):
             owners.setdefault(id(p), []).append(f"{name}.{pname}" if name else pname)
+    splitting = {n for n, s in chosen.items() if not isinstance(s, styles.SequenceParallel)}
     for users in owners.values():
-        split = [u for u in users if u.rsplit(".", 1)[0] in chosen]
+        split = [u for u in users if u.rsplit(".", 1)[0] in splitting]
         if split and len(split) < len(users):
             raise ValueError(
                 f"parameter {users[0]!r} is tied to {users[1:]}; the plan splits only {split}: "

@@ -9,6 +9,15 @@ for this rank's pieces (each carrying a ``TPShard``), sets the size attributes t
 - ``RowwiseParallel``: input features split; forward the local product then g (all-reduce), the replicated
   bias added once; ``input_is_parallel=False`` splits a full input first.
 - ``VocabParallel``: an embedding's rows split; ids outside this rank's range look up zeros, then g.
+- ``SequenceParallel`` (Megatron sequence parallel, for LayerNorm / RMSNorm / dropout between the column/row
+  pairs): the module runs unchanged on this rank's part of the sequence (dimension 1); its parameters'
+  gradients are all-reduced over the group (each rank's covers its part of the sequence). With
+  ``sequence_parallel=True`` a column layer all-gathers its sequence-split input (backward: reduce-scatter)
+  instead of f, and a row layer (or the vocabulary embedding) reduce-scatters its output along the sequence
+  instead of all-reducing it (backward: all-gather): the same bytes as the all-reduce, with the activations
+  between the pairs split over tp. ``SequenceParallel(scatter_input=True)`` starts the region (it splits a
+  full-sequence input: put it on the first block) and ``SequenceParallel(gather_output=True)`` ends it (the
+  final norm: its output is all-gathered).
 
 They apply to ``torch.nn.Linear`` and transformers' ``Conv1D`` (GPT-2's linear with a transposed weight,
 ``(in, out)``); ``VocabParallel`` to ``torch.nn.Embedding``.
@@ -21,10 +30,27 @@ from dataclasses import dataclass
 from typing import Any
 
 from paramplane.group import ProcessGroup
-from paramplane.parallel.tp_torch.comm import SharedCopy, gather_last, reduce_from, scatter_last
+from paramplane.parallel.tp_torch.comm import (
+    SharedCopy,
+    all_reduce_,
+    gather_last,
+    leave_seq,
+    reduce_from,
+    reduce_scatter_seq,
+    scatter_last,
+    split_seq,
+)
 from paramplane.parallel.tp_torch.state import TPShard
 
-__all__ = ["STYLES", "ColwiseParallel", "RowwiseParallel", "Style", "VocabParallel", "resolve_style"]
+__all__ = [
+    "STYLES",
+    "ColwiseParallel",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "Style",
+    "VocabParallel",
+    "resolve_style",
+]
 
 
 @dataclass(frozen=True)
@@ -36,6 +62,8 @@ class ColwiseParallel:
     parts: int = 1
     """The output features are this many equal blocks, each split separately (3 for a fused q/k/v
     projection such as GPT-2's ``c_attn``, so that every rank holds whole heads of q, k and v)."""
+    sequence_parallel: bool = False
+    """The input is split along the sequence (a ``SequenceParallel`` region): all-gather it first."""
 
     def __post_init__(self) -> None:
         if isinstance(self.parts, bool) or not isinstance(self.parts, int) or self.parts < 1:
@@ -48,34 +76,45 @@ class RowwiseParallel:
 
     input_is_parallel: bool = True
     """The input is already this rank's slice (a column layer's split output); False: split a full input."""
+    sequence_parallel: bool = False
+    """Reduce-scatter the output along the sequence (into a ``SequenceParallel`` region), not all-reduce it."""
 
 
 @dataclass(frozen=True)
 class VocabParallel:
     """Split an embedding's rows (the vocabulary) over the tensor-parallel group."""
 
+    sequence_parallel: bool = False
+    """Reduce-scatter the output along the sequence (into a ``SequenceParallel`` region), not all-reduce it."""
 
-Style = ColwiseParallel | RowwiseParallel | VocabParallel
+
+@dataclass(frozen=True)
+class SequenceParallel:
+    """Run a LayerNorm / RMSNorm / dropout on this rank's part of the sequence (gradients all-reduced)."""
+
+    scatter_input: bool = False
+    """The input holds the whole sequence (the region starts here): keep this rank's part of it."""
+    gather_output: bool = False
+    """The region ends here: all-gather the output along the sequence (replicated after it)."""
+
+
+Style = ColwiseParallel | RowwiseParallel | VocabParallel | SequenceParallel
 STYLES: dict[str, Style] = {
     "colwise": ColwiseParallel(),
     "rowwise": RowwiseParallel(),
     "vocab": VocabParallel(),
+    "sequence": SequenceParallel(),
 }
 
 
 def resolve_style(value: Any, pattern: str) -> Style:
-    if isinstance(value, (ColwiseParallel, RowwiseParallel, VocabParallel)):
+    if isinstance(value, (ColwiseParallel, RowwiseParallel, VocabParallel, SequenceParallel)):
         return value
     if isinstance(value, str) and value in STYLES:
         return STYLES[value]
-    if value == "sequence":
-        raise ValueError(
-            f"plan entry {pattern!r}: the 'sequence' style (Megatron sequence parallel) is not implemented yet; "
-            "leave LayerNorm/dropout regions replicated"
-        )
     raise ValueError(
-        f"plan entry {pattern!r}: unknown style {value!r}; use one of {sorted(STYLES)} or "
-        "pp.ColwiseParallel(...) / pp.RowwiseParallel(...) / pp.VocabParallel()"
+        f"plan entry {pattern!r}: unknown style {value!r}; use one of {sorted(STYLES)} or pp.ColwiseParallel(...) "
+        "/ pp.RowwiseParallel(...) / pp.VocabParallel(...) / pp.SequenceParallel(...)"
     )
 
 
@@ -104,6 +143,8 @@ def check(name: str, module: Any, style: Style, tp: int) -> None:
     """ValueError unless ``style`` applies to ``module`` at tensor-parallel size ``tp``."""
     kind = kind_of(module)
     what = type(style).__name__
+    if isinstance(style, SequenceParallel):
+        return
     if isinstance(style, VocabParallel):
         if kind != "embedding":
             raise ValueError(f"VocabParallel applies to torch.nn.Embedding; {name!r} is {kind}")
@@ -152,6 +193,9 @@ def apply(module: Any, style: Style, group: ProcessGroup, copy: SharedCopy, done
     """Split ``module`` (checked by ``check``) in place; ``done`` maps already-split parameters (ties)."""
     kind = kind_of(module)
     tp = group.size
+    if isinstance(style, SequenceParallel):
+        _sequence(module, style, group)
+        return
     if isinstance(style, VocabParallel):
         _swap(module, "weight", TPShard(tuple(module.weight.shape), 0, 1, group), done)
         rows = module.num_embeddings // tp
@@ -159,18 +203,21 @@ def apply(module: Any, style: Style, group: ProcessGroup, copy: SharedCopy, done
         pad = module.padding_idx
         module.padding_idx = pad - lo if pad is not None and lo <= pad < lo + rows else None
         module.num_embeddings = rows
-        module.forward = types.MethodType(_vocab_forward(group, lo), module)
+        module.forward = types.MethodType(_vocab_forward(group, lo, style.sequence_parallel), module)
         return
     attr, wdim, bdim = _where(style, kind)
     parts = style.parts if isinstance(style, ColwiseParallel) else 1
     _swap(module, "weight", TPShard(tuple(module.weight.shape), wdim, parts, group), done)
     if module.bias is not None and bdim >= 0:
         _swap(module, "bias", TPShard(tuple(module.bias.shape), bdim, parts, group), done)
+    elif module.bias is not None and isinstance(style, RowwiseParallel) and style.sequence_parallel:
+        _sum_grads(module.bias, group)  # added to this rank's part of the sequence only
     setattr(module, attr, int(getattr(module, attr)) // tp)
     if isinstance(style, ColwiseParallel):
-        module.forward = types.MethodType(_col_forward(kind, copy, group, style.gather_output), module)
+        forward = _col_forward(kind, copy, group, style.gather_output, style.sequence_parallel)
     else:
-        module.forward = types.MethodType(_row_forward(kind, group, style.input_is_parallel), module)
+        forward = _row_forward(kind, group, style.input_is_parallel, style.sequence_parallel)
+    module.forward = types.MethodType(forward, module)
 
 
 def _product(kind: str, module: Any, x: Any, bias: Any) -> Any:
@@ -184,25 +231,41 @@ def _product(kind: str, module: Any, x: Any, bias: Any) -> Any:
     return out.view(*x.shape[:-1], module.weight.shape[1])
 
 
-def _col_forward(kind: str, copy: SharedCopy, group: ProcessGroup, gather: bool) -> Any:
+def _col_forward(kind: str, copy: SharedCopy, group: ProcessGroup, gather: bool, sequence: bool) -> Any:
     def forward(self: Any, x: Any) -> Any:
-        y = _product(kind, self, copy(x), self.bias)
+        y = _product(kind, self, copy(x, sequence), self.bias)
         return gather_last(y, group) if gather else y
 
     return forward
 
 
-def _row_forward(kind: str, group: ProcessGroup, input_is_parallel: bool) -> Any:
+def _row_forward(kind: str, group: ProcessGroup, input_is_parallel: bool, sequence: bool) -> Any:
     def forward(self: Any, x: Any) -> Any:
         if not input_is_parallel:
             x = scatter_last(x, group)
-        y = reduce_from(_product(kind, self, x, None), group)
+        y = _product(kind, self, x, None)
+        y = reduce_scatter_seq(y, group) if sequence else reduce_from(y, group)
         return y + self.bias if self.bias is not None else y
 
     return forward
 
 
-def _vocab_forward(group: ProcessGroup, lo: int) -> Any:
+def _sum_grads(p: Any, group: ProcessGroup) -> None:
+    if p.requires_grad and group.size > 1:
+        p.register_hook(lambda g: all_reduce_(g.detach().clone().contiguous(), group))
+
+
+def _sequence(module: Any, style: SequenceParallel, group: ProcessGroup) -> None:
+    """Gradients of the module's own parameters summed over the group; the region's start and end."""
+    for p in module.parameters(recurse=False):
+        _sum_grads(p, group)
+    if style.scatter_input:
+        module.register_forward_pre_hook(lambda _m, args: (split_seq(args[0], group), *args[1:]))
+    if style.gather_output:
+        module.register_forward_hook(lambda _m, _args, out: leave_seq(out, group))
+
+
+def _vocab_forward(group: ProcessGroup, lo: int, sequence: bool) -> Any:
     def forward(self: Any, ids: Any) -> Any:
         import torch
 
@@ -211,6 +274,7 @@ def _vocab_forward(group: ProcessGroup, lo: int) -> Any:
         out = torch.nn.functional.embedding(
             local, self.weight, self.padding_idx, None, self.norm_type, self.scale_grad_by_freq, self.sparse
         )
-        return reduce_from(out.masked_fill(outside.unsqueeze(-1), 0), group)
+        out = out.masked_fill(outside.unsqueeze(-1), 0)
+        return reduce_scatter_seq(out, group) if sequence else reduce_from(out, group)
 
     return forward
