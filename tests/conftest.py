@@ -43,3 +43,14 @@ def solo() -> Iterator[pp.World]:
     finally:
         world.shutdown()
         coord.stop()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Cluster topology tests (a Slurm cluster, the Kubernetes manifests; minutes, root) run only when asked for
+    with ``-m cluster`` (``make test-cluster``), not in a plain ``pytest tests``."""
+    if "cluster" in (config.option.markexpr or ""):
+        return
+    skip = pytest.mark.skip(reason="a cluster topology test: make test-cluster (pytest -m cluster) runs it")
+    for item in items:
+        if item.get_closest_marker("cluster") is not None:
+            item.add_marker(skip)
