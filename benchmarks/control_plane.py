@@ -63,7 +63,9 @@ def _my_ranks(n: int, hosts: int, procs: int, index: int) -> list[tuple[int, int
 
 
 # -- paramplane simulator ---------------------------------------------------------------------------------------
-async def _sim_paramplane(address: str, n: int, hosts: int, procs: int, index: int) -> dict[str, Any]:
+async def _sim_paramplane(
+    address: str, n: int, hosts: int, procs: int, index: int, steady_s: float = STEADY_S
+) -> dict[str, Any]:
     import asyncio
 
     import grpc
@@ -141,8 +143,8 @@ async def _sim_paramplane(address: str, n: int, hosts: int, procs: int, index: i
 
     tasks: list[asyncio.Future[Any]] = []
     await asyncio.gather(*(rank(r, h) for r, h in ranks))
-    out["steady"] = (time.monotonic(), time.monotonic() + STEADY_S)
-    await asyncio.sleep(STEADY_S)  # the steady window: heartbeats and watches only
+    out["steady"] = (time.monotonic(), time.monotonic() + steady_s)
+    await asyncio.sleep(steady_s)  # the steady window: heartbeats and watches only
     out["stop"] = time.monotonic()
     stop_beats.set()
     watches = [t for i, t in enumerate(tasks) if i % 2 == 1]
@@ -278,9 +280,11 @@ def _wait_file(path: Path, proc: subprocess.Popen[bytes]) -> str:
     return path.read_text().strip()
 
 
-def _run_sims(impl: str, target: str, n: int, hosts: int, procs: int) -> list[dict[str, Any]]:
+def _run_sims(
+    impl: str, target: str, n: int, hosts: int, procs: int, steady_s: float
+) -> list[dict[str, Any]]:
     cmd = [sys.executable, __file__, "--sim", impl, "--target", target, "--n", str(n), "--hosts", str(hosts),
-           "--procs", str(procs)]  # fmt: skip
+           "--procs", str(procs), "--steady", str(steady_s)]  # fmt: skip
     sims = [
         subprocess.Popen([*cmd, "--index", str(i)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         for i in range(procs)
@@ -326,7 +330,7 @@ def _summary(impl: str, n: int, hosts: int, procs: int, parts: list[dict[str, An
     }
 
 
-def _measure(impl: str, n: int) -> dict[str, Any]:
+def _measure(impl: str, n: int, heartbeat_timeout_s: float, steady_s: float = STEADY_S) -> dict[str, Any]:
     hosts = _hosts_for(n)
     procs = _procs_for(n, hosts)
     with tempfile.TemporaryDirectory(prefix="pp-cp-") as tmp:
@@ -334,7 +338,7 @@ def _measure(impl: str, n: int) -> dict[str, Any]:
         if impl == "paramplane":
             server = subprocess.Popen(
                 [sys.executable, "-m", "paramplane.cli", "coordinator", "--world-size", str(n), "--port", "0",
-                 "--port-file", str(port_file)],
+                 "--port-file", str(port_file), "--heartbeat-timeout", str(heartbeat_timeout_s)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )  # fmt: skip
         else:
@@ -345,7 +349,7 @@ def _measure(impl: str, n: int) -> dict[str, Any]:
             target = f"127.0.0.1:{_wait_file(port_file, server)}"
             sampler = _Sampler(server.pid)
             sampler.start()
-            parts = _run_sims(impl, target, n, hosts, procs)
+            parts = _run_sims(impl, target, n, hosts, procs, steady_s)
             sampler.done.set()
             row = _summary(impl, n, hosts, procs, parts)
             if impl == "paramplane":
@@ -354,6 +358,7 @@ def _measure(impl: str, n: int) -> dict[str, Any]:
                 stop = parts[(hosts - 1) % procs]["stop"]  # the process of rank n - 1, the silent one
                 aborts = [a for p in parts for a in p["abort"]]
                 row["detect_s"] = max(aborts) - stop if len(aborts) >= n - 1 else None
+                row["heartbeat_timeout_s"] = heartbeat_timeout_s
             else:
                 row["rss_mb"] = max(s[2] for s in sampler.samples)
         finally:
@@ -389,14 +394,23 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=90)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024, 4096])
     parser.add_argument("--impls", nargs="+", default=["paramplane", "tcpstore"])
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=10.0,
+        help="the coordinator's (default 10, its own default); a loaded host may need more for its simulators",
+    )
+    parser.add_argument("--steady", type=float, default=STEADY_S, help="seconds of the steady window")
+    parser.add_argument("--tcpstore-max", type=int, default=4096, help="largest world size run on TCPStore")
     parser.add_argument("--plot", type=Path, help="draw the log-log figure of --out's rows here")
+    parser.add_argument("--plot-only", action="store_true", help="only draw --plot from the rows in --out")
     parser.add_argument("--sim", choices=["paramplane", "tcpstore"], help=argparse.SUPPRESS)
     parser.add_argument("--store-server", help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
@@ -404,25 +418,29 @@ def main() -> int:
     parser.add_argument("--hosts", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--procs", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.store_server:
         _store_server(args.n, args.store_server)
         return 0
     if args.sim == "paramplane":
         import asyncio
 
-        result = asyncio.run(_sim_paramplane(args.target, args.n, args.hosts, args.procs, args.index))
+        result = asyncio.run(
+            _sim_paramplane(args.target, args.n, args.hosts, args.procs, args.index, args.steady)
+        )
         print(json.dumps(result), flush=True)
         return 0
     if args.sim == "tcpstore":
         port = int(args.target.rsplit(":", 1)[1])
         print(json.dumps(_sim_tcpstore(port, args.n, args.hosts, args.procs, args.index)), flush=True)
         return 0
-    if args.plot and not args.sizes:
-        return 0
+    if args.plot_only:
+        args.sizes = []
     for n in args.sizes:
         for impl in args.impls:
-            emit([json.dumps(_measure(impl, n))], args.out)
+            if impl == "tcpstore" and n > args.tcpstore_max:
+                continue
+            emit([json.dumps(_measure(impl, n, args.heartbeat_timeout, args.steady))], args.out)
     if args.plot and args.out:
         rows = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()]
         _plot(rows, args.plot)

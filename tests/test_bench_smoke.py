@@ -237,3 +237,25 @@ def test_torch_models_bad_arguments_are_refused_with_a_message(
         _load_torch_models().main(args)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+CONTROL_PLANE = ROOT / "benchmarks" / "control_plane.py"
+
+
+@pytest.mark.timeout(180)
+def test_control_plane_tiny_run_measures_every_phase_and_detects_the_silent_rank(tmp_path: Path) -> None:
+    """16 simulated ranks on 8 hosts against a real coordinator process: one row with every figure, failure
+    detection within the heartbeat timeout (plus a heartbeat interval and a tick)."""
+    out = tmp_path / "cp.jsonl"
+    proc = subprocess.run(
+        [sys.executable, str(CONTROL_PLANE), "--sizes", "16", "--impls", "paramplane", "--heartbeat-timeout", "5",
+         "--steady", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=170, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (row["impl"], row["world_size"], row["hosts"]) == ("paramplane", 16, 8)
+    for key in ("join_s", "barrier_s", "uid_world_s", "uid_host_s", "rss_mb"):
+        assert row[key] > 0, (key, row)
+    assert 0 <= row["cpu_steady"] < 2, row  # clock-tick resolution: a tiny world can read 0 over 1 s
+    assert 5 - 1.5 <= row["detect_s"] <= 5 + 3, row
