@@ -32,8 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _jsonl import emit
+from paramplane.benchmarks._jsonl import emit
 
 TIMEOUT_S = 300.0
 STEADY_S = 8.0
@@ -185,7 +184,7 @@ def _sim_tcpstore(port: int, n: int, hosts: int, procs: int, index: int) -> dict
             if r == 0:
                 with lock:
                     out["uid_world_set"] = time.monotonic()
-                store.set("uid/world", UID)
+                store.set("uid/world", UID.decode())
             store.get("uid/world")
             got_world = time.monotonic()
             if store.add("b2", 1) == n:
@@ -194,7 +193,7 @@ def _sim_tcpstore(port: int, n: int, hosts: int, procs: int, index: int) -> dict
             if r % per_host == 0:
                 with lock:
                     out.setdefault("uid_host_set", []).append(time.monotonic())
-                store.set(f"uid/host-{host}", UID)
+                store.set(f"uid/host-{host}", UID.decode())
             store.get(f"uid/host-{host}")
             got_host = time.monotonic()
             with lock:
