@@ -4,7 +4,7 @@
 split over the vocabulary and ``pp.vocab_parallel_cross_entropy``; every rank also trains the dense model on the
 same batch in float64 and checks: every step's loss, the first step's gradients (each shard against the same
 piece of the dense gradient), the final parameters (``full_state_dict``) and the number of all-reduces of a
-step (one forward and one backward per column/row pair, Llama's separate q/k/v included); GPT-2 also under
+step (one forward and one backward per column/row pair, Llama's separate q/k/v included); both also under
 Megatron sequence parallel (``tp_plan_for(..., sequence_parallel=True)``), the same checks. Then the
 gathered-logits plan: logits and the model's own loss equal the dense model's; and a plain ``nn.Sequential``
 with ``gather_output`` / ``input_is_parallel=False``.
@@ -188,8 +188,7 @@ def train(world: Any, rep: Report) -> None:
             continue
         for name in ("gpt2", "llama"):
             train_one(rep, name, tp)
-            if name == "gpt2":
-                train_one(rep, name, tp, sequence=True)
+            train_one(rep, name, tp, sequence=True)
             gathered(rep, name, tp)
         sequential(rep, tp)
 
@@ -228,7 +227,6 @@ def errors(rep: Report, tp: Any) -> None:
         "unmatched", ValueError, lambda: pp.parallelize(wrong, tp, {"*nothing": "colwise"}), "*nothing"
     )
     rep.raises("style", ValueError, lambda: pp.parallelize(wrong, tp, {"lm_head": "diagonal"}), "diagonal")
-    rep.raises("llama sp", ValueError, lambda: pp.tp_plan_for(llama, sequence_parallel=True), "GPT-2 only")
 
 
 def cross_entropy(rep: Report, tp: Any) -> None:

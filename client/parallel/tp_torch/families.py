@@ -127,17 +127,15 @@ _PLANS: dict[str, dict[str, Style]] = {
 }
 
 
-_SEQUENCE = {"gpt2": ("GPT2Block", ("*ln_1", "*ln_2"), "ln_f")}
+_SEQUENCE = {
+    "gpt2": ("GPT2Block", ("*ln_1", "*ln_2"), "ln_f"),
+    "llama": ("DecoderLayer", ("*input_layernorm", "*post_attention_layernorm"), "norm"),
+}
 
 
 def _sequence_plan(model: Any, family: str, plan: dict[str, Style]) -> dict[str, Style]:
     """Megatron sequence parallel on top of ``plan``: the region from the first block's input to the final
     norm's output, the norms inside it, the column layers gathering and the row layers reduce-scattering."""
-    if family != "gpt2":
-        raise ValueError(
-            "sequence_parallel plans exist for GPT-2 only: Llama-family attention reshapes q/k/v with its "
-            "input's sequence length, so the all-gather would have to come before the attention module (not done)"
-        )
     block, norms, final = _SEQUENCE[family]
     names = [n for n, m in model.named_modules() if type(m).__name__.endswith(block)]
     last = [n for n, _ in model.named_modules() if n == final or n.endswith(f".{final}")]
@@ -148,9 +146,17 @@ def _sequence_plan(model: Any, family: str, plan: dict[str, Style]) -> dict[str,
         )
     out: dict[str, Style] = {}
     for pattern, style in plan.items():
-        if isinstance(style, (ColwiseParallel, RowwiseParallel)) and pattern != "lm_head":
+        if pattern == "lm_head":
+            pass
+        elif isinstance(style, RowwiseParallel) or (isinstance(style, ColwiseParallel) and family == "gpt2"):
             style = dataclasses.replace(style, sequence_parallel=True)
+        elif isinstance(style, ColwiseParallel):  # Llama reshapes by its input's length: gather at the parent
+            style = dataclasses.replace(style, input_gathered=True)
         out[pattern] = style
+    if family == "llama":
+        out.update(
+            {"*self_attn": SequenceParallel(gather_input=True), "*mlp": SequenceParallel(gather_input=True)}
+        )
     out[names[0]] = SequenceParallel(scatter_input=True)
     out.update({n: SequenceParallel() for n in norms})
     out[last[-1]] = SequenceParallel(gather_output=True)
@@ -166,8 +172,7 @@ def tp_plan_for(
     ``loss_parallel``: the head's logits stay split over the vocabulary (for ``pp.vocab_parallel_cross_entropy``);
     by default they are gathered, so the model's own loss (``labels=``) works unchanged. ``vocab=False``
     keeps the embedding and head replicated. ``sequence_parallel``: Megatron sequence parallel between the
-    first block and the final norm (``styles.SequenceParallel``; the sequence length must divide by tp; GPT-2
-    only: a ValueError for Llama).
+    first block and the final norm (``styles.SequenceParallel``; the sequence length must divide by tp).
     """
     names = [n for n, _ in model.named_modules()]
     families = {_family(m) for _, m in model.named_modules()} - {None}

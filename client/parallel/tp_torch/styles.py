@@ -34,6 +34,7 @@ from paramplane.parallel.tp_torch.comm import (
     SharedCopy,
     all_reduce_,
     gather_last,
+    gather_seq,
     leave_seq,
     reduce_from,
     reduce_scatter_seq,
@@ -64,6 +65,9 @@ class ColwiseParallel:
     projection such as GPT-2's ``c_attn``, so that every rank holds whole heads of q, k and v)."""
     sequence_parallel: bool = False
     """The input is split along the sequence (a ``SequenceParallel`` region): all-gather it first."""
+    input_gathered: bool = False
+    """The input was all-gathered along the sequence by a ``SequenceParallel(gather_input=True)`` parent (whose
+    backward reduce-scatters the input gradient): no f here."""
 
     def __post_init__(self) -> None:
         if isinstance(self.parts, bool) or not isinstance(self.parts, int) or self.parts < 1:
@@ -96,6 +100,10 @@ class SequenceParallel:
     """The input holds the whole sequence (the region starts here): keep this rank's part of it."""
     gather_output: bool = False
     """The region ends here: all-gather the output along the sequence (replicated after it)."""
+    gather_input: bool = False
+    """All-gather the first input (positional, or ``hidden_states=``) along the sequence for the column layers
+    inside (``ColwiseParallel(input_gathered=True)``), for module code that reshapes by the input's length
+    (Llama's attention); backward reduce-scatters its gradient."""
 
 
 Style = ColwiseParallel | RowwiseParallel | VocabParallel | SequenceParallel
@@ -214,7 +222,8 @@ def apply(module: Any, style: Style, group: ProcessGroup, copy: SharedCopy, done
         _sum_grads(module.bias, group)  # added to this rank's part of the sequence only
     setattr(module, attr, int(getattr(module, attr)) // tp)
     if isinstance(style, ColwiseParallel):
-        forward = _col_forward(kind, copy, group, style.gather_output, style.sequence_parallel)
+        mode = "none" if style.input_gathered else "sequence" if style.sequence_parallel else "copy"
+        forward = _col_forward(kind, copy, group, style.gather_output, mode)
     else:
         forward = _row_forward(kind, group, style.input_is_parallel, style.sequence_parallel)
     module.forward = types.MethodType(forward, module)
@@ -231,9 +240,9 @@ def _product(kind: str, module: Any, x: Any, bias: Any) -> Any:
     return out.view(*x.shape[:-1], module.weight.shape[1])
 
 
-def _col_forward(kind: str, copy: SharedCopy, group: ProcessGroup, gather: bool, sequence: bool) -> Any:
+def _col_forward(kind: str, copy: SharedCopy, group: ProcessGroup, gather: bool, mode: str) -> Any:
     def forward(self: Any, x: Any) -> Any:
-        y = _product(kind, self, copy(x, sequence), self.bias)
+        y = _product(kind, self, x if mode == "none" else copy(x, mode == "sequence"), self.bias)
         return gather_last(y, group) if gather else y
 
     return forward
@@ -263,6 +272,16 @@ def _sequence(module: Any, style: SequenceParallel, group: ProcessGroup) -> None
         module.register_forward_pre_hook(lambda _m, args: (split_seq(args[0], group), *args[1:]))
     if style.gather_output:
         module.register_forward_hook(lambda _m, _args, out: leave_seq(out, group))
+    if style.gather_input:
+
+        def gather_first(_m: Any, args: Any, kwargs: Any) -> Any:
+            if args:
+                return (gather_seq(args[0], group), *args[1:]), kwargs
+            if "hidden_states" not in kwargs:
+                raise ValueError("SequenceParallel(gather_input=True): the module got no positional input")
+            return args, {**kwargs, "hidden_states": gather_seq(kwargs["hidden_states"], group)}
+
+        module.register_forward_pre_hook(gather_first, with_kwargs=True)
 
 
 def _vocab_forward(group: ProcessGroup, lo: int, sequence: bool) -> Any:
