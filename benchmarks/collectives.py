@@ -1,17 +1,27 @@
-"""Collective bandwidth and latency: paramplane (grpc, shm) beside torch.distributed gloo, nccl-tests style.
+"""Collective bandwidth and latency: paramplane (lanes, shm, gRPC streams) beside torch.distributed gloo,
+nccl-tests style.
 
 Every implementation runs at its own defaults: paramplane ranks get the launcher's malloc settings
-(MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_), gloo and the bare socket ring get none. ``grpc`` is
-paramplane's inter-host path (frames on raw TCP lanes), ``grpc-streams`` the same frames on gRPC streams
-(what TLS uses); ``rawtcp`` is a two-process socket ring all-reduce, the physical limit of loopback plus add.
+(MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_), gloo and the bare socket ring get none. Transports
+(``PARAMPLANE_TRANSPORT=grpc`` but ``shm``): ``lane-tcp`` is paramplane's inter-host path (frames on raw
+TCP lanes, ``PARAMPLANE_UNIX_LANE=0``), ``lane-unix`` the same on Unix sockets (the default between ranks
+of one host when shm is off), ``grpc-stream`` the same frames on gRPC streams (what TLS uses,
+``PARAMPLANE_TCP_LANE=0``), ``shm`` shared memory (the default on one host); ``rawtcp`` is a two-process
+socket ring all-reduce, the physical limit of loopback plus add.
 
 For every (impl, transport, world size) a fresh world of rank processes is started on this host; each
 rank times every call of every (op, size) and takes the median of its per-iteration times; rank 0
 gathers the ranks' medians through the group and reports the largest. ``bytes`` is the whole buffer
 as nccl-tests counts it: the all-reduce / broadcast array, the all-gather output, the reduce-scatter
 input (float32). algbw = bytes / p50, busbw = algbw * (all_reduce 2(n-1)/n, all_gather and
-reduce_scatter (n-1)/n, broadcast 1). Output: JSON lines (stdout and ``--out``), then one summary
-line per paramplane row with ratios against gloo at the same (op, world, bytes).
+reduce_scatter (n-1)/n, broadcast 1).
+
+Small messages are timed two ways (sizes up to ``latency_bytes``): ``hot_p50_us`` back to back (the
+calls of ``p50_us``) and ``cold_p50_us`` each call issued right after a barrier, as after a compute
+step, when every thread of the plane has gone to sleep. With ``--repeats R`` every world is started R
+times, rounds interleaved (ours, then the peers, then ours again), and each number is the median of
+its rounds. Output: JSON lines (stdout and ``--out``), then one summary line per paramplane row with
+ratios against gloo at the same (op, world, bytes).
 
 Run: ``python benchmarks/collectives.py [--quick] [--markdown] [--out FILE]``.
 """
@@ -34,8 +44,9 @@ from pathlib import Path
 from typing import Any
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-TRANSPORTS = ("grpc", "shm", "grpc-streams")
-DEFAULT_TRANSPORTS = ("grpc", "shm")
+TRANSPORTS = ("lane-unix", "lane-tcp", "shm", "grpc-stream")
+DEFAULT_TRANSPORTS = TRANSPORTS
+ALIASES = {"grpc": "lane-tcp", "grpc-streams": "grpc-stream"}  # the names of earlier runs
 DEFAULT_SIZES = tuple(4096 * 4**i for i in range(8))  # 4 KiB .. 64 MiB
 QUICK_SIZES = (4096, 65536)
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
@@ -53,8 +64,9 @@ class BenchConfig:
     worlds: tuple[int, ...] = (2, 4)
     """World sizes; each gets fresh rank processes per impl and transport."""
     transports: tuple[str, ...] = DEFAULT_TRANSPORTS
-    """paramplane transports to time: grpc (frames on raw TCP lanes, the default between hosts), shm, and
-    grpc-streams (the same frames on gRPC streams, as under TLS)."""
+    """paramplane transports to time: lane-unix, lane-tcp (frames on raw Unix / TCP sockets; TCP is the
+    default between hosts), shm (the default on one host), grpc-stream (the frames on gRPC streams, as
+    under TLS)."""
     gloo: bool = True
     """Also time torch.distributed gloo (skipped with a note when torch is not importable)."""
     rawtcp: bool = True
@@ -71,6 +83,8 @@ class BenchConfig:
     """Deadline for one world (start to exit of all its ranks)."""
     repeats: int = 1
     """Rounds over every world and impl (interleaved, so load drifts hit all alike); the median round counts."""
+    latency_bytes: int = 64 << 10
+    """Sizes up to this are also timed cold (each call right after a barrier): ``cold_p50_us``."""
 
     def __post_init__(self) -> None:
         bad = [op for op in self.ops if op not in OPS]
@@ -87,8 +101,8 @@ class BenchConfig:
             raise ValueError(f"iters must be >= 1, got {self.iters}")
         if not 1 <= self.min_iters <= self.max_iters:
             raise ValueError("need 1 <= min_iters <= max_iters")
-        if self.timeout_s <= 0 or self.byte_budget <= 0 or self.repeats < 1:
-            raise ValueError("timeout_s and byte_budget must be > 0, repeats >= 1")
+        if self.timeout_s <= 0 or self.byte_budget <= 0 or self.repeats < 1 or self.latency_bytes < 0:
+            raise ValueError("timeout_s and byte_budget must be > 0, repeats >= 1, latency_bytes >= 0")
 
     def schedule(self, nbytes: int, world: int) -> tuple[int, int]:
         """(warm-up, timed) iterations for one (op, size) in a world of ``world`` ranks."""
@@ -115,9 +129,20 @@ def _sig(value: float, digits: int = 4) -> float:
 
 
 def make_row(
-    impl: str, transport: str, op: str, world: int, nbytes: int, p50_s: float, iters: int
+    impl: str,
+    transport: str,
+    op: str,
+    world: int,
+    nbytes: int,
+    p50_s: float,
+    iters: int,
+    cold_p50_s: float | None = None,
 ) -> dict[str, Any]:
+    """One (impl, transport, op, world, bytes) case; ``cold_p50_s`` adds the cold and hot latencies."""
     algbw = nbytes / p50_s / 1e9
+    cold = (
+        {} if cold_p50_s is None else {"cold_p50_us": _sig(cold_p50_s * 1e6), "hot_p50_us": _sig(p50_s * 1e6)}
+    )
     return {
         "bench": "collectives",
         "impl": impl,
@@ -129,6 +154,7 @@ def make_row(
         "algbw_GBps": _sig(algbw),
         "busbw_GBps": _sig(algbw * bus_factor(op, world)),
         "iters": iters,
+        **cold,
     }
 
 
@@ -138,6 +164,18 @@ def _time_calls(call: Callable[[], object], warmup: int, timed: int) -> float:
         call()
     times = []
     for _ in range(timed):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _time_cold(call: Callable[[], object], barrier: Callable[[], object], timed: int) -> float:
+    """The median time of ``call`` issued right after a barrier (the plane's threads asleep, as after a
+    compute step)."""
+    times = []
+    for _ in range(timed):
+        barrier()
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
@@ -193,7 +231,8 @@ def _rank_loop(
             call = make_call(op, count)
             barrier()
             p50 = worst(_time_calls(call, warmup, timed))
-            rows.append(make_row(impl, transport, op, n, count * ITEMSIZE, p50, timed))
+            cold = worst(_time_cold(call, barrier, timed)) if size <= cfg.latency_bytes else None
+            rows.append(make_row(impl, transport, op, n, count * ITEMSIZE, p50, timed, cold))
     return rows
 
 
@@ -343,10 +382,10 @@ def _run_world(cfg: BenchConfig, impl: str, transport: str, world: int) -> list[
                 env.update(
                     PARAMPLANE_COORDINATOR=coordinator.start(),
                     PARAMPLANE_WORLD_SIZE=str(world),
-                    PARAMPLANE_TRANSPORT="grpc" if transport == "grpc-streams" else transport,
-                    PARAMPLANE_TCP_LANE="0" if transport == "grpc-streams" else "1",
-                    # The grpc rows stand for the inter-host path: loopback TCP, not a same-machine socket.
-                    PARAMPLANE_UNIX_LANE="0",
+                    PARAMPLANE_TRANSPORT="shm" if transport == "shm" else "grpc",
+                    PARAMPLANE_TCP_LANE="0" if transport == "grpc-stream" else "1",
+                    # lane-tcp stands for the inter-host path: loopback TCP, not a same-machine socket.
+                    PARAMPLANE_UNIX_LANE="1" if transport == "lane-unix" else "0",
                     PARAMPLANE_TIMEOUT=str(cfg.timeout_s),
                 )
             else:
@@ -382,15 +421,21 @@ def _run_world(cfg: BenchConfig, impl: str, transport: str, world: int) -> list[
 
 
 def combine(rounds: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Per case, the round with the median p50 (the lower one of an even count), tagged with ``repeats``."""
+    """Per case, the round with the median p50 (the lower one of an even count), tagged with ``repeats``; the
+    cold and hot latencies are each the median (the lower one of an even count) of their rounds."""
     cases: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for rows in rounds:
         for r in rows:
             cases.setdefault((r["impl"], r["transport"], r["op"], r["world_size"], r["bytes"]), []).append(r)
     out = []
     for runs in cases.values():
-        mid = sorted(runs, key=lambda r: r["p50_us"])[(len(runs) - 1) // 2]
-        out.append(dict(mid, repeats=len(runs)))
+        mid = dict(sorted(runs, key=lambda r: r["p50_us"])[(len(runs) - 1) // 2], repeats=len(runs))
+        for key in ("cold_p50_us", "hot_p50_us"):
+            values = sorted(r[key] for r in runs if key in r)
+            if values:
+                mid[key] = values[(len(values) - 1) // 2]
+                mid[key.replace("_p50_us", "_rounds_us")] = [r[key] for r in runs if key in r]
+        out.append(mid)
     return out
 
 
@@ -413,6 +458,9 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         }
         line["busbw_vs_gloo"] = _sig(r["busbw_GBps"] / ref["busbw_GBps"], 3)
         line["p50_vs_gloo"] = _sig(r["p50_us"] / ref["p50_us"], 3)
+        for key in ("cold_p50_us", "hot_p50_us"):
+            if key in r and key in ref:
+                line[key.replace("_us", "_vs_gloo")] = _sig(r[key] / ref[key], 3)
         if at in raw:  # against the bare socket ring: the loopback-plus-add limit
             line["busbw_vs_rawtcp"] = _sig(r["busbw_GBps"] / raw[at]["busbw_GBps"], 3)
         out.append(line)
@@ -469,30 +517,45 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namesp
         "--transports",
         type=_csv(str),
         default=DEFAULT_TRANSPORTS,
-        help="default grpc,shm (also: grpc-streams)",
+        help="comma list (default lane-unix,lane-tcp,shm,grpc-stream)",
+    )
+    p.add_argument(
+        "--latency-bytes",
+        type=_size,
+        default=64 << 10,
+        help="sizes up to this are also timed cold, each call after a barrier (default 64K)",
     )
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default: by size)")
-    p.add_argument("--repeats", type=int, default=1, help="interleaved rounds, median kept (default 1)")
+    p.add_argument(
+        "--repeats", type=int, default=None, help="interleaved rounds, median kept (default 1; --latency 5)"
+    )
     p.add_argument("--no-gloo", action="store_true", help="skip torch.distributed gloo")
     p.add_argument("--no-rawtcp", action="store_true", help="skip the bare socket all_reduce (world 2)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per world (default 600)")
     p.add_argument("--out", type=Path, default=None, help="append the JSON lines to this file")
     p.add_argument("--quick", action="store_true", help="world 2, 4K and 64K, 5 iters")
+    p.add_argument(
+        "--latency",
+        action="store_true",
+        help="small-message latency: world 2 all_reduce at 4K, 300 calls, 5 rounds",
+    )
     p.add_argument("--markdown", action="store_true", help="also print a markdown table")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    quick = args.quick
+    quick, latency = args.quick, args.latency
+    iters = args.iters if args.iters is not None else (5 if quick else 300 if latency else None)
     try:
         cfg = BenchConfig(
-            ops=args.ops,
-            sizes=args.sizes or (QUICK_SIZES if quick else DEFAULT_SIZES),
-            worlds=(2,) if quick else args.worlds,
-            transports=args.transports,
+            ops=("all_reduce",) if latency else args.ops,
+            sizes=args.sizes or (QUICK_SIZES if quick else (4096,) if latency else DEFAULT_SIZES),
+            worlds=(2,) if quick or latency else args.worlds,
+            transports=tuple(ALIASES.get(t, t) for t in args.transports),
+            latency_bytes=args.latency_bytes,
             gloo=not args.no_gloo,
             rawtcp=not args.no_rawtcp,
-            iters=args.iters if args.iters is not None else (5 if quick else None),
+            iters=iters,
             timeout_s=min(args.timeout, 60.0) if quick else args.timeout,
-            repeats=args.repeats,
+            repeats=args.repeats if args.repeats is not None else (5 if latency else 1),
         )
     except ValueError as exc:
         p.error(str(exc))
@@ -517,7 +580,8 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(cfg.repeats):
             rounds.append([])
             for world in cfg.worlds:
-                for impl, transport in impls:
+                # Every other round in reverse order: ours and the peers alternate, load drifts hit all alike.
+                for impl, transport in impls if i % 2 == 0 else impls[::-1]:
                     if impl == "rawtcp" and world != 2:
                         continue
                     start = time.monotonic()

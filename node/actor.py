@@ -50,9 +50,11 @@ class OpActor:
                         target=self._serve, name=f"paramplane-{self.name}", daemon=True
                     )
                     self._thread.start()
-        if inline:
+        if inline:  # the future is nobody else's yet: it cannot be cancelled, so it is not marked running
             try:
-                self._run(functools.partial(fn, seq), fut)
+                fut.set_result(fn(seq))
+            except BaseException as exc:
+                fut.set_exception(exc)
             finally:
                 self._exec_lock.release()
                 self._done()

@@ -133,7 +133,8 @@ class GroupEngine(PointToPointOps):
             from paramplane.node.transports.nccl import capture_stream
 
             stream = capture_stream()
-        nbytes, dtype, shape = int(x.nbytes), dtype_name(x.dtype), tuple(int(d) for d in x.shape)
+        shape = x.shape if type(x) is np.ndarray else tuple(int(d) for d in x.shape)
+        nbytes, dtype = int(x.nbytes), dtype_name(x.dtype)
 
         def op(seq: int) -> T:
             self.check()

@@ -54,6 +54,8 @@ def test_quick_run_emits_one_valid_row_per_case(tmp_path: Path) -> None:
     for row in rows:
         _check_row(row)
         assert row["impl"] == "paramplane" and row["world_size"] == 2
+        # Both ways of timing a small message: back to back (the p50) and each call after a barrier.
+        assert row["hot_p50_us"] == row["p50_us"] and row["cold_p50_us"] > 0
     cases = {(r["transport"], r["op"], r["bytes"]) for r in rows}
     expected = {
         (t, op, size) for t in bench.DEFAULT_TRANSPORTS for op in bench.OPS for size in bench.QUICK_SIZES
@@ -75,6 +77,10 @@ def test_quick_run_with_gloo_adds_peer_rows_and_ratios() -> None:
     assert summary["busbw_vs_gloo"] == pytest.approx(pp["busbw_GBps"] / gloo["busbw_GBps"], rel=1e-2)
     assert summary["p50_vs_gloo"] == pytest.approx(pp["p50_us"] / gloo["p50_us"], rel=1e-2)
     assert summary["busbw_vs_rawtcp"] == pytest.approx(pp["busbw_GBps"] / raw["busbw_GBps"], rel=1e-2)
+    for key in ("cold", "hot"):
+        assert summary[f"{key}_p50_vs_gloo"] == pytest.approx(
+            pp[f"{key}_p50_us"] / gloo[f"{key}_p50_us"], rel=1e-2
+        )
 
 
 def test_bus_factors_follow_nccl_tests() -> None:
@@ -137,6 +143,12 @@ def test_repeats_keep_the_median_round_of_each_case() -> None:
     ]
     (row,) = bench.combine(rounds)
     assert row["p50_us"] == pytest.approx(300.0) and row["repeats"] == 3
+    # Cold and hot latencies: each the median of its own rounds (not those of the round with the median p50).
+    timed = [(3e-4, 5e-4), (1e-4, 9e-4), (9e-4, 7e-4)]
+    rounds = [[bench.make_row("gloo", "gloo", "all_reduce", 2, 4096, hot, 10, cold)] for hot, cold in timed]
+    (row,) = bench.combine(rounds)
+    assert row["hot_p50_us"] == pytest.approx(300.0) and row["cold_p50_us"] == pytest.approx(700.0)
+    assert row["cold_rounds_us"] == pytest.approx([500.0, 900.0, 700.0])
     with pytest.raises(ValueError, match="repeats"):
         bench.BenchConfig(repeats=0)
 

@@ -9,12 +9,11 @@ bounded by the op's deadline, failing the stream key on every member when the de
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import itertools
 import math
 import time
-from collections.abc import Callable, Coroutine, Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -34,10 +33,9 @@ from paramplane.node.loop import LoopThread
 from paramplane.node.peer import CHUNK_BYTES, ERROR_SUFFIX, PeerPlane
 from paramplane.node.spec import OpSpec
 from paramplane.node.transports.base import Bounds, Transport
+from paramplane.node.transports.thread_channel import INLINE_BYTES, ThreadChannel
 from paramplane.protos import peer_pb2
 
-# Payloads up to this size ride inside the frame header.
-INLINE_BYTES = 64 << 10
 T = TypeVar("T")
 
 
@@ -54,6 +52,7 @@ class GrpcChannel:
         self.me = me
         self.index = self.ranks.index(me)
         self.n = len(self.ranks)
+        self.direct = direct
         plane.register_stream_key(key, frozenset(self.ranks), direct=direct)
 
     # -- frames ----------------------------------------------------------------------------------
@@ -158,9 +157,31 @@ class GrpcChannel:
         when the caller took the header already; nothing else may read them meanwhile. A failure this
         receive finds is passed to ``fail_soon`` (to fail the key on the loop) and raised; TimeoutError
         after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
         sink = ring.copy_into(flat, 0) if flat is not None else None
-        frame = self._frame(idx, spec, 0, flat.nbytes if flat is not None else None, sink)
+        nbytes = flat.nbytes if flat is not None else None
+        deadline = time.monotonic() + timeout
+        got = self.recv_frame(take, idx, spec, 0, nbytes, sink, deadline, fail_soon, first)
+        if flat is not None:
+            return flat
+        assert got is not None
+        return got
+
+    def recv_frame(
+        self,
+        take: Callable[[float], Any],
+        idx: int,
+        spec: OpSpec,
+        step: int,
+        nbytes: int | None,
+        sink: Sink | None,
+        deadline: float,
+        fail_soon: Callable[[PlaneError], None],
+        first: Any = None,
+    ) -> np.ndarray | None:
+        """One frame from group index ``idx`` read on the calling thread with ``take`` (see ``recv_blocking``),
+        checked against ``spec``, ``step`` and ``nbytes`` and fed to ``sink`` (``nbytes`` None: into a new
+        array, returned); TimeoutError at ``deadline`` (``time.monotonic()``)."""
+        frame = self._frame(idx, spec, step, nbytes, sink)
         next(frame)
         while True:
             try:
@@ -172,7 +193,8 @@ class GrpcChannel:
             try:
                 frame.send(item)
             except StopIteration as done:
-                return flat if flat is not None else done.value
+                value: np.ndarray | None = done.value
+                return value
             except PlaneError as exc:
                 fail_soon(exc)
                 raise
@@ -279,7 +301,7 @@ class GrpcTransport:
         me: int,
         timeout_s: float,
         *,
-        direct: bool = False,
+        direct: bool = True,
     ) -> None:
         self.channel = GrpcChannel(plane, key, ranks, me, direct=direct)
         self.plane = plane
@@ -287,6 +309,7 @@ class GrpcTransport:
         self.key = key
         self.timeout_s = timeout_s
         self._scratch: np.ndarray | None = None
+        self._thread_channel = ThreadChannel(self.channel, loop, self._expired)
 
     def _expired(self) -> CollectiveTimeout:
         return CollectiveTimeout(
@@ -294,18 +317,9 @@ class GrpcTransport:
             "slow or hung: raise PARAMPLANE_TIMEOUT if it is merely slow"
         )
 
-    def run(self, coro: Coroutine[Any, Any, T], deadline: float) -> T:
-        """Run ``coro`` on the runtime's loop, bounded by ``deadline``; on expiry fail the key everywhere."""
-        fut = self.loop.submit(coro)
-        try:
-            return fut.result(max(0.0, deadline - time.monotonic()))
-        except concurrent.futures.TimeoutError:
-            if fut.done():  # it finished meanwhile, or raised its own CollectiveTimeout (a TimeoutError too)
-                return fut.result()
-        exc = self._expired()
-        self.loop.loop.call_soon_threadsafe(self.plane.fail_key, self.key, exc)
-        fut.cancel()
-        raise exc
+    def _on_thread(self, deadline: float) -> ThreadChannel:
+        """The group's frames on this thread for one op bounded by ``deadline``."""
+        return self._thread_channel.begin(deadline)
 
     def _work(self, flat: np.ndarray) -> np.ndarray:
         """A reusable copy of ``flat`` (ops of a group run one at a time, so one buffer serves them all)."""
@@ -316,34 +330,34 @@ class GrpcTransport:
         return work
 
     def all_reduce(self, spec: OpSpec, flat: np.ndarray, op: str, deadline: float) -> None:
-        self.run(ring.all_reduce(self.channel, spec, flat, op), deadline)
+        ring.all_reduce(self._on_thread(deadline), spec, flat, op)
 
     def broadcast(self, spec: OpSpec, flat: np.ndarray, root: int, deadline: float) -> None:
-        self.run(ring.broadcast(self.channel, spec, flat, root), deadline)
+        ring.broadcast(self._on_thread(deadline), spec, flat, root)
 
     def all_gather(self, spec: OpSpec, piece: np.ndarray, out: np.ndarray, deadline: float) -> None:
-        self.run(ring.all_gather(self.channel, spec, piece, out), deadline)
+        ring.all_gather(self._on_thread(deadline), spec, piece, out)
 
     def reduce_scatter(
         self, spec: OpSpec, flat: np.ndarray, bounds: Bounds, op: str, out: np.ndarray, deadline: float
     ) -> None:
         work = self._work(flat)  # the algorithms reduce in place; the caller's input stays unchanged
-        self.run(ring.reduce_scatter(self.channel, spec, work, bounds, op), deadline)
+        ring.reduce_scatter(self._on_thread(deadline), spec, work, bounds, op)
         a, b = bounds[self.channel.index]
         out[...] = work[a:b]
 
     def gather(
         self, spec: OpSpec, piece: np.ndarray, root: int, out: np.ndarray | None, deadline: float
     ) -> None:
-        self.run(ring.gather(self.channel, spec, piece, root, out), deadline)
+        ring.gather(self._on_thread(deadline), spec, piece, root, out)
 
     def scatter(
         self, spec: OpSpec, pieces: Sequence[np.ndarray] | None, root: int, out: np.ndarray, deadline: float
     ) -> None:
-        self.run(ring.scatter(self.channel, spec, pieces, root, out), deadline)
+        ring.scatter(self._on_thread(deadline), spec, pieces, root, out)
 
     def barrier(self, spec: OpSpec, deadline: float) -> None:
-        self.run(ring.barrier(self.channel, spec), deadline)
+        ring.barrier(self._on_thread(deadline), spec)
 
     def abort(self) -> None:
         return None  # a failed key fails every later frame on it
