@@ -313,7 +313,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
             ax.plot(t, loss, marker=".", label=r["variant"])
         ax.axhline(mine[0]["target_val_loss"], color="grey", ls=":", lw=1, label="target")
         ax.set(
-            title=f"link {link}, 10 ms each way", xlabel="training wall time (s)", ylabel="validation loss"
+            title=str(mine[0].get("shaping", link)), xlabel="training wall time (s)", ylabel="validation loss"
         )
         ax.legend()
     fig.tight_layout()

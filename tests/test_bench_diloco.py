@@ -49,9 +49,13 @@ def test_tiny_run_emits_a_row_per_variant_with_the_bytes_that_crossed(tmp_path: 
     try:
         stdout, stderr = proc.communicate(timeout=540)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        if proc.poll() is None:  # SIGTERM first: the benchmark then deletes its namespaces
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
     assert proc.returncode == 0, stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows == [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
