@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo test lint typecheck unit protos bench clean compose-demo test-compose test-py313 test-gpu test-mpi test-slurm test-cluster browser
+.PHONY: install demo test lint typecheck unit protos bench clean compose-demo test-compose bench-compose test-py313 test-gpu test-mpi test-slurm test-cluster browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -54,11 +54,16 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/rendezvous.py --out benchmarks/results/rendezvous.jsonl
 	$(BIN)/python benchmarks/ddp.py --out benchmarks/results/ddp.jsonl
 
+# TLS=1: the TLS overlay (docker-compose.tls.yml), inter-host frames on gRPC streams.
 compose-demo:
-	bash scripts/compose.sh demo
+	TLS=$(TLS) bash scripts/compose.sh demo
 
 test-compose:
 	bash scripts/compose.sh test
+
+# HybridShard step time between the two compose hosts: lanes, gRPC streams, gRPC streams + TLS.
+bench-compose:
+	bash scripts/compose.sh bench
 
 # mpirun -np 3 of a DDP job with pp.init() and no other setup (root: installs Open MPI from Debian's packages).
 test-mpi: $(STAMP)

@@ -12,6 +12,7 @@ synthetic classification task generated from a fixed seed, so every host can mak
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 import numpy as np
@@ -35,13 +36,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=64, help="global batch")
     parser.add_argument("--ckpt", type=Path, default=Path("ckpt"), help="checkpoint folder every host sees")
     parser.add_argument("--save-every", type=int, default=20)
+    parser.add_argument("--hidden", type=int, default=64, help="width of the two hidden layers")
+    parser.add_argument(
+        "--log-every", type=int, default=0, help="rank 0 prints 'step N' this often (0: never)"
+    )
     args = parser.parse_args(argv)
+    if min(args.steps, args.save_every, args.hidden) < 1 or args.log_every < 0:
+        parser.error("--steps, --save-every and --hidden must be >= 1, --log-every >= 0")
     world = pp.init()
     try:
         group = world.group
         rng = np.random.default_rng(0)
         model = Sequential(
-            Linear(32, 64, rng=rng), ReLU(), Linear(64, 64, rng=rng), ReLU(), Linear(64, 4, rng=rng)
+            Linear(32, args.hidden, rng=rng),
+            ReLU(),
+            Linear(args.hidden, args.hidden, rng=rng),
+            ReLU(),
+            Linear(args.hidden, 4, rng=rng),
         )
         fsdp = pp.FSDP(model, group, strategy="hybrid_shard")  # shard inside a host, replicate across hosts
         opt = AdamW(fsdp.parameters(), lr=3e-3)
@@ -56,13 +67,17 @@ def main(argv: list[str] | None = None) -> int:
         x, y = make_data()
         a, b = pp.shard_range(args.batch_size, group.size, group.rank)
         loss = np.zeros(1)
+        step_s: list[float] = []  # steps without a checkpoint save
         for step in range(start, args.steps):
+            began = time.perf_counter()
             idx = np.random.default_rng(step).choice(len(x), args.batch_size, replace=False)[a:b]
             loss[0] = float(crit.forward(fsdp(x[idx]), y[idx])) / args.batch_size
             fsdp.backward(crit.backward(grad_scale=group.size / args.batch_size))
             opt.step()
             opt.zero_grad()
-            if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+            if (step + 1) % args.save_every != 0 and step + 1 != args.steps:
+                step_s.append(time.perf_counter() - began)
+            else:
                 path = pp.checkpoint.save(
                     {"model": fsdp, "optim": opt, "step": step + 1},
                     args.ckpt / f"step_{step + 1}",
@@ -71,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 if world.rank == 0:
                     print(f"checkpoint: {path}", flush=True)
+            if world.rank == 0 and args.log_every and (step + 1) % args.log_every == 0:
+                print(f"step {step + 1} of epoch {world.epoch} job {world.job_id}", flush=True)
+        plane = world.runtime.plane  # how this rank's frames to other hosts travelled (lane or gRPC stream)
+        links = ",".join(sorted(plane.outbound_kinds())) or "-"
+        print(f"transport: rank {world.rank} host {world.node_rank} frames {plane.frames_ride} links {links}")
         group.all_reduce(loss, "sum")
         fsdp.eval()
         logits = fsdp(x[a * 32 : b * 32])
@@ -82,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             print(f"final loss: {loss[0]:.4f}; accuracy: {correct[0] / correct[1]:.4f}", flush=True)
+            if step_s:
+                print(
+                    f"step time: {np.median(step_s) * 1e3:.2f} ms median over {len(step_s)} steps", flush=True
+                )
     finally:
         world.shutdown()
     return 0

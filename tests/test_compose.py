@@ -27,11 +27,22 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+TLS = yaml.safe_load((REPO / "docker-compose.tls.yml").read_text())
+
+
+def _interpolate(value: str) -> str:
+    """Compose's ``${VAR:-default}`` with no such variable set: the default."""
+    return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", value)
 
 
 def _command(service: dict[str, Any]) -> list[str]:
     command = service["command"]
-    return shlex.split(command) if isinstance(command, str) else list(command)
+    args = shlex.split(command) if isinstance(command, str) else list(command)
+    return [_interpolate(a) for a in args]
+
+
+def _option(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
 
 
 def test_compose_file_shape() -> None:
@@ -58,6 +69,89 @@ def test_compose_file_shape() -> None:
         assert "ckpt:/ckpt" in svc["volumes"]
     assert ranks == world, "the nodes' ranks must fill the coordinator's world"
     assert (REPO / "Dockerfile").read_text().count("ARG BASE=") == 1
+
+
+def test_compose_nodes_survive_a_killed_host() -> None:
+    """What `make test-compose` exercises on the real engine (scripts/compose_test.sh): every service comes
+    back after a crash, a node's launcher restarts its ranks into the next epoch, and the coordinator's
+    heartbeat timeout is the one the test's bound is built on."""
+    services = COMPOSE["services"]
+    for name, svc in services.items():
+        assert svc["restart"] == "on-failure", name
+    for name in ("node-a", "node-b"):
+        cmd = _command(services[name])
+        assert int(_option(cmd, "--max-restarts")) >= 1, name
+        assert "trace:/trace" in services[name]["volumes"], name
+        assert services[name]["environment"]["PARAMPLANE_TRACE"].startswith("/trace/"), name
+    timeout = int(_option(_command(services["coordinator"]), "--heartbeat-timeout"))
+    script = (REPO / "scripts" / "compose_test.sh").read_text()
+    assert f"HEARTBEAT_S={timeout} " in script, "compose_test.sh's bound must use the compose file's timeout"
+    default = re.search(r"PARAMPLANE_COMPOSE_SCENARIOS:-([\w ]+)\}", script)
+    assert default and default.group(1).split() == ["unbroken", "kill_node", "kill_coordinator", "tls"]
+    sleeps = [line.strip() for line in script.splitlines() if re.search(r"\bsleep\s+\d", line)]
+    assert len(sleeps) == 1 and "poll's period" in sleeps[0], f"waits must poll with a bound: {sleeps}"
+
+
+def test_tls_overlay_shape() -> None:
+    """docker-compose.tls.yml: the coordinator serves TLS with its own certificate, every rank gets the CA and
+    its own key (no other service's), and compose.sh makes each file the overlay names."""
+    services = TLS["services"]
+    coord = _command({"command": services["coordinator"]["command"]})
+    assert _command(COMPOSE["services"]["coordinator"]) == coord[: coord.index("--tls-cert")]
+    secret_files = {k: v["file"] for k, v in TLS["secrets"].items()}
+    assert secret_files[_option(coord, "--tls-cert").split("/")[-1]].endswith("coordinator.pem")
+    assert secret_files[_option(coord, "--tls-key").split("/")[-1]].endswith("coordinator.key")
+    assert services["coordinator"]["environment"]["PARAMPLANE_TLS_CA"] == "/run/secrets/paramplane_ca"
+    for name in ("node-a", "node-b"):
+        env, mounted = services[name]["environment"], set(services[name]["secrets"])
+        assert {s for s in mounted if s.endswith("_key")} == {name.replace("-", "_") + "_key"}, name
+        paths = {
+            var: env[f"PARAMPLANE_TLS_{var}"].removeprefix("/run/secrets/") for var in ("CA", "CERT", "KEY")
+        }
+        assert set(paths.values()) <= mounted, name
+        assert secret_files[paths["CERT"]] == f"./.compose/tls/{name}.pem", name
+        assert secret_files[paths["KEY"]] == f"./.compose/tls/{name}.key", name
+        assert secret_files[paths["CA"]] == "./.compose/tls/ca.pem", name
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="compose.sh certs uses openssl")
+def test_compose_certs_verify_for_each_service(tmp_path: Path) -> None:
+    """`scripts/compose.sh certs` makes what the TLS overlay mounts: each service's certificate verifies
+    against the CA, names the service (the address its peers dial), and its key is readable by root only."""
+    env = dict(os.environ, PARAMPLANE_TLS_DIR=str(tmp_path))
+    made = subprocess.run(
+        ["bash", str(REPO / "scripts" / "compose.sh"), "certs"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert made.returncode == 0, made.stderr
+    for secret in TLS["secrets"].values():
+        assert (tmp_path / Path(secret["file"]).name).is_file(), secret
+    for name in ("coordinator", "node-a", "node-b"):
+        cert = str(tmp_path / f"{name}.pem")
+        ok = subprocess.run(
+            ["openssl", "verify", "-CAfile", str(tmp_path / "ca.pem"), cert],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        san = subprocess.run(
+            ["openssl", "x509", "-noout", "-ext", "subjectAltName", "-in", cert],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+        assert f"DNS:{name}" in san, san
+        assert (tmp_path / f"{name}.key").stat().st_mode & 0o077 == 0
+    other = subprocess.run(  # a certificate of another CA does not verify: the check above can fail
+        ["openssl", "verify", "-CAfile", str(tmp_path / "node-a.pem"), str(tmp_path / "node-b.pem")],
+        capture_output=True,
+        timeout=30,
+    )
+    assert other.returncode != 0
 
 
 def test_gpu_compose_overlay_shape() -> None:
@@ -169,7 +263,11 @@ def test_compose_topology_trains_across_namespaces(
     token.write_text(secrets.token_hex(16))
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    paths = {"/run/secrets/paramplane_token": str(token), "/ckpt": str(ckpt)}
+    paths = {
+        "/run/secrets/paramplane_token": str(token),
+        "/ckpt": str(ckpt),
+        "/trace": str(tmp_path / "trace"),
+    }
     base = {k: v for k, v in os.environ.items() if not k.startswith("PARAMPLANE_")}
     base["PYTHONUNBUFFERED"] = "1"
     services = COMPOSE["services"]
@@ -191,7 +289,8 @@ def test_compose_topology_trains_across_namespaces(
         assert healthy, "the coordinator never became healthy"
         for name in ("node-a", "node-b"):
             env = dict(base)
-            env.update({k: _local(["x", str(v)], paths)[1] for k, v in services[name]["environment"].items()})
+            environment = services[name]["environment"].items()
+            env.update({k: _local(["x", _interpolate(str(v))], paths)[1] for k, v in environment})
             procs[name] = _start(namespaces[name][0], _local(_command(services[name]), paths), env)
         outputs = {}
         for name in ("node-a", "node-b"):
@@ -207,3 +306,4 @@ def test_compose_topology_trains_across_namespaces(
     assert match and float(match.group(2)) > 0.9, text[-3000:]
     assert (ckpt / "step_60" / "manifest.json").is_file()
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_40", "step_60"]  # keep=2 pruned step_20
+    assert len(list((tmp_path / "trace" / "demo").glob("rank-*.json"))) == 4  # the trace volume's files
