@@ -21,6 +21,7 @@ case "$MODE" in
 esac
 PY=${PY:-python3}
 PROJECT=${PARAMPLANE_COMPOSE_PROJECT:-paramplane-demo}
+export COMPOSE_HTTP_TIMEOUT=${COMPOSE_HTTP_TIMEOUT:-300}  # a daemon on vfs can be slow to create containers
 FILES=(-f docker-compose.yml)
 [ "${TLS:-0}" = 1 ] && FILES+=(-f docker-compose.tls.yml)
 STARTED_DAEMON=""
@@ -30,6 +31,7 @@ say() { printf 'compose: %s\n' "$*" >&2; }
 
 cleanup() {
   if command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; then
+    docker rm -f "${PROJECT}_checker" >/dev/null 2>&1 || true
     compose down -v --remove-orphans >/dev/null 2>&1 || true
   fi
   if [ -n "$STARTED_DAEMON" ]; then

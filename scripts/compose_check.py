@@ -1,8 +1,8 @@
 """The compose test's assertions, run inside a paramplane container by ``scripts/compose.sh test``.
 
-The container mounts the run's checkpoint volume at ``/ckpt``, its trace volume at ``/trace`` and the host's
-``.compose/out`` at ``/out``, where the script leaves the nodes' logs (``RUN.log``) and the coordinator's
-status snapshots. Exit status 0 when every check holds; each failed check prints ``FAILED: ...``.
+The container mounts the checkpoint volume at ``/ckpt`` and the trace volume at ``/trace`` (a folder per run in
+each) and the host's ``.compose/out`` at ``/out``, where the script leaves the nodes' logs (``RUN.log``) and
+the coordinator's status snapshots. Exit status 0 when every check holds; each failed check prints ``FAILED: ...``.
 
     python compose_check.py RUN --steps N --save-every K --frames lane|grpc-stream [--same-as RUN0] [--resumed]
 """
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     log = (OUT / f"{args.run}.log").read_text()
     print(f"{args.run}: steps: {steps_check(log, args.steps, args.save_every, args.resumed)}")
     print(f"{args.run}: collectives by transport: {transport_check(args.run, log, args.frames)}")
-    final = latest("/ckpt")
+    final = latest(Path("/ckpt") / args.run)
     if final is None or final.name != f"step_{args.steps}":
         fail(f"the newest committed checkpoint is {final}, not step_{args.steps}")
     consolidate(final, OUT / f"{args.run}.npz")

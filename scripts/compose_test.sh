@@ -38,22 +38,28 @@ committed() { test -f "$CKPT/step_$1/manifest.json"; }
 exited_ok() { [ "$(docker inspect -f '{{.State.Status}} {{.State.ExitCode}}' "$(cid "$1")")" = "exited 0" ]; }
 both_exited_ok() { exited_ok node-a && exited_ok node-b; }
 healthy() { [ "$(docker inspect -f '{{.State.Health.Status}}' "$(cid coordinator)")" = healthy ]; }
-gone() { [ -z "$(docker ps -aq --filter "label=com.docker.compose.project=$PROJECT")" ]; }
 logged() { grep -q "$1" <<<"$(compose logs --no-color node-a node-b 2>/dev/null)"; }
 
-# start RUN [VAR=VALUE...]: a fresh job (new volumes) named RUN; its traces go to /trace/RUN.
+# start RUN [VAR=VALUE...]: a fresh job named RUN (checkpoints in /ckpt/RUN, traces in /trace/RUN) on a
+# restarted coordinator. The volumes and the coordinator's container stay between runs (creating a container
+# copies the whole image under the vfs storage driver).
 start() {
   local run=$1
   shift
-  compose down -v --remove-orphans >>"$LOG" 2>&1 || true
-  poll "$run: the former run's containers are removed" 180 gone || fail "$run: containers of a former run remain"
-  compose down -v --remove-orphans >>"$LOG" 2>&1 || true  # volumes and network that were still in use
+  compose rm -sf node-a node-b >>"$LOG" 2>&1 || true
   export PARAMPLANE_RUN=$run PARAMPLANE_STEPS=$STEPS PARAMPLANE_SAVE_EVERY=$SAVE_EVERY PARAMPLANE_LOG_EVERY=1
   export PARAMPLANE_TCP_LANE=1 PARAMPLANE_HIDDEN=64
   [ $# -eq 0 ] || export "$@"
   compose up -d coordinator >>"$LOG" 2>&1 || { tail -30 "$LOG" >&2; fail "$run: the coordinator did not start"; }
+  compose restart -t 5 coordinator >>"$LOG" 2>&1 || fail "$run: the coordinator did not restart"
+  poll "$run: the coordinator is healthy" 120 healthy || fail "$run: no healthy coordinator"
   compose up -d --no-recreate node-a node-b >>"$LOG" 2>&1 || { tail -30 "$LOG" >&2; fail "$run: the nodes did not start"; }
-  CKPT=$(docker volume inspect -f '{{.Mountpoint}}' "$(docker inspect -f '{{range .Mounts}}{{if eq .Destination "/ckpt"}}{{.Name}}{{end}}{{end}}' "$(cid node-a)")")
+  CKPT=$(docker volume inspect -f '{{.Mountpoint}}' "$(docker inspect -f '{{range .Mounts}}{{if eq .Destination "/ckpt"}}{{.Name}}{{end}}{{end}}' "$(cid node-a)")")/$run
+  if [ -z "$(docker ps -q --filter "name=^${PROJECT}_checker$")" ]; then  # one container runs every check
+    docker rm -f "${PROJECT}_checker" >/dev/null 2>&1 || true
+    docker run -d --name "${PROJECT}_checker" --entrypoint sleep -v "$PWD/$OUT:/out" -v "$PWD/scripts:/scripts:ro" \
+      --volumes-from "$(cid node-a)" paramplane:local 86400 >>"$LOG" || fail "the checker container did not start"
+  fi
 }
 
 # finish RUN LIMIT CHECK-ARGS...: both nodes end with status 0, then scripts/compose_check.py's assertions.
@@ -64,10 +70,9 @@ finish() {
   compose logs --no-color node-a node-b >"$OUT/$run.log" 2>&1
   both_exited_ok || { tail -40 "$OUT/$run.log" >&2; fail "$run: the nodes did not finish"; }
   local rc=0
-  compose run --rm --no-deps -T -v "$PWD/$OUT:/out" -v "$PWD/scripts:/scripts:ro" node-a \
-    python /scripts/compose_check.py "$run" --steps "$STEPS" --save-every "$SAVE_EVERY" "$@" >"$OUT/$run.check" 2>&1 \
+  docker exec "${PROJECT}_checker" python /scripts/compose_check.py "$run" --steps "$STEPS" --save-every "$SAVE_EVERY" "$@" >"$OUT/$run.check" 2>&1 \
     || rc=$?
-  grep -v '^Creating\|^Starting' "$OUT/$run.check" | tee -a "$OUT/checks.txt" >&2 || true
+  tee -a "$OUT/checks.txt" <"$OUT/$run.check" >&2
   [ "$rc" = 0 ] || fail "$run: the checks above"
 }
 
@@ -141,13 +146,13 @@ compose_test() {
   local began=$SECONDS scenarios=${PARAMPLANE_COMPOSE_SCENARIOS:-unbroken kill_node kill_coordinator tls}
   [ -n "${PARAMPLANE_COMPOSE_SCENARIOS:-}" ] || rm -rf "$OUT"
   mkdir -p "$OUT"
+  compose down -v --remove-orphans >>"$LOG" 2>&1 || true  # a former run's volumes
   for scenario in $scenarios; do
     case $scenario in
       unbroken | kill_node | kill_coordinator | tls) "scenario_$scenario" ;;
       *) fail "no scenario $scenario" ;;
     esac
   done
-  compose down -v --remove-orphans >>"$LOG" 2>&1 || true
   say "PASSED: every scenario in $((SECONDS - began)) s (checks: $OUT/checks.txt)"
 }
 

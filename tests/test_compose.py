@@ -304,6 +304,7 @@ def test_compose_topology_trains_across_namespaces(
     assert "hosts 2, ranks 4, shard group 2" in text, text[-3000:]
     match = re.search(r"final loss: ([\d.]+); accuracy: ([\d.]+)", text)
     assert match and float(match.group(2)) > 0.9, text[-3000:]
-    assert (ckpt / "step_60" / "manifest.json").is_file()
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step_40", "step_60"]  # keep=2 pruned step_20
+    assert (ckpt / "demo" / "step_60" / "manifest.json").is_file()
+    kept = sorted(p.name for p in (ckpt / "demo").iterdir())
+    assert kept == ["step_40", "step_60"]  # keep=2 pruned step_20
     assert len(list((tmp_path / "trace" / "demo").glob("rank-*.json"))) == 4  # the trace volume's files
