@@ -35,6 +35,7 @@ status_has() {  # status_has PYTHON-EXPRESSION-OVER-s [SAVE-AS]: the status sati
   [ -z "${2:-}" ] || printf '%s\n' "$s" >"$OUT/$2"
 }
 committed() { test -f "$CKPT/step_$1/manifest.json"; }
+committed_any() { compgen -G "$CKPT/step_*/manifest.json" >/dev/null; }  # keep=2 prunes the oldest
 exited_ok() { [ "$(docker inspect -f '{{.State.Status}} {{.State.ExitCode}}' "$(cid "$1")")" = "exited 0" ]; }
 both_exited_ok() { exited_ok node-a && exited_ok node-b; }
 healthy() { [ "$(docker inspect -f '{{.State.Health.Status}}' "$(cid coordinator)")" = healthy ]; }
@@ -89,11 +90,11 @@ scenario_kill_node() {
   start kill-node
   poll "kill-node: the world forms" 120 status_has 's["formed"] and not s["aborted"]' kill-node.status-before.json \
     || fail "kill-node: no world"
-  poll "kill-node: the first checkpoint committed" 240 committed "$SAVE_EVERY" || fail "kill-node: no checkpoint"
+  poll "kill-node: a checkpoint committed" 240 committed_any || fail "kill-node: no checkpoint"
   docker kill "$(cid node-b)" >/dev/null
   committed "$STEPS" && fail "kill-node: the job finished before the kill (raise PARAMPLANE_STEPS)"
   local killed=$SECONDS
-  say "kill-node: docker kill node-b after step_$SAVE_EVERY was committed"
+  say "kill-node: docker kill node-b after $(cd "$CKPT" && echo step_*) committed"
   local before
   before=$($PY -c 'import json,sys; print(json.load(open(sys.argv[1]))["epoch"])' "$OUT/kill-node.status-before.json")
   # The world is aborted (or already replaced: the survivors' restarted ranks open the next epoch).
@@ -114,7 +115,7 @@ scenario_kill_coordinator() {
   # The data plane needs no coordinator: the job must outlast the heartbeat timeout after the kill.
   local STEPS=$((STEPS * 3))
   start kill-coordinator
-  poll "kill-coordinator: the first checkpoint committed" 240 committed "$SAVE_EVERY" || fail "kill-coordinator: no checkpoint"
+  poll "kill-coordinator: a checkpoint committed" 240 committed_any || fail "kill-coordinator: no checkpoint"
   docker kill "$(cid coordinator)" >/dev/null
   committed "$STEPS" && fail "kill-coordinator: the job finished before the kill (raise PARAMPLANE_STEPS)"
   local killed=$SECONDS
