@@ -55,7 +55,7 @@ def steps_check(log: str, num_steps: int, save_every: int, resumed: str | None) 
     if resumed == "launcher" and "restarting every rank" not in log:
         fail("no launcher restarted its ranks")
     first, last = by_world[epochs[0]], by_world[epochs[-1]]
-    found = re.findall(r"resumed from /ckpt/step_(\d+) at step (\d+)", log)
+    found = re.findall(r"resumed from /ckpt/\S*step_(\d+) at step (\d+)", log)
     if not found:
         fail("no rank resumed from a checkpoint")
     resumed_at = last[0] - 1
