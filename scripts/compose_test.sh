@@ -54,13 +54,14 @@ start() {
   compose up -d coordinator >>"$LOG" 2>&1 || { tail -30 "$LOG" >&2; fail "$run: the coordinator did not start"; }
   compose restart -t 5 coordinator >>"$LOG" 2>&1 || fail "$run: the coordinator did not restart"
   poll "$run: the coordinator is healthy" 120 healthy || fail "$run: no healthy coordinator"
+  if [ -z "$(docker ps -q --filter "name=^${PROJECT}_checker$")" ]; then  # one container runs every check
+    docker rm -f "${PROJECT}_checker" >/dev/null 2>&1 || true  # (made before the job: creating one is slow)
+    docker run -d --name "${PROJECT}_checker" --entrypoint sleep -v "$PWD/$OUT:/out" -v "$PWD/scripts:/scripts:ro" \
+      -v "${PROJECT}_ckpt:/ckpt" -v "${PROJECT}_trace:/trace" paramplane:local 86400 >>"$LOG" \
+      || fail "the checker container did not start"
+  fi
   compose up -d --no-recreate node-a node-b >>"$LOG" 2>&1 || { tail -30 "$LOG" >&2; fail "$run: the nodes did not start"; }
   CKPT=$(docker volume inspect -f '{{.Mountpoint}}' "$(docker inspect -f '{{range .Mounts}}{{if eq .Destination "/ckpt"}}{{.Name}}{{end}}{{end}}' "$(cid node-a)")")/$run
-  if [ -z "$(docker ps -q --filter "name=^${PROJECT}_checker$")" ]; then  # one container runs every check
-    docker rm -f "${PROJECT}_checker" >/dev/null 2>&1 || true
-    docker run -d --name "${PROJECT}_checker" --entrypoint sleep -v "$PWD/$OUT:/out" -v "$PWD/scripts:/scripts:ro" \
-      --volumes-from "$(cid node-a)" paramplane:local 86400 >>"$LOG" || fail "the checker container did not start"
-  fi
 }
 
 # finish RUN LIMIT CHECK-ARGS...: both nodes end with status 0, then scripts/compose_check.py's assertions.
@@ -89,7 +90,7 @@ scenario_unbroken() {
 scenario_kill_node() {
   start kill-node
   poll "kill-node: a checkpoint committed" 240 committed_any || fail "kill-node: no checkpoint"
-  docker kill "$(cid node-b)" >/dev/null
+  docker kill "$(cid node-b)" >/dev/null || fail "kill-node: node-b was not running (the job ended first?)"
   local killed=$SECONDS
   committed "$STEPS" && fail "kill-node: the job finished before the kill (raise PARAMPLANE_STEPS)"
   say "kill-node: docker kill node-b; committed: $(cd "$CKPT" && echo step_*/manifest.json)"
@@ -117,7 +118,7 @@ scenario_kill_coordinator() {
   local STEPS=$((STEPS * 3))
   start kill-coordinator
   poll "kill-coordinator: a checkpoint committed" 240 committed_any || fail "kill-coordinator: no checkpoint"
-  docker kill "$(cid coordinator)" >/dev/null
+  docker kill "$(cid coordinator)" >/dev/null || fail "kill-coordinator: the coordinator was not running"
   committed "$STEPS" && fail "kill-coordinator: the job finished before the kill (raise PARAMPLANE_STEPS)"
   local killed=$SECONDS
   poll "kill-coordinator: the ranks name the lost coordinator" $((HEARTBEAT_S + 30)) \
