@@ -217,12 +217,24 @@ def scenario_overlap(world: pp.World, out: Path) -> None:
     crit = CrossEntropyLoss()
     x = rng.standard_normal((256, 512)).astype(np.float32)
     y = rng.integers(0, 10, 256)
+    # Collectives issued (handed to the engine, from this thread) when backward starts and when the first
+    # layer's backward starts: buckets that launched in between overlap the rest of the backward.
+    issued: list[tuple[int, int]] = []
+    first, first_backward = model[0], model[0].backward
+
+    def backward_of_first_layer(grad_out: Any) -> Any:
+        issued[-1] = (issued[-1][0], world.group._e.progress()[0])
+        return first_backward(grad_out)
+
+    object.__setattr__(first, "backward", backward_of_first_layer)
     for _ in range(3):
         opt.zero_grad()
         crit.forward(ddp.forward(x), y)
+        issued.append((world.group._e.progress()[0], -1))
         ddp.backward(crit.backward())
         opt.step()
     (out / f"buckets{world.rank}.txt").write_text(repr(ddp.bucket_params()))
+    (out / f"issued{world.rank}.txt").write_text(repr(issued))
 
 
 def scenario_trace(world: pp.World, out: Path) -> None:

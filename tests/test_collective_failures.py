@@ -66,7 +66,8 @@ def test_group_timeout_with_a_rank_that_never_calls(errors_world: tuple[str, Wor
     assert failures(world, "timeout") == []
     assert world.ranks[0].result is not None
     elapsed = world.ranks[0].result["values"]["timeout_elapsed"]
-    assert 1.9 <= elapsed < 5.0, f"group timeout of 2 s raised after {elapsed:.2f} s"
+    # No upper bound tighter than the harness needs: a busy machine may be seconds late, a missing timeout never ends.
+    assert 1.9 <= elapsed < 20.0, f"group timeout of 2 s raised after {elapsed:.2f} s"
 
 
 def test_work_of_a_failed_op_reraises_its_error(errors_world: tuple[str, WorldOutcome]) -> None:
@@ -130,7 +131,7 @@ def test_malformed_frame_and_missing_token() -> None:
         timeout=60,
     )
     results = world.check_ok(min_checks=1)
-    assert results[0]["values"]["fail_elapsed"] < 10.0
+    assert results[0]["values"]["fail_elapsed"] < 20.0  # the group timeout is 30 s
     assert all("test-token-5f2a" not in r.output for r in world.ranks)
 
 

@@ -72,8 +72,8 @@ async def test_closed_port_is_coordinator_unavailable_within_the_join_timeout() 
         with pytest.raises(
             CoordinatorUnavailable, match=f"cannot reach the coordinator at {address}: is it running?"
         ):
-            await within(5, join(c, timeout_s=0.5))
-        assert time.monotonic() - start < 2.0
+            await within(30, join(c, timeout_s=0.5))
+        assert time.monotonic() - start < 15.0  # not the default join timeout (300 s)
 
 
 async def test_join_waits_for_a_coordinator_that_starts_late() -> None:
@@ -156,8 +156,8 @@ async def test_cli_serves_until_sigterm(tmp_path: Path) -> None:
             assert (await within(5, join(c))).world_size == 1
         start = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        assert await within(10, proc.wait()) == 0
-        assert time.monotonic() - start < 5.0
+        assert await within(30, proc.wait()) == 0
+        assert time.monotonic() - start < 20.0  # a bound with slack: it stops, it does not hang
         assert TOKEN not in (await proc.stderr.read()).decode()
     finally:
         if proc.returncode is None:

@@ -75,9 +75,10 @@ async def test_join_timeout_reports_how_many_joined() -> None:
     async with coordinator(3, join_timeout_s=0.5) as server, clients(server, 2) as cs:
         start = time.monotonic()
         results = await within(
-            5, asyncio.gather(*(join(c, i, "h") for i, c in enumerate(cs)), return_exceptions=True)
+            90, asyncio.gather(*(join(c, i, "h", 60.0) for i, c in enumerate(cs)), return_exceptions=True)
         )
-        assert time.monotonic() - start < 3.0
+        # The server's 0.5 s join timeout, with slack for busy cores; not the clients' own 60 s.
+        assert time.monotonic() - start < 15.0
         for r in results:
             assert isinstance(r, RendezvousError)
             assert str(r).startswith("2/3 joined after 0.5 s; waiting for 1 more")
@@ -141,8 +142,8 @@ async def test_barrier_completes_times_out_and_detects_disagreement() -> None:
         with pytest.raises(
             CollectiveTimeout, match=r"barrier 'lonely': 1/3 arrived after 0.3 s; missing ranks \[1, 2\]"
         ):
-            await within(5, by_rank[0].barrier("lonely", timeout_s=0.3))
-        assert time.monotonic() - start < 2.0
+            await within(30, by_rank[0].barrier("lonely", timeout_s=0.3))
+        assert time.monotonic() - start < 15.0  # the barrier's 0.3 s, with slack for busy cores
         results = await within(
             5,
             asyncio.gather(
@@ -188,10 +189,10 @@ async def test_silent_rank_is_reported_dead_on_watch_streams() -> None:
 
         beating = asyncio.create_task(beat())
         try:
-            event = await next_event(events, 5.0)
+            event = await next_event(events, 30.0)
         finally:
             beating.cancel()
-        assert time.monotonic() - formed < 1.0 + 4.0  # the heartbeat timeout, with slack for a busy machine
+        assert time.monotonic() - formed < 1.0 + 14.0  # the heartbeat timeout, with slack for a busy machine
         assert (event.kind, event.rank) == ("abort", silent)
         assert event.reason.startswith(f"rank {silent} missed heartbeats for 1.")
         # A heartbeat answers the abort the watchers got, rank and all.

@@ -67,13 +67,15 @@ def test_bucket_all_reduce_overlaps_backward(tmp_path: Path) -> None:
         events = json.loads((trace / f"rank-{rank}.json").read_text())["traceEvents"]
         backwards = [e for e in events if e["name"] == "backward"]
         first_layer_done = [e["ts"] for e in events if e["name"] == "grad 0.weight"]
-        reduces = [e for e in events if e["name"] == "all_reduce"]
         assert len(backwards) == 3 and len(first_layer_done) == 3
-        # From the second step on (the first only learns the hook counts), a bucket's all-reduce
-        # starts while the backward of the first layer is still to finish.
-        for bw, done in zip(backwards[1:], first_layer_done[1:]):
-            early = [e for e in reduces if bw["ts"] <= e["ts"] < done]
-            assert early, f"rank {rank}: no all-reduce started during the backward at {bw['ts']}"
+        # From the second step on (the first only learns the hook counts), buckets' all-reduces are issued
+        # before the first layer's backward runs: counted by the engine, not timed, so busy cores cannot
+        # make it flake (how much they overlap is benchmarks/ddp.py's to measure).
+        issued = eval((tmp_path / f"issued{rank}.txt").read_text())
+        for at_backward, at_first_layer in issued[1:]:
+            assert at_first_layer > at_backward, (
+                f"rank {rank}: no all-reduce issued during backward: {issued}"
+            )
         buckets = eval((tmp_path / f"buckets{rank}.txt").read_text())
         assert buckets[0][0] == "8.bias" and buckets[-1] == ["0.weight"], buckets
 

@@ -371,7 +371,7 @@ def test_a_direct_lane_waits_its_timeout_reads_what_comes_and_fails_when_failed(
         start = time.monotonic()
         with pytest.raises(TimeoutError):
             lane.next_item(0.2)
-        assert 0.2 <= time.monotonic() - start < 5.0
+        assert 0.2 <= time.monotonic() - start < 20.0
         frame = peer_pb2.FrameHeader(group="g", seq=1, inline_payload=b"abc").SerializeToString()
         sender = threading.Thread(target=a.sendall, args=(struct.pack("!I", len(frame)) + frame,))
         sender.start()
@@ -383,7 +383,7 @@ def test_a_direct_lane_waits_its_timeout_reads_what_comes_and_fails_when_failed(
         failing.start()
         with pytest.raises(PeerLost, match="gone"):
             lane.next_item(30.0)
-        assert time.monotonic() - start < 5.0
+        assert time.monotonic() - start < 20.0  # woken, not at the 30 s timeout
         failing.join(5.0)
         # A wait of up to a year (the longest timeout a setting takes) is cut to what poll() accepts, and
         # still ends when woken.

@@ -192,7 +192,8 @@ async def test_nccl_unique_id_goes_through_the_coordinator_and_init_is_bounded(
             started = asyncio.get_running_loop().time()
             with pytest.raises(CollectiveTimeout, match=r"'h2'.*ranks \[0, 1\] never joined"):
                 await NcclComm.create(first, "h2", [0, 1], 0, 0, timeout_s=1.0)
-            assert asyncio.get_running_loop().time() - started < 1.0 + 5.0
+            # Its 1 s, with slack for busy cores.
+            assert asyncio.get_running_loop().time() - started < 1.0 + 14.0
     finally:
         nccl.released.set()
         await server.stop(grace=0.1)

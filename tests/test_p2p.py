@@ -21,9 +21,9 @@ def test_timeout_and_mismatch_fail_promptly_and_bad_arguments_fail_nothing() -> 
     for waited in ("timeout_elapsed", "direct_timeout_elapsed"):
         assert 1.5 <= r0["values"][waited] < 15
     # The receiver's error frames reach the sender: it fails long before its group's own 30 s deadline could
-    # (a third of it: slack for two busy cores, and still no timeout could have told it).
-    assert r0["values"]["mismatch_elapsed"] < 10.0
-    assert r0["values"]["direct_mismatch_elapsed"] < 10.0
+    # (two thirds of it: slack for two busy cores, and still no timeout could have told it).
+    assert r0["values"]["mismatch_elapsed"] < 20.0
+    assert r0["values"]["direct_mismatch_elapsed"] < 20.0
 
 
 def test_recv_into_a_cupy_array_receives_the_data() -> None:

@@ -163,7 +163,7 @@ def fail_io(world: Any, rep: Report, root: Path) -> None:
     finally:
         os.fsync = real
     rep.values["error"] = f"{type(exc).__name__}: {exc}"
-    rep.check("at once, not after the group timeout", time.monotonic() - start < 10.0)
+    rep.check("at once, not after the group timeout (60 s)", time.monotonic() - start < 30.0)
     rep.check("nothing committed", not (root / "s" / "manifest.json").exists())
     world.group.barrier()  # both saves have returned
     left = sorted(p.name for p in (root / "s").iterdir())
@@ -178,7 +178,7 @@ def fail_json(world: Any, rep: Report, root: Path) -> None:
         lambda: pp.checkpoint.save({"w": _piece(world, 0.0), "tags": {"a"}}, root / "s", world.group),
         "'tags'",
     )
-    rep.check("at once", time.monotonic() - start < 10.0)
+    rep.check("at once, not after the group timeout (60 s)", time.monotonic() - start < 30.0)
     rep.check("nothing written", not (root / "s").exists() or not list((root / "s").iterdir()))
 
 
