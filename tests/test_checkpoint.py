@@ -85,6 +85,26 @@ def test_load_reshards_and_training_continues(saved: Path, n: int, strategy: str
     assert all(r["num_checks"] >= 10 for r in world.check_ok())
 
 
+@pytest.mark.timeout(420)  # its own bounds (2 x 180 s), not the global 120 s
+def test_a_hybrid_shard_zero2_checkpoint_loads_at_another_shard_size(tmp_path: Path) -> None:
+    """hybrid_shard_zero2 at world 4 on two hosts (shards of 2, two replicas) saves after 3 AdamW steps;
+    world 2 with a rank per host (shards of 1, two replicas) loads it as hybrid_shard_zero2: every parameter
+    equals the saved one bit for bit, AdamW's state is at step 3, and 3 more steps equal one process trained 6."""
+    hosts = {r: {"PARAMPLANE_HOST_ID": f"host{r // 2}"} for r in range(4)}
+    args = ["save", str(tmp_path), "hybrid_shard_zero2"]
+    run_world(4, "checkpoint.py", args=args, env=ENV, rank_env=hosts, timeout=180).check_ok()
+    m = read_manifest(tmp_path / "step_3")
+    assert m["world_size"] == 4
+    for key, entry in m["arrays"].items():  # the two replicas' shards are written once: pieces tile the array
+        ranges = sorted((p["start"], p["stop"]) for p in entry["pieces"])
+        assert ranges[0][0] == 0 and all(b == c for (_, b), (c, _) in itertools.pairwise(ranges)), key
+        assert ranges[-1][1] == int(np.prod(entry["global_shape"])), key
+    apart = {r: {"PARAMPLANE_HOST_ID": f"host{r}"} for r in range(2)}
+    args = ["load", str(tmp_path), "hybrid_shard_zero2"]
+    world = run_world(2, "checkpoint.py", args=args, env=ENV, rank_env=apart, timeout=180)
+    assert all(r["num_checks"] >= 10 for r in world.check_ok())
+
+
 @pytest.mark.timeout(180)  # its own bounds (120 s), not the global 120 s
 def test_a_plain_model_and_adamw_load_the_fsdp_checkpoint_and_train_on(saved: Path) -> None:
     """No FSDP on the loading side: parameters, moments and AdamW's step (saved under the flat shards) come

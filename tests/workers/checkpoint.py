@@ -1,6 +1,7 @@
 """Checkpoint scenarios (see tests/test_checkpoint.py). Usage: ``checkpoint.py MODE DIR [STRATEGY]``.
 
-save    FSDP at this world trains 3 steps, saves DIR/step_3 (model, optimizer, plain values), trains on.
+save    FSDP at this world (STRATEGY, default full_shard) trains 3 steps, saves DIR/step_3 (model, optimizer,
+        plain values).
 load    a fresh FSDP (any world, STRATEGY) loads DIR/step_3: parameters equal the saved ones bit for bit;
         3 more steps equal a single process trained 6 steps on the same global batches.
 dense   a plain model and AdamW (no FSDP) load DIR/step_3: parameters, moments and AdamW's step come back
@@ -45,15 +46,15 @@ def train_steps(world: Any, fsdp: Any, opt: Any, steps: range) -> None:
 
 
 def fsdp_run(world: Any, strategy: str) -> tuple[Any, Any]:
-    intra = 2 if strategy.startswith("hybrid") else None
-    fsdp = pp.FSDP(make_model(np.float64), world.group, strategy, intra_size=intra)
+    # Hybrid strategies shard over the ranks of a host (PARAMPLANE_HOST_ID, set by the test).
+    fsdp = pp.FSDP(make_model(np.float64), world.group, strategy)
     opt = make_opt("adamw", fsdp.parameters())
     fsdp.attach(opt)
     return fsdp, opt
 
 
-def save(world: Any, rep: Report, root: Path) -> None:
-    fsdp, opt = fsdp_run(world, "full_shard")
+def save(world: Any, rep: Report, root: Path, strategy: str) -> None:
+    fsdp, opt = fsdp_run(world, strategy)
     train_steps(world, fsdp, opt, range(3))
     saved = fsdp.state_dict()
     path = pp.checkpoint.save(
@@ -231,7 +232,7 @@ def main() -> None:
 
     def scenario(world: Any, rep: Report) -> None:
         if mode == "save":
-            save(world, rep, root)
+            save(world, rep, root, sys.argv[3] if len(sys.argv) > 3 else "full_shard")
         elif mode == "load":
             load(world, rep, root, sys.argv[3])
         elif mode == "dense":
