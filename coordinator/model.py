@@ -6,6 +6,8 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from paramplane.protos.records import RankInfo
+
 
 class ErrorKind(enum.Enum):
     """Why a call was refused; the names are the gRPC status codes the server answers with."""
@@ -60,15 +62,6 @@ class RankStats:
 
 
 @dataclass(frozen=True)
-class Peer:
-    rank: int
-    address: str
-    host_id: str
-    node_rank: int
-    local_rank: int
-
-
-@dataclass(frozen=True)
 class Assignment:
     """What a joiner learns once the world has formed."""
 
@@ -80,7 +73,7 @@ class Assignment:
     local_world_size: int
     epoch: int
     job_id: str
-    peers: tuple[Peer, ...]
+    peers: tuple[RankInfo, ...]
 
 
 class EventKind(enum.Enum):
@@ -182,7 +175,7 @@ def assign_ranks(joiners: Sequence[Joiner], epoch: int, job_id: str) -> dict[str
     hosts = group_by_host(joiners)
     placed = [(j, node, local) for node, host in enumerate(hosts) for local, j in enumerate(host)]
     peers = tuple(
-        Peer(r, j.peer_address, j.host_id, node, local) for r, (j, node, local) in enumerate(placed)
+        RankInfo(r, j.peer_address, j.host_id, node, local) for r, (j, node, local) in enumerate(placed)
     )
     return {
         j.instance_id: Assignment(

@@ -23,13 +23,13 @@ from paramplane.coordinator.model import (
     Event,
     EventKind,
     Joiner,
-    Peer,
     StateError,
 )
 from paramplane.coordinator.state import CoordinatorState
 from paramplane.protos import coordinator_pb2 as pb
 from paramplane.protos import coordinator_pb2_grpc as pb_grpc
 from paramplane.protos.auth import ABORT_RANK_METADATA_KEY, LEFT_RANK_METADATA_KEY, MISMATCH_METADATA_KEY
+from paramplane.protos.records import RankInfo
 from paramplane.protos.stats import stats_of
 
 log = logging.getLogger("paramplane.coordinator")
@@ -47,15 +47,9 @@ _EVENT_KINDS = {
 }
 
 
-def _peers_wire(peers: tuple[Peer, ...]) -> bytes:
+def _peers_wire(peers: tuple[RankInfo, ...]) -> bytes:
     """The peer table as the wire bytes of a JoinResponse holding only it."""
-    table = [
-        pb.PeerInfo(
-            rank=p.rank, address=p.address, host_id=p.host_id, node_rank=p.node_rank, local_rank=p.local_rank
-        )
-        for p in peers
-    ]
-    return pb.JoinResponse(peers=table).SerializeToString()
+    return pb.JoinResponse(peers=[p.to_message() for p in peers]).SerializeToString()
 
 
 def _assignment_wire(
@@ -97,7 +91,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._watchers: set[asyncio.Queue[Event]] = set()
         self._wake = asyncio.Event()
         self._ticker: asyncio.Task[None] | None = None
-        self._peers_wire: tuple[tuple[Peer, ...], bytes] | None = None  # the last world's table, serialized
+        self._peers_wire: tuple[tuple[RankInfo, ...], bytes] | None = (
+            None  # the last world's table, serialized
+        )
 
     # -- effects ----------------------------------------------------------------------------------
     def _flush(self) -> None:

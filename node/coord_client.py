@@ -30,7 +30,6 @@ from paramplane.node.errors import (
     TransportError,
     WorldAborted,
 )
-from paramplane.node.topology import RankInfo
 from paramplane.protos import coordinator_pb2 as pb
 from paramplane.protos import coordinator_pb2_grpc as pb_grpc
 from paramplane.protos.auth import (
@@ -40,6 +39,7 @@ from paramplane.protos.auth import (
     token_metadata,
 )
 from paramplane.protos.net import check_seconds, parse_address
+from paramplane.protos.records import RankInfo
 from paramplane.protos.stats import stats_pb
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -55,10 +55,6 @@ _KINDS = {
 }
 
 
-# One row of the coordinator's peer table; the same record the rank grid is built from.
-PeerEntry = RankInfo
-
-
 @dataclass(frozen=True)
 class Membership:
     """This rank's place in the world, as the coordinator assigned it."""
@@ -70,7 +66,7 @@ class Membership:
     local_rank: int
     local_world_size: int
     epoch: int
-    peers: tuple[PeerEntry, ...]
+    peers: tuple[RankInfo, ...]
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
     job_id: str
@@ -264,9 +260,7 @@ class CoordinatorClient:
             local_rank=response.local_rank,
             local_world_size=response.local_world_size,
             epoch=response.epoch,
-            peers=tuple(
-                PeerEntry(p.rank, p.address, p.host_id, p.node_rank, p.local_rank) for p in response.peers
-            ),
+            peers=tuple(RankInfo.from_message(p) for p in response.peers),
             heartbeat_interval_s=response.heartbeat_interval_s,
             heartbeat_timeout_s=response.heartbeat_timeout_s,
             job_id=response.job_id,

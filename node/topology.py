@@ -8,14 +8,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from paramplane.protos.records import RankInfo
 
-@dataclass(frozen=True)
-class RankInfo:
-    rank: int
-    address: str
-    host_id: str
-    node_rank: int
-    local_rank: int
+__all__ = ["RankInfo", "Topology"]
 
 
 @dataclass(frozen=True)
