@@ -22,7 +22,7 @@ import time
 import warnings
 from typing import Any
 
-from paramplane.benchmarks._ranks import run_ranks
+from paramplane.local_world import json_lines, run_world
 
 THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 TP = 2
@@ -114,16 +114,23 @@ def _run(kind: str, model: str, sizes: dict[str, int]) -> float:
         cmd += [f"--{flag}", str(value)]
     env = dict(os.environ, **THREADS)
     if kind == "dense":
-        (row,) = run_ranks(lambda _r: cmd, 1, env, what="dense torch block", coordinator=False)
+        (row,) = json_lines(
+            run_world(1, lambda _r: cmd, env=env, coordinator=False, timeout_s=1800.0, stderr="inherit"),
+            "dense torch block",
+        )
         return float(row["step_s"])
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        ranks = run_ranks(
-            lambda r: [*cmd, "--rank", str(r), "--store", store],
-            TP,
-            env,
-            what=f"{kind} tensor-parallel torch block",
-            coordinator=kind == "pp",
+        ranks = json_lines(
+            run_world(
+                TP,
+                lambda r: [*cmd, "--rank", str(r), "--store", store],
+                env=env,
+                coordinator=kind == "pp",
+                timeout_s=1800.0,
+                stderr="inherit",
+            ),
+            f"{kind} tensor-parallel torch block",
         )
     return max(float(r["step_s"]) for r in ranks)
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from paramplane.benchmarks._jsonl import emit
-from paramplane.benchmarks._ranks import run_ranks
+from paramplane.local_world import json_lines, run_world
 
 THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -129,12 +129,16 @@ def _spawn(impl: str, world: int, args: argparse.Namespace, folder: str) -> list
         "--dir",
         folder,
     ]
-    return run_ranks(
-        lambda r: [*cmd, "--rank", str(r), "--store", os.path.join(folder, "store")],
-        world,
-        dict(os.environ, **THREADS, PARAMPLANE_TIMEOUT="600"),
-        what=f"{impl} at world {world}",
-        coordinator=impl != "torch",
+    return json_lines(
+        run_world(
+            world,
+            lambda r: [*cmd, "--rank", str(r), "--store", os.path.join(folder, "store")],
+            env=dict(os.environ, **THREADS, PARAMPLANE_TIMEOUT="600"),
+            coordinator=impl != "torch",
+            timeout_s=1800.0,
+            stderr="inherit",
+        ),
+        f"{impl} at world {world}",
     )
 
 

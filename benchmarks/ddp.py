@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from paramplane.benchmarks._jsonl import emit
-from paramplane.benchmarks._ranks import run_ranks
+from paramplane.local_world import json_lines, run_world
 
 SIZES = (1024, 2048, 2048, 2048, 10)  # 2.1M + 4.2M + 4.2M + 20k weights: about 10.5M parameters
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
@@ -136,13 +136,16 @@ def _spawn(impl: str, world_size: int, args: argparse.Namespace, env: dict[str, 
         for key, value in MALLOC.items():
             extra.setdefault(key, value)
     with tempfile.TemporaryDirectory() as tmp:
-        ranks = run_ranks(
-            lambda r: [*base, "--rank", str(r), "--store", os.path.join(tmp, "store")],
-            world_size,
-            extra,
-            what=f"{impl} at world {world_size}",
-            coordinator=impl == "paramplane" and world_size > 1,
-            timeout_s=600,
+        ranks = json_lines(
+            run_world(
+                world_size,
+                lambda r: [*base, "--rank", str(r), "--store", os.path.join(tmp, "store")],
+                env=extra,
+                coordinator=impl == "paramplane" and world_size > 1,
+                timeout_s=600,
+                stderr="inherit",
+            ),
+            f"{impl} at world {world_size}",
         )
     return ranks[0]
 

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from paramplane.benchmarks._jsonl import emit
-from paramplane.benchmarks._ranks import run_ranks
+from paramplane.local_world import json_lines, run_world
 
 THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
@@ -144,15 +144,19 @@ def _spawn(impl: str, strategy: str, world_size: int, args: argparse.Namespace) 
     base += ["--layers", str(args.layers), "--local-batch", str(args.local_batch)]
     env = dict(os.environ, **THREADS, **(MALLOC if impl == "paramplane" else {}), PARAMPLANE_TIMEOUT="600")
     with tempfile.TemporaryDirectory() as tmp:
-        return run_ranks(
-            lambda r: [*base, "--rank", str(r), "--store", os.path.join(tmp, "store")],
-            world_size,
-            env,
-            what=f"{impl} {strategy} at world {world_size}",
-            coordinator=impl == "paramplane" and strategy != "single",
-            rank_env=(lambda r: {"PARAMPLANE_HOST_ID": f"host{r // max(1, world_size // 2)}"})
-            if strategy.startswith("hybrid")
-            else None,
+        return json_lines(
+            run_world(
+                world_size,
+                lambda r: [*base, "--rank", str(r), "--store", os.path.join(tmp, "store")],
+                env=env,
+                coordinator=impl == "paramplane" and strategy != "single",
+                rank_env=(lambda r: {"PARAMPLANE_HOST_ID": f"host{r // max(1, world_size // 2)}"})
+                if strategy.startswith("hybrid")
+                else None,
+                timeout_s=1800.0,
+                stderr="inherit",
+            ),
+            f"{impl} {strategy} at world {world_size}",
         )
 
 

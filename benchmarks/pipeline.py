@@ -56,7 +56,7 @@ import numpy as np
 
 from paramplane.benchmarks._jsonl import emit
 from paramplane.benchmarks._pipeline_torch import worker_torch, worker_torch_stages
-from paramplane.benchmarks._ranks import run_ranks
+from paramplane.local_world import json_lines, run_world
 
 P = 2
 # (schedule, chunks per rank, microbatch_group, split_rank_work): interleaved 1F1B at its default groups of p
@@ -256,21 +256,41 @@ def main(argv: list[str] | None = None) -> int:
     cmd += ["--steps", str(args.steps), "--schedules", args.schedules, "--poll-us", str(args.poll_us)]
     with tempfile.TemporaryDirectory(prefix="paramplane-pipeline-trace-") as trace:
         env = dict(os.environ, PARAMPLANE_TRACE=trace)
-        per_rank = run_ranks(lambda _r: [*cmd, "--worker", "paramplane"], P, env, what="pipeline benchmark")
+        per_rank = json_lines(
+            run_world(
+                P, lambda _r: [*cmd, "--worker", "paramplane"], env=env, timeout_s=1800.0, stderr="inherit"
+            ),
+            "pipeline benchmark",
+        )
     peer: dict[tuple[str, int, bool], dict[str, Any]] = {}
     torch_stage_lines: list[str] = []
     if not args.no_torch and importlib.util.find_spec("torch") is not None:
         with tempfile.TemporaryDirectory(prefix="paramplane-pipeline-torch-") as tmp:
             store = ["--worker", "torch", "--store", os.path.join(tmp, "store")]
-            torch_ranks = run_ranks(
-                lambda _r: [*cmd, *store], P, os.environ, what="torch pipeline peer", coordinator=False
+            torch_ranks = json_lines(
+                run_world(
+                    P,
+                    lambda _r: [*cmd, *store],
+                    env=os.environ,
+                    coordinator=False,
+                    timeout_s=1800.0,
+                    stderr="inherit",
+                ),
+                "torch pipeline peer",
             )
         for rows in zip(*torch_ranks):
             row = _torch_row(rows, args, "torch")
             peer[(row["schedule"], row["m"], row["split_rank_work"])] = row
         # torch stage modules under pp.Pipeline: the same stand-in stages as the peer, measured the same way.
-        stage_ranks = run_ranks(
-            lambda _r: [*cmd, "--worker", "torch-stages"], P, os.environ, what="torch stages"
+        stage_ranks = json_lines(
+            run_world(
+                P,
+                lambda _r: [*cmd, "--worker", "torch-stages"],
+                env=os.environ,
+                timeout_s=1800.0,
+                stderr="inherit",
+            ),
+            "torch stages",
         )
         for rows in zip(*stage_ranks):
             row = _torch_row(rows, args, "paramplane-torch-stages")

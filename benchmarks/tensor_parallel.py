@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from paramplane.benchmarks._jsonl import emit
-from paramplane.benchmarks._ranks import run_ranks
+from paramplane.local_world import json_lines, run_world
 
 THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 TP = 2
@@ -88,7 +88,10 @@ def _run(kind: str, args: argparse.Namespace) -> float:
         if out.returncode:
             raise RuntimeError(f"dense benchmark failed: {out.stderr[-2000:]}")
         return float(json.loads(out.stdout.strip().splitlines()[-1])["step_s"])
-    ranks = run_ranks(lambda _r: cmd, TP, dict(os.environ, **THREADS), what="tensor-parallel benchmark")
+    ranks = json_lines(
+        run_world(TP, lambda _r: cmd, env=dict(os.environ, **THREADS), timeout_s=1800.0, stderr="inherit"),
+        "tensor-parallel benchmark",
+    )
     return max(float(r["step_s"]) for r in ranks)
 
 

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from paramplane.benchmarks._jsonl import emit
-from paramplane.benchmarks._ranks import run_ranks
+from paramplane.local_world import json_lines, run_world
 
 MODELS = ("gpt2", "resnet")
 MODES = ("ddp", "fsdp")
@@ -208,13 +208,16 @@ def _spawn(impl: str, model: str, mode: str, world: int, args: argparse.Namespac
         for key in MALLOC:
             env.pop(key, None)
     with tempfile.TemporaryDirectory() as tmp:
-        return run_ranks(
-            lambda r: [*cmd, "--rank", str(r), "--store", os.path.join(tmp, "store")],
-            world,
-            env,
-            what=f"{WRAPPERS[impl, mode]} on {model} at world {world}",
-            coordinator=impl == "paramplane",
-            timeout_s=args.rank_timeout,
+        return json_lines(
+            run_world(
+                world,
+                lambda r: [*cmd, "--rank", str(r), "--store", os.path.join(tmp, "store")],
+                env=env,
+                coordinator=impl == "paramplane",
+                timeout_s=args.rank_timeout,
+                stderr="inherit",
+            ),
+            f"{WRAPPERS[impl, mode]} on {model} at world {world}",
         )
 
 

@@ -1,6 +1,6 @@
 """A multi-process world for the DDP tests, and the rank-side scenarios they run.
 
-``run_world(n, scenario, out)`` starts a coordinator thread and ``n`` real rank
+``run_world(n, scenario, out)`` starts a world (``paramplane.local_world``) of ``n`` real rank
 processes running ``python tests/_ddp_world.py SCENARIO OUT``; each rank saves what
 it computed under ``OUT`` for the test to check. The model, data and training loop
 are shared with the single-process reference the tests compute in-process.
@@ -9,28 +9,21 @@ are shared with the single-process reference the tests compute in-process.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import paramplane as pp
+from paramplane import local_world
+from paramplane.local_world import RankRun
 from paramplane.nn import CrossEntropyLoss, Linear, Module, Parameter, ReLU, Sequential
 from paramplane.optim import SGD, AdamW
 from paramplane.parallel.ddp import DDP, shard_range
 
 HERE = Path(__file__).resolve()
-
-
-@dataclass
-class RankResult:
-    rank: int
-    returncode: int
-    output: str
 
 
 def run_world(
@@ -41,50 +34,21 @@ def run_world(
     env: dict[str, str] | None = None,
     per_rank_env: Callable[[int], dict[str, str]] | None = None,
     timeout: float = 90.0,
-) -> list[RankResult]:
-    """Run ``scenario`` on ``num_ranks`` processes; every process is gone when this returns."""
-    from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
-
-    coord = CoordinatorThread(
-        CoordinatorConfig(world_size=num_ranks, host="127.0.0.1", port=0, heartbeat_timeout_s=20)
+) -> list[RankRun]:
+    """Run ``scenario`` on ``num_ranks`` processes (``paramplane.local_world``); all are gone when this returns."""
+    world = local_world.run_world(
+        num_ranks,
+        lambda _rank: [sys.executable, str(HERE), scenario, str(out)],
+        env={**os.environ, "PARAMPLANE_TIMEOUT": "30", "PARAMPLANE_JOIN_TIMEOUT": "30", **(env or {})},
+        rank_env=per_rank_env,
+        timeout_s=timeout,
+        coordinator_options={"heartbeat_timeout_s": 20.0},
     )
-    address = coord.start()
-    procs: list[subprocess.Popen[str]] = []
-    try:
-        for r in range(num_ranks):
-            rank_env = dict(
-                os.environ,
-                PARAMPLANE_COORDINATOR=address,
-                PARAMPLANE_RANK=str(r),
-                PARAMPLANE_WORLD_SIZE=str(num_ranks),
-                PARAMPLANE_TIMEOUT="30",
-                PARAMPLANE_JOIN_TIMEOUT="30",
-                **(env or {}),
-                **(per_rank_env(r) if per_rank_env else {}),
-            )
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(HERE), scenario, str(out)],
-                    env=rank_env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                )
-            )
-        results = []
-        for r, p in enumerate(procs):
-            output, _ = p.communicate(timeout=timeout)
-            results.append(RankResult(r, p.returncode, output))
-        return results
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-        coord.stop()
+    assert not world.timed_out, [r.output[-3000:] for r in world.ranks]
+    return world.ranks
 
 
-def check_ok(results: list[RankResult]) -> None:
+def check_ok(results: list[RankRun]) -> None:
     bad = [r for r in results if r.returncode != 0]
     assert not bad, "\n".join(f"rank {r.rank} exited {r.returncode}:\n{r.output[-3000:]}" for r in bad)
 

@@ -1,29 +1,23 @@
-"""A reusable multi-process world for data-plane tests.
+"""Multi-process worlds for data-plane tests, on ``paramplane.local_world`` (the helper benchmarks use too).
 
-``run_world(n, target)`` starts a coordinator (127.0.0.1, port 0) in this
-process, spawns ``n`` rank processes running ``target`` (a script path or a
-``-m`` module name) with the PARAMPLANE_* variables set, waits for them all,
-kills only its own processes (by PID) when the deadline passes, and stops the
-coordinator. Ranks report through JSON files: a worker writes
+``run_world(n, target)`` runs ``target`` (a worker script or a ``-m`` module name) as
+``n`` ranks of a fresh world and reads what each reported. Ranks report through JSON files: a worker writes
 ``$PARAMPLANE_TEST_OUT/rank-<r>.json`` (see ``tests/workers/_common.py``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
+from paramplane import local_world
 
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -110,17 +104,6 @@ def _command(target: str, args: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", target, *args]
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    """Kill ``proc`` (ours, by PID; its own session so nothing else is touched) and reap it."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(10)
-
-
 def run_world(
     n: int,
     target: str,
@@ -136,99 +119,39 @@ def run_world(
     out_dir: str | os.PathLike[str] | None = None,
     replace: Mapping[int, Mapping[str, str]] | None = None,
 ) -> WorldOutcome:
-    """Run ``target`` as ranks 0..n-1 of one world and collect what each left behind.
+    """Run ``target`` as ranks 0..n-1 of one world (``paramplane.local_world``) and collect what each left.
 
-    ``env`` is added to every rank's environment, ``rank_env[r]`` to rank r's only. The ranks
-    get PARAMPLANE_COORDINATOR, _RANK, _WORLD_SIZE, _TOKEN (when ``token`` is given) and
-    PARAMPLANE_TEST_OUT (the folder for their JSON results). After ``timeout`` seconds the
-    ranks still running are killed and ``timed_out`` is set. For each rank in ``replace``, once its
-    process has exited a replacement process starts as the same rank with PARAMPLANE_REPLACEMENT=1
-    and ``replace[rank]`` added to its environment (the survivors' ``World.reform()`` admits it).
+    ``env`` is added to every rank's environment, ``rank_env[r]`` to rank r's only; the ranks also get
+    PARAMPLANE_TEST_OUT (the folder for their JSON results). After ``timeout`` seconds the ranks still
+    running are killed and ``timed_out`` is set. ``replace`` as in ``local_world.run_world``.
     """
-    if n < 1:
-        raise ValueError(f"a world needs at least one rank, got {n}")
-    config = CoordinatorConfig(
-        host="127.0.0.1",
-        port=0,
-        world_size=n,
-        token=token,
-        join_timeout_s=max(10.0, timeout),
-        heartbeat_interval_s=heartbeat_interval_s,
-        heartbeat_timeout_s=heartbeat_timeout_s,
-    )
+    options: dict[str, Any] = {
+        "join_timeout_s": max(10.0, timeout),
+        "heartbeat_interval_s": heartbeat_interval_s,
+        "heartbeat_timeout_s": heartbeat_timeout_s,
+    }
     if progress_timeout_s is not None:
-        config = dataclasses.replace(config, progress_timeout_s=progress_timeout_s)
-    coordinator = CoordinatorThread(config)
-    address = coordinator.start()
-    procs: list[subprocess.Popen[bytes]] = []
-    logs: list[Any] = []
-    outcome = WorldOutcome()
-    first_of: dict[int, tuple[subprocess.Popen[bytes], Any]] = {}  # replaced rank -> its first process, log
-    with tempfile.TemporaryDirectory(prefix="pp-world-") as scratch:
+        options["progress_timeout_s"] = progress_timeout_s
+    with tempfile.TemporaryDirectory(prefix="pp-results-") as scratch:
         results = Path(out_dir) if out_dir is not None else Path(scratch)
-        try:
-
-            def spawn(rank: int, extra: Mapping[str, str], label: str) -> subprocess.Popen[bytes]:
-                child_env = dict(os.environ)
-                child_env.update(
-                    PARAMPLANE_COORDINATOR=address,
-                    PARAMPLANE_RANK=str(rank),
-                    PARAMPLANE_WORLD_SIZE=str(n),
-                    PARAMPLANE_TEST_OUT=str(results),
-                    PARAMPLANE_JOIN_TIMEOUT=str(max(10.0, timeout)),
-                    PYTHONUNBUFFERED="1",
-                )
-                if token is not None:
-                    child_env["PARAMPLANE_TOKEN"] = token
-                child_env.update(env or {})
-                child_env.update(extra)
-                log = open(Path(scratch) / f"log-{label}.txt", "w+b")  # noqa: SIM115 (closed below)
-                logs.append(log)
-                return subprocess.Popen(
-                    _command(target, args),
-                    env=child_env,
-                    cwd=REPO,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-
-            for rank in range(n):
-                procs.append(spawn(rank, (rank_env or {}).get(rank, {}), str(rank)))
-            deadline = time.monotonic() + timeout
-            for rank, extra in (replace or {}).items():
-                try:
-                    procs[rank].wait(max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    break
-                first_of[rank] = (procs[rank], logs[rank])
-                procs[rank] = spawn(rank, {**extra, "PARAMPLANE_REPLACEMENT": "1"}, f"{rank}-replacement")
-                logs[rank] = logs.pop()
-            for proc in procs:
-                try:
-                    proc.wait(max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    outcome.timed_out = True
-                    break
-        finally:
-            for proc in [*procs, *(p for p, _ in first_of.values())]:
-                if proc.poll() is None:
-                    outcome.timed_out = True
-                _kill(proc)
-            coordinator.stop()
-        for rank, (proc, log) in sorted(first_of.items()):
-            log.seek(0)
-            outcome.replaced.append(
-                RankOutcome(rank, proc.returncode, log.read().decode(errors="replace"), None)
-            )
-            log.close()
-        for rank, (proc, log) in enumerate(zip(procs, logs)):
-            log.seek(0)
-            text = log.read().decode(errors="replace")
-            log.close()
-            path = results / f"rank-{rank}.json"
+        common = {"PARAMPLANE_TEST_OUT": str(results), "PARAMPLANE_JOIN_TIMEOUT": str(max(10.0, timeout))}
+        run = local_world.run_world(
+            n,
+            lambda _rank: _command(target, args),
+            env={**os.environ, **common, **(env or {})},
+            rank_env=lambda rank: (rank_env or {}).get(rank, {}),
+            timeout_s=timeout,
+            coordinator_options=options,
+            token=token,
+            replace=replace,
+            cwd=REPO,
+        )
+        outcome = WorldOutcome(timed_out=run.timed_out)
+        outcome.replaced = [RankOutcome(r.rank, r.returncode, r.output, None) for r in run.replaced]
+        for r in run.ranks:
+            path = results / f"rank-{r.rank}.json"
             result = json.loads(path.read_text()) if path.exists() else None
-            outcome.ranks.append(RankOutcome(rank, proc.returncode, text, result))
+            outcome.ranks.append(RankOutcome(r.rank, r.returncode, r.output, result))
     return outcome
 
 
