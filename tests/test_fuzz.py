@@ -108,7 +108,7 @@ async def _planes() -> tuple[PeerPlane, PeerPlane]:
     addresses = {0: await a.start(), 1: await b.start()}
     a.configure(0, "job-fuzz", addresses)
     b.configure(1, "job-fuzz", addresses)
-    a.admit_wait_s = b.admit_wait_s = 0.1
+    a.inbound.admit_wait_s = b.inbound.admit_wait_s = 0.1
     return a, b
 
 
@@ -134,7 +134,7 @@ async def test_peer_ports_survive_malformed_streams_and_still_carry_frames() -> 
     loop = asyncio.get_running_loop()
     try:
         sender, receiver = GrpcChannel(a, "g", [0, 1], 0), GrpcChannel(b, "g", [0, 1], 1)
-        address = b._addresses[1]
+        address = b.me.addresses[1]
         async with grpc.aio.insecure_channel(
             address, options=[("grpc.max_send_message_length", 8 << 20)]
         ) as ch:
@@ -171,7 +171,7 @@ async def test_peer_ports_survive_malformed_streams_and_still_carry_frames() -> 
                 except grpc.aio.AioRpcError as err:
                     assert err.code() != grpc.StatusCode.UNKNOWN, err.details()
         # Raw garbage on the lane port.
-        port = b._lane.port if b._lane is not None else 0
+        port = b.inbound.lane.port if b.inbound.lane is not None else 0
         for _ in range(NUM_LANE_CONNECTIONS):
             sock = socket.socket()
             sock.setblocking(False)
@@ -182,7 +182,7 @@ async def test_peer_ports_survive_malformed_streams_and_still_carry_frames() -> 
                 pass
             sock.close()
         # Inboxes exist only for the registered key (fuzzed frames on it failed it); nothing else was made.
-        assert {k for _, k in b._inboxes} <= {"g", "#bye"}
+        assert {k for _, k in b.inbound.inboxes} <= {"g", "#bye"}
         # A fresh group between the same planes still works.
         fresh_a, fresh_b = GrpcChannel(a, "h", [0, 1], 0), GrpcChannel(b, "h", [0, 1], 1)
         spec = OpSpec("h", 1, "send/recv", "float32", (300_000,))

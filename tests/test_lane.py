@@ -209,7 +209,7 @@ async def test_a_malformed_frame_on_a_lane_fails_the_key_with_a_transport_error(
     loop = asyncio.get_running_loop()
     try:
         b.register_stream_key("g", frozenset({0, 1}))
-        port = b._lane.port if b._lane is not None else 0
+        port = b.inbound.lane.port if b.inbound.lane is not None else 0
         sock, nonce = await _raw_lane(port)
         opening = _opening(src=0, group="g")
         await loop.sock_sendall(
@@ -242,8 +242,8 @@ async def _push_opening(plane_address: str, src: int, key: str) -> grpc.aio.AioR
 async def test_streams_only_for_groups_this_rank_created_and_only_from_their_members() -> None:
     a, b = await _two_planes()
     try:
-        b.admit_wait_s = 0.2
-        address = b._addresses[1]
+        b.inbound.admit_wait_s = 0.2
+        address = b.me.addresses[1]
         b.register_stream_key("g", frozenset({1}))
         stranger = await bounded(_push_opening(address, 0, "g"))
         assert stranger.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -251,9 +251,11 @@ async def test_streams_only_for_groups_this_rank_created_and_only_from_their_mem
         unknown = await bounded(_push_opening(address, 0, "never-created"))
         assert unknown.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "no group 'never-created'" in (unknown.details() or "")
-        assert ("never-created" not in {k for _, k in b._inboxes}) and ((0, "g") not in b._inboxes)
+        assert ("never-created" not in {k for _, k in b.inbound.inboxes}) and (
+            (0, "g") not in b.inbound.inboxes
+        )
         # The same refusals on a lane: the opening is not accepted.
-        lane = LaneStream(1, "127.0.0.1", b._lane.port if b._lane is not None else 0)
+        lane = LaneStream(1, "127.0.0.1", b.inbound.lane.port if b.inbound.lane is not None else 0)
         with pytest.raises(PeerLost, match="refused"):
             await bounded(lane.connect(TOKEN, _opening(src=0, group="never-created"), 5.0))
     finally:
@@ -408,7 +410,7 @@ async def test_a_lane_waits_for_a_group_its_receiver_creates_after_the_greeting_
         data = np.arange(4, dtype=np.float32)
         sending = asyncio.ensure_future(sender.send(1, spec, 0, data))
         deadline = time.monotonic() + 10
-        while "g" not in b._key_waiters:  # the opening arrived and waits to be admitted
+        while "g" not in b.inbound._key_waiters:  # the opening arrived and waits to be admitted
             assert time.monotonic() < deadline and not sending.done(), sending
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.5)  # well past the greeting bound before the group exists here
