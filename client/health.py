@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from paramplane.node.errors import PlaneError
 from paramplane.protos.net import resolve_token, tls_paths
 
 
@@ -48,6 +49,9 @@ def ask(prog: str, address: str, token_file: str | None, timeout_s: float, call:
         return call(address, token, timeout_s)
     except grpc.RpcError as exc:
         print(f"paramplane {prog}: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except PlaneError as exc:  # the typed coordinator client's errors
+        print(f"paramplane {prog}: {address}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
 
 

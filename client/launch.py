@@ -369,26 +369,18 @@ class Launcher:
         Every host's ranks then fail at once (their launchers restart them too), and the restarted ranks'
         joins open the next epoch instead of finding the old world full.
         """
-        from paramplane.health import channel
-        from paramplane.protos import coordinator_pb2 as pb
-        from paramplane.protos import coordinator_pb2_grpc as pb_grpc
-        from paramplane.protos.auth import token_metadata
+        from paramplane.node.coord_client import CoordinatorClient, ask_coordinator
 
         pids = {r.process.pid for r in self._ranks}
-        metadata = token_metadata(token)
+
+        async def abort(client: CoordinatorClient) -> None:
+            status = await client.status()
+            ours = [r.rank for r in status.ranks if r.pid in pids]
+            if status.formed and not status.aborted and ours:
+                await client.abort_epoch(status.epoch, ours[0], f"launcher restarts: {reason}")
+
         try:
-            with channel(address) as ch:
-                stub = pb_grpc.CoordinatorStub(ch)
-                status = stub.Status(pb.StatusRequest(), timeout=10, metadata=metadata)
-                ours = [r.rank for r in status.ranks if r.pid in pids]
-                if status.formed and not status.aborted and ours:
-                    stub.Abort(
-                        pb.AbortRequest(
-                            epoch=status.epoch, rank=ours[0], reason=f"launcher restarts: {reason}"
-                        ),
-                        timeout=10,
-                        metadata=metadata,
-                    )
+            ask_coordinator(address, token, abort, timeout_s=10.0)
         except Exception as exc:  # the restart still happens; the coordinator's liveness checks catch up
             with self._locks[1]:
                 self._err(
@@ -398,19 +390,13 @@ class Launcher:
     def _coordinator_gone(self, address: str, token: str | None) -> str | None:
         """None when the coordinator answers a status query within ``COORDINATOR_PROBE_S``, else one line
         saying it does not (the launcher then stops instead of restarting ranks that could never join)."""
-        from paramplane.health import channel
-        from paramplane.protos import coordinator_pb2 as pb
-        from paramplane.protos import coordinator_pb2_grpc as pb_grpc
-        from paramplane.protos.auth import token_metadata
+        from paramplane.node.coord_client import CoordinatorClient, ask_coordinator
+
+        async def probe(client: CoordinatorClient) -> None:
+            await client.status(wait_for_ready=True)
 
         try:
-            with channel(address) as ch:
-                pb_grpc.CoordinatorStub(ch).Status(
-                    pb.StatusRequest(),
-                    timeout=COORDINATOR_PROBE_S,
-                    metadata=token_metadata(token),
-                    wait_for_ready=True,
-                )
+            ask_coordinator(address, token, probe, timeout_s=COORDINATOR_PROBE_S)
         except Exception as exc:
             return f"the coordinator at {address} did not answer within {COORDINATOR_PROBE_S:g} s ({_reason(exc)})"
         return None

@@ -13,21 +13,16 @@ import json
 import sys
 from typing import Any
 
-from paramplane.health import ask, channel
+from paramplane.health import ask
 
 
 def fetch(address: str, token: str | None, timeout_s: float) -> dict[str, Any]:
-    """The coordinator's status as a plain dict."""
+    """The coordinator's status as a plain dict (through the typed coordinator client, deadline ``timeout_s``)."""
     from google.protobuf.json_format import MessageToDict
 
-    from paramplane.protos import coordinator_pb2 as pb
-    from paramplane.protos import coordinator_pb2_grpc as pb_grpc
-    from paramplane.protos.auth import token_metadata
+    from paramplane.node.coord_client import ask_coordinator
 
-    with channel(address) as ch:
-        reply = pb_grpc.CoordinatorStub(ch).Status(
-            pb.StatusRequest(), timeout=timeout_s, metadata=token_metadata(token)
-        )
+    reply = ask_coordinator(address, token, lambda client: client.status(), timeout_s=timeout_s)
     return MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 

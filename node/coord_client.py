@@ -10,10 +10,11 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
-from typing import cast
+from typing import TypeVar, cast
 
 import grpc
 
@@ -38,7 +39,7 @@ from paramplane.protos.auth import (
     MISMATCH_METADATA_KEY,
     token_metadata,
 )
-from paramplane.protos.net import check_seconds, parse_address
+from paramplane.protos.net import check_seconds, parse_address, tls_paths
 from paramplane.protos.records import RankInfo
 from paramplane.protos.stats import stats_pb
 
@@ -47,6 +48,7 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # Extra time a blocking call gets beyond its own wait, so that the server's answer arrives first.
 WAIT_MARGIN_S = 5.0
 _JOIN_BACKOFF_S = (0.05, 1.0)
+T = TypeVar("T")
 _KINDS = {
     pb.WatchEvent.MEMBERSHIP: "membership",
     pb.WatchEvent.ABORT: "abort",
@@ -117,6 +119,22 @@ def _plane_error(e: grpc.aio.AioRpcError, address: str, call: str) -> PlaneError
 
 def _check_timeout(timeout_s: float) -> float:
     return check_seconds(timeout_s, "timeout_s")
+
+
+def ask_coordinator(
+    address: str, token: str | None, call: Callable[[CoordinatorClient], Awaitable[T]], *, timeout_s: float
+) -> T:
+    """``call(client)`` from synchronous code (the launcher, ``paramplane status``): a client of ``address``
+    with ``timeout_s`` as every call's deadline, TLS when ``PARAMPLANE_TLS_CA`` names the coordinator's root
+    certificate, closed afterwards. Errors are the client's typed ones (``PlaneError`` subclasses)."""
+    ca = tls_paths()["CA"]
+    root = Path(ca).read_bytes() if ca else None
+
+    async def run() -> T:
+        async with CoordinatorClient(address, token=token, tls_root_cert=root, call_timeout_s=timeout_s) as c:
+            return await call(c)
+
+    return asyncio.run(run())
 
 
 class CoordinatorClient:
@@ -197,9 +215,16 @@ class CoordinatorClient:
         method: grpc.aio.UnaryUnaryMultiCallable,
         request: object,
         timeout_s: float | None = None,
+        *,
+        wait_for_ready: bool = False,
     ) -> object:
         try:
-            return await method(request, timeout=timeout_s or self._timeout_s, metadata=self._metadata)
+            return await method(
+                request,
+                timeout=timeout_s or self._timeout_s,
+                metadata=self._metadata,
+                wait_for_ready=wait_for_ready,
+            )
         except grpc.aio.AioRpcError as e:
             raise _plane_error(e, self.address, call) from None
 
@@ -364,9 +389,23 @@ class CoordinatorClient:
     async def abort(self, reason: str) -> None:
         """Abort the world, naming this rank and ``reason``; every rank is told."""
         m = self._member()
-        await self._call(
-            "abort", self._stub.Abort, pb.AbortRequest(epoch=m.epoch, rank=m.rank, reason=reason)
+        await self.abort_epoch(m.epoch, m.rank, reason)
+
+    async def abort_epoch(self, epoch: int, rank: int, reason: str) -> None:
+        """Abort epoch ``epoch`` in the name of ``rank`` without having joined: the launcher does this for a
+        rank it started (``status()`` tells the epoch and which ranks are whose)."""
+        await self._call("abort", self._stub.Abort, pb.AbortRequest(epoch=epoch, rank=rank, reason=reason))
+
+    async def status(
+        self, *, timeout_s: float | None = None, wait_for_ready: bool = False
+    ) -> pb.StatusResponse:
+        """The world as the coordinator sees it (``paramplane status``); needs no join. With ``wait_for_ready``
+        the call waits (up to its deadline) for a coordinator that is not reachable yet."""
+        response = await self._call(
+            "status", self._stub.Status, pb.StatusRequest(), timeout_s, wait_for_ready=wait_for_ready
         )
+        assert isinstance(response, pb.StatusResponse)
+        return response
 
     async def leave(self) -> None:
         """Leave cleanly: this rank's silence from now on is not a death."""

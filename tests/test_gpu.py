@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,39 +15,17 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cupy_module() is None, reason=
 
 @pytest.mark.timeout(180)  # its own bounds (120 s), not the global 120 s
 def test_collectives_on_cupy_two_ranks(tmp_path: Path) -> None:
-    from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
+    from paramplane import local_world
 
     cupy = cupy_module()
     assert cupy is not None
-    n = 2
-    with CoordinatorThread(CoordinatorConfig(host="127.0.0.1", port=0, world_size=n)) as coord:
-        address = coord.address
-        procs = []
-        for r in range(n):
-            env = dict(
-                os.environ,
-                PARAMPLANE_COORDINATOR=address,
-                PARAMPLANE_RANK=str(r),
-                PARAMPLANE_WORLD_SIZE=str(n),
-            )
-            out = tmp_path / f"rank{r}.json"
-            procs.append(
-                (
-                    subprocess.Popen(
-                        [sys.executable, str(Path(__file__).with_name("_gpu_worker.py")), str(out)], env=env
-                    ),
-                    out,
-                )
-            )
-        try:
-            for p, _ in procs:
-                assert p.wait(timeout=120) == 0
-        finally:
-            for p, _ in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait(10)
-    for _, out in procs:
+    worker = str(Path(__file__).with_name("_gpu_worker.py"))
+    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    world = local_world.run_world(2, lambda r: [sys.executable, worker, str(outs[r])], timeout_s=120)
+    assert not world.timed_out and all(r.returncode == 0 for r in world.ranks), [
+        r.output for r in world.ranks
+    ]
+    for out in outs:
         result = json.loads(out.read_text())
         assert len(result) == 41, result
         assert all(result.values()), [k for k, ok in result.items() if not ok]
