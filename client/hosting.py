@@ -9,6 +9,7 @@ shares it through a 0600 file (the rendezvous file, or ``<job dir>/<job>.token``
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import secrets
@@ -100,19 +101,17 @@ class Hosted:
 
 
 def _wait_world_over(address: str, token: str | None, wait_s: float) -> None:
-    from paramplane.health import channel
-    from paramplane.protos import coordinator_pb2 as pb
-    from paramplane.protos import coordinator_pb2_grpc as pb_grpc
-    from paramplane.protos.auth import token_metadata
+    from paramplane.node.coord_client import CoordinatorClient, ask_coordinator
 
-    deadline = time.monotonic() + wait_s
-    with channel(address) as ch:
-        stub = pb_grpc.CoordinatorStub(ch)
+    async def wait(client: CoordinatorClient) -> None:
+        deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
-            status = stub.Status(pb.StatusRequest(), timeout=5, metadata=token_metadata(token))
+            status = await client.status()
             if not status.formed or status.aborted or all(r.left for r in status.ranks):
                 return
-            time.sleep(0.1)
+            await asyncio.sleep(0.1)  # polling the coordinator's view, not synchronisation
+
+    ask_coordinator(address, token, wait, timeout_s=5.0)
 
 
 def _start(
