@@ -14,9 +14,12 @@ import importlib.util
 import pytest
 from _world import run_world
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None, reason="needs the test extra (torch, transformers)"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("transformers") is None, reason="needs the test extra (torch, transformers)"
+    ),
+    pytest.mark.timeout(300),  # the worlds' own bound (240 s), not the global 120 s
+]
 
 
 def _run(n: int, mode: str, transport: str, min_checks: int, **kw: object) -> None:
