@@ -271,6 +271,12 @@ class CoordinatorClient:
                     backoff = min(backoff * 2, _JOIN_BACKOFF_S[1])
                     continue
                 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and left <= 0:
+                    if self._channel.get_state() != grpc.ChannelConnectivity.READY:
+                        # The last attempt ran out of time still connecting: nothing was ever reached.
+                        raise CoordinatorUnavailable(
+                            f"cannot reach the coordinator at {self.address}: is it running? nothing answered within "
+                            f"this rank's join timeout of {timeout_s:.1f} s; check PARAMPLANE_COORDINATOR"
+                        ) from None
                     raise RendezvousError(
                         f"the world did not form within this rank's join timeout of {timeout_s:.1f} s: check that "
                         f"every rank was started and points at the coordinator {self.address} ({e.details()})"
