@@ -8,6 +8,7 @@ consequences in a buffer that ``take_effects()`` hands over: waiters to resolve
 
 from __future__ import annotations
 
+import bisect
 import math
 import secrets
 from collections.abc import Callable, Mapping, Sequence
@@ -82,6 +83,8 @@ class _World:
     last_seen: list[float | None]
     left: set[int] = field(default_factory=set)
     progress: dict[str, dict[int, _Progress]] = field(default_factory=dict)  # group -> rank -> progress
+    # group -> (most issued by any rank, when first reported), increasing: when op n was first issued anywhere.
+    issued_at: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     abort: Event | None = None
     stats: JobStats = field(init=False)
 
@@ -486,6 +489,9 @@ class CoordinatorState:
             old = per_rank.get(rank)
             if old is None or (old.issued, old.completed) != (issued, completed):
                 per_rank[rank] = _Progress(issued, completed, now)
+            marks = world.issued_at.setdefault(group, [])
+            if not marks or issued > marks[-1][0]:
+                marks.append((issued, now))
         if stats is not None:
             world.stats.update(rank, stats, now)
         return None
@@ -610,17 +616,23 @@ class CoordinatorState:
 
     def _tick_progress(self, world: _World, now: float) -> None:
         for group, per_rank in world.progress.items():
-            stuck = []
+            marks = world.issued_at.get(group, [])
+            # Ops every rank completed can no longer make anyone wait: forget when they were issued.
+            done = min(q.completed for q in per_rank.values())
+            del marks[: max(bisect.bisect_right(marks, (done, math.inf)) - 1, 0)]
+            stuck: dict[int, float] = {}
             # The most any other rank issued, for every rank at once: the top two (O(ranks) per tick, not O(ranks²)).
             top = sorted(((q.issued, r) for r, q in per_rank.items()), reverse=True)[:2]
             for rank, p in per_rank.items():
                 ahead = next((issued for issued, r in top if r != rank), -1)
-                if (
-                    rank not in world.left
-                    and p.completed < ahead
-                    and now - p.changed_at > self._progress_timeout_s
-                ):
-                    stuck.append(rank)
+                if rank in world.left or p.completed >= ahead:
+                    continue
+                # Waited on since its last move or since another rank first issued its next op, whichever is
+                # later: a group idle for long is not stuck the moment one rank issues the next op.
+                first = bisect.bisect_left(marks, (p.completed + 1, -math.inf))
+                since = max(p.changed_at, marks[first][1] if first < len(marks) else now)
+                if now - since > self._progress_timeout_s:
+                    stuck[rank] = now - since
             if not stuck:
                 continue
             rank = min(stuck, key=lambda r: (per_rank[r].issued, per_rank[r].completed, r))
@@ -629,7 +641,7 @@ class CoordinatorState:
             self._abort(
                 world,
                 rank,
-                f"rank {rank} made no progress on group {group!r} for {now - p.changed_at:.1f} s "
+                f"rank {rank} made no progress on group {group!r} for {stuck[rank]:.1f} s "
                 f"(issued {p.issued}, completed {p.completed}) while rank {leader} issued "
                 f"{per_rank[leader].issued}: rank {rank} is stuck or waits on something outside the plane",
                 lost=True,

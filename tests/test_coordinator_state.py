@@ -368,3 +368,20 @@ def test_the_kv_store_is_bounded_and_deleting_frees_room(monkeypatch: pytest.Mon
     assert s.kv_delete(1, "k3")
     s.kv_set(1, "k4", b"x")  # room again
     assert s.kv_get(1, "k2") == b"x"  # nothing was modified by the refused calls
+
+
+def test_a_group_idle_for_long_is_not_stuck_when_one_rank_issues_the_next_op_first() -> None:
+    s = state(2, heartbeat_timeout_s=1e9, progress_timeout_s=300.0)
+    form(s, ["a", "b"], now=0.0)
+    for rank in (0, 1):
+        s.heartbeat(1, rank, {"world": (4, 4)}, now=0.0)  # both done with op 4; the group then idles
+    s.heartbeat(1, 0, {"world": (5, 4)}, now=1000.0)  # rank 0 issues op 5 first, rank 1 is still computing
+    s.heartbeat(1, 1, {"world": (4, 4)}, now=1000.0)
+    s.tick(1001.0)
+    assert not s.take_effects().events
+    s.tick(1299.0)
+    assert not s.take_effects().events
+    s.tick(1301.0)  # rank 1 never issues op 5: stuck, counted from when rank 0 issued it
+    [event] = s.take_effects().events
+    assert event.kind is EventKind.ABORT and event.rank == 1
+    assert "no progress on group 'world' for 301.0 s" in event.reason
