@@ -31,10 +31,8 @@ time (rank 0's, validation excluded), the validation loss of rank 0's model ever
 validation loss: ``1.03 x`` HybridShard's final validation loss on the same link (first evaluation at or
 below it). Ratios against HybridShard on the same link. One JSON line per variant and link.
 
-The coordinator runs with ``--heartbeat-timeout 120`` (on a busy shared machine a starved rank can miss
-the default 10 s) and ``--progress-timeout 0``: its progress watchdog counts a rank's stall from that rank's
-last operation on a group, so the ``world`` group, idle through the training steps, trips it at the final
-barrier once the run is longer than the timeout (300 s) and one rank arrives first.
+The coordinator runs with ``--heartbeat-timeout 120``: on a busy shared machine a starved rank can miss
+the default 10 s.
 """
 
 from __future__ import annotations
@@ -228,7 +226,7 @@ def run_variant(args: argparse.Namespace, variant: str, hosts: TwoHosts | None) 
         port_file = Path(tmp) / "port"
         coord = subprocess.Popen(
             [*wrap[0], sys.executable, "-m", "paramplane.coordinator", "--host", coord_host, "--port", "0",
-             "--world-size", str(world), "--port-file", str(port_file), "--progress-timeout", "0", "--heartbeat-timeout", "120"],
+             "--world-size", str(world), "--port-file", str(port_file), "--heartbeat-timeout", "120"],
             env=base, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )  # fmt: skip
         procs: list[subprocess.Popen[str]] = []
