@@ -12,6 +12,7 @@ then wakes one thread when its peer's frame comes, or none when it came first.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import time
 from collections.abc import Callable, Coroutine
@@ -86,7 +87,9 @@ class ThreadChannel:
         if not queued and nbytes <= INLINE_BYTES:
             lane = self.plane.ready_lane(self.channel.ranks[idx], self.key)
         if lane is None:
-            queued.append(self._sending_on_loop(self.channel.send(idx, spec, step, payload)))
+            queued.append(
+                self._sending_on_loop(self._after(list(queued), self.channel.send(idx, spec, step, payload)))
+            )
         else:
             t = self._template(0, idx, spec, step, nbytes)
             number = _varint(spec.seq)
@@ -96,6 +99,19 @@ class ThreadChannel:
             if rest:
                 queued.append(self._sending_on_loop(self._send_rest(lane, rest)))
         self._sending[idx] = queued
+
+    @staticmethod
+    async def _after(queued: list[concurrent.futures.Future[None]], send: Coroutine[Any, Any, None]) -> None:
+        """``send`` once the sends queued before it to the same peer went out: concurrent sends on the loop
+        could otherwise reach the lane's lock in another order (one waiting for the lane to open, the next
+        not) and a peer would read step 2 before step 0."""
+        try:
+            for earlier in queued:
+                await asyncio.wrap_future(earlier)
+        except BaseException:
+            send.close()
+            raise
+        await send
 
     async def _send_rest(self, lane: LaneStream, rest: bytes) -> None:
         try:
