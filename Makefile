@@ -32,7 +32,7 @@ unit: $(STAMP)
 
 test: lint typecheck unit
 
-# Debian's chromium for tests/test_live_view.py's headless-browser check (root and apt only; that test skips
+# Debian's chromium for tests/control/test_live_view.py's headless-browser check (root and apt only; that test skips
 # where no chromium can be found). .ci/run calls it as root; bounded to 10 minutes.
 browser:
 	command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
@@ -40,7 +40,7 @@ browser:
 	  || echo "browser: chromium not installed (needs root and apt): the live view's browser test skips"; }
 
 # The gpu-marked tests on a machine with an NVIDIA GPU: installs the gpu extra (cupy, NCCL); torch must be a CUDA
-# build there. tests/test_gpu_stack.py fails (does not skip) where a GPU exists but cupy, NCCL or torch CUDA cannot run.
+# build there. tests/gpu/test_gpu_stack.py fails (does not skip) where a GPU exists but cupy, NCCL or torch CUDA cannot run.
 test-gpu: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[gpu]'
 	$(BIN)/python -m pytest -q -ra -m gpu
@@ -68,17 +68,17 @@ bench-compose:
 # mpirun -np 3 of a DDP job with pp.init() and no other setup (root: installs Open MPI from Debian's packages).
 test-mpi: $(STAMP)
 	command -v mpirun >/dev/null || apt-get install -y -q --no-install-recommends openmpi-bin
-	$(BIN)/python -m pytest -q -ra tests/test_mpi.py
+	$(BIN)/python -m pytest -q -ra tests/deploy/test_mpi.py
 
 # A real Slurm cluster (slurmctld + two slurmd, each in a network namespace) running sbatch/srun jobs, a node
 # killed mid-run and the job requeued (root: installs slurm-wlm from Debian's packages; about 2 minutes).
 test-slurm: $(STAMP)
 	command -v slurmctld >/dev/null || apt-get install -y -q --no-install-recommends slurm-wlm
-	$(BIN)/python -m pytest -q -ra -m cluster tests/test_slurm.py
+	$(BIN)/python -m pytest -q -ra -m cluster tests/deploy/test_slurm.py
 
 # Every cluster topology test: Slurm above, and deploy/kubernetes/ run as network namespaces (about 3 minutes).
 test-cluster: test-slurm
-	$(BIN)/python -m pytest -q -ra -m cluster tests/test_kubernetes.py
+	$(BIN)/python -m pytest -q -ra -m cluster tests/deploy/test_kubernetes.py
 
 # The suite under Python 3.13 (Debian trixie in a chroot; root): the top of the declared Python range.
 test-py313:

@@ -1,4 +1,4 @@
-"""Fuzz inputs shared by tests/test_fuzz.py and benchmarks/robustness.py: random and mutated coordinator
+"""Fuzz inputs shared by tests/transport/test_fuzz.py and benchmarks/robustness.py: random and mutated coordinator
 requests, and one call that checks the answer is a proper status (never UNKNOWN, the mark of an unhandled
 exception)."""
 

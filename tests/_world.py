@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,3 +178,20 @@ def run_example(script: str, num_ranks: int, *args: str, timeout: float = 120.0)
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc.stdout
+
+
+def listening_port(proc: subprocess.Popen[bytes], deadline: float) -> int:
+    """Read the coordinator's output until its "listening on HOST:PORT" line (select, no polling)."""
+    assert proc.stdout is not None
+    seen = b""
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen += line
+        if b"listening on" in line:
+            return int(line.split(b"listening on", 1)[1].split()[0].rsplit(b":", 1)[1])
+    raise AssertionError(f"coordinator did not report its port: {seen.decode(errors='replace')}")

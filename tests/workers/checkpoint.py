@@ -1,4 +1,4 @@
-"""Checkpoint scenarios (see tests/test_checkpoint.py). Usage: ``checkpoint.py MODE DIR [STRATEGY]``.
+"""Checkpoint scenarios (see tests/recovery/test_checkpoint.py). Usage: ``checkpoint.py MODE DIR [STRATEGY]``.
 
 save    FSDP at this world (STRATEGY, default full_shard) trains 3 steps, saves DIR/step_3 (model, optimizer,
         plain values).

@@ -1,4 +1,4 @@
-"""Checkpoint edge cases (see tests/test_checkpoint.py). Usage: ``checkpoint_edges.py MODE DIR``.
+"""Checkpoint edge cases (see tests/recovery/test_checkpoint.py). Usage: ``checkpoint_edges.py MODE DIR``.
 
 retry     a save into the directory of a crashed attempt (its per-rank lists, an error file, data files and
           a temporary left behind) commits only with this attempt's lists and files, and loads back; rank 0

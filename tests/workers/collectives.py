@@ -1,6 +1,6 @@
 """Rank worker: every collective x reduction x dtype x size against numpy references.
 
-Run by tests/test_collectives.py through tests/_world.py; the transport comes from
+Run by tests/transport/test_collectives.py through tests/_world.py; the transport comes from
 PARAMPLANE_TRANSPORT. ``--full-big`` runs every op and dtype at the 1 MiB + 1 size (else
 only all_reduce sum and reduce_scatter there); ``--extras`` adds the subgroup, two
 groups in flight, point-to-point ring and asyncio checks.

@@ -1,4 +1,4 @@
-"""Rank worker for tests/test_p2p.py (2 ranks): ``recv`` into a cupy array, with a stand-in cupy.
+"""Rank worker for tests/transport/test_p2p.py (2 ranks): ``recv`` into a cupy array, with a stand-in cupy.
 
 No GPU is needed: the stand-in's array type is a numpy subclass whose type lives in module ``cupy``, which is
 how the plane tells cupy arrays apart, so ``recv`` takes its device path (receive on the host, then copy in).

@@ -1,4 +1,4 @@
-"""Rank worker for tests/test_ddp.py (2 ranks).
+"""Rank worker for tests/parallel/test_ddp.py (2 ranks).
 
 ``mismatch``: ranks that wrap different models with the same number of elements get a CollectiveMismatch
 naming the parameter when DDP wraps them, before any training; different numbers of parameters likewise.

@@ -1,4 +1,4 @@
-"""Rank worker for tests/test_collective_failures.py; the scenario is argv[1].
+"""Rank worker for tests/transport/test_collective_failures.py; the scenario is argv[1].
 
 - ``errors`` (2 ranks): bad input, Work.wait timeout, mismatch, group timeout, ops after shutdown.
 - ``peer-lost``: the last rank dies with os._exit in the middle of a large all_reduce.

@@ -1,4 +1,4 @@
-"""Rank worker for tests/test_p2p.py (2 ranks): point-to-point order, shapes from headers, and errors.
+"""Rank worker for tests/transport/test_p2p.py (2 ranks): point-to-point order, shapes from headers, and errors.
 
 - ``order``: small messages (sent at once from the caller's thread) and large ones (written by the
   event loop) interleaved and all in flight, received in order; ``recv_array`` keeps each dtype and

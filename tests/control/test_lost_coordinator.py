@@ -11,9 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from test_multihost import _listening_port
+from _world import listening_port
 
-WORKER = Path(__file__).resolve().parent / "workers" / "lost_coordinator.py"
+WORKER = Path(__file__).resolve().parents[1] / "workers" / "lost_coordinator.py"
 
 
 def test_ranks_fail_typed_when_the_coordinator_is_killed(tmp_path: Path) -> None:
@@ -41,7 +41,7 @@ def test_ranks_fail_typed_when_the_coordinator_is_killed(tmp_path: Path) -> None
     )
     ranks: list[subprocess.Popen[bytes]] = []
     try:
-        port = _listening_port(coordinator, time.monotonic() + 30)
+        port = listening_port(coordinator, time.monotonic() + 30)
         for r in range(2):
             rank_env = dict(
                 env,

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
 TLS = yaml.safe_load((REPO / "docker-compose.tls.yml").read_text())
 

@@ -13,8 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _world import run_world
-from test_multihost import _listening_port
+from _world import listening_port, run_world
 
 import paramplane as pp
 from paramplane import health, status
@@ -61,7 +60,7 @@ def test_coordinator_waits_fail_at_once_when_heartbeats_lose_the_coordinator() -
     runtimes: list[NodeRuntime] = []
     stopped = False
     try:
-        address = f"127.0.0.1:{_listening_port(coordinator, time.monotonic() + 30)}"
+        address = f"127.0.0.1:{listening_port(coordinator, time.monotonic() + 30)}"
         runtimes = [
             NodeRuntime(RuntimeConfig(coordinator=address, world_size=2, rank_hint=r, join_timeout_s=20))
             for r in range(2)

@@ -228,7 +228,7 @@ def test_bubble_benchmark_measures_idle_from_the_traced_compute(tmp_path: Path) 
     forward/backward spans (a fraction, its size the benchmark's to report: not asserted on busy cores),
     theory as documented, a replay of the same spans with free transfers, and the same run's p2p latency."""
     out = tmp_path / "pipeline.jsonl"
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "pipeline.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "pipeline.py"
     args = ["--compute-ms", "4", "--microbatches", "2,4", "--steps", "1", "--out", str(out)]
     proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

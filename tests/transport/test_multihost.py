@@ -12,7 +12,6 @@ import json
 import os
 import random
 import secrets
-import select
 import shutil
 import subprocess
 import sys
@@ -21,8 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _world import listening_port
 
-WORKERS = Path(__file__).resolve().parent / "workers"
+WORKERS = Path(__file__).resolve().parents[1] / "workers"
 pytestmark = pytest.mark.netns
 
 
@@ -57,23 +57,6 @@ def two_hosts() -> Iterator[tuple[tuple[str, str], tuple[str, str]]]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
 
 
-def _listening_port(proc: subprocess.Popen[bytes], deadline: float) -> int:
-    """Read the coordinator's output until its "listening on HOST:PORT" line (select, no polling)."""
-    assert proc.stdout is not None
-    seen = b""
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready:
-            break
-        line = proc.stdout.readline()
-        if not line:
-            break
-        seen += line
-        if b"listening on" in line:
-            return int(line.split(b"listening on", 1)[1].split()[0].rsplit(b":", 1)[1])
-    raise AssertionError(f"coordinator did not report its port: {seen.decode(errors='replace')}")
-
-
 @pytest.mark.timeout(180)  # its own bounds (120 s), not the global 120 s
 def test_hierarchical_all_reduce_across_namespaces(
     tmp_path: Path, two_hosts: tuple[tuple[str, str], ...]
@@ -106,7 +89,7 @@ def test_hierarchical_all_reduce_across_namespaces(
     )
     ranks: list[subprocess.Popen[bytes]] = []
     try:
-        port = _listening_port(coordinator, time.monotonic() + 30)
+        port = listening_port(coordinator, time.monotonic() + 30)
         for r in range(4):
             ns, addr, host = (ns_a, addr_a, "hostA") if r < 2 else (ns_b, addr_b, "hostB")
             env = dict(

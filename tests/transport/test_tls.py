@@ -14,7 +14,7 @@ from conftest import make_self_signed_cert
 
 from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
 
-WORKERS = Path(__file__).resolve().parent / "workers"
+WORKERS = Path(__file__).resolve().parents[1] / "workers"
 
 
 def _tls_world(

@@ -28,7 +28,7 @@ from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
 
 parser = pytest.importorskip("prometheus_client.parser")
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TOKEN = "live-view-test-token"
 INTERVAL_S = 0.25
 STALE_S = max(3 * INTERVAL_S, 1.5)  # the page's threshold (coordinator/page.html: staleAfter)

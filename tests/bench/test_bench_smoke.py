@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "collectives.py"
 ROW_KEYS = {"bench", "impl", "transport", "op", "world_size", "bytes", "p50_us", "algbw_GBps", "busbw_GBps"}
 

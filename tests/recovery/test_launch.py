@@ -16,7 +16,7 @@ import pytest
 
 from paramplane.launch import LaunchConfig, describe_exit, main, parse_address
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "test-token-5f1c0a"  # a fake job token; the launcher must never print it
 NOWHERE = "127.0.0.1:1"  # for scripts that never connect
 
@@ -358,7 +358,7 @@ def test_hello_example_end_to_end() -> None:
 
 
 def _restart_run(out: Path, *extra: str, restarts: int) -> subprocess.CompletedProcess[str]:
-    worker = Path(__file__).resolve().parent / "workers" / "restart.py"
+    worker = Path(__file__).resolve().parents[1] / "workers" / "restart.py"
     cmd = [
         sys.executable,
         "-m",
@@ -422,7 +422,7 @@ def test_max_restarts_across_two_launchers_reforms_the_world_on_the_coordinator(
 
     from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
 
-    worker = Path(__file__).resolve().parent / "workers" / "restart.py"
+    worker = Path(__file__).resolve().parents[1] / "workers" / "restart.py"
     ref_cmd = [
         sys.executable,
         "-m",
@@ -509,7 +509,7 @@ def test_max_restarts_stops_in_one_line_when_the_coordinator_is_gone(tmp_path: P
     """An external coordinator dies under a running world: the ranks fail naming it, and the launcher, instead of
     restarting ranks that could only wait in pp.init() for the join timeout, says in its last line that the
     coordinator does not answer and stops (one attempt only)."""
-    from test_multihost import _listening_port
+    from _world import listening_port
 
     env = {k: v for k, v in _env().items() if not k.startswith("PARAMPLANE_")}
     coordinator = subprocess.Popen(
@@ -519,7 +519,7 @@ def test_max_restarts_stops_in_one_line_when_the_coordinator_is_gone(tmp_path: P
     )  # fmt: skip
     launcher: subprocess.Popen[bytes] | None = None
     try:
-        port = _listening_port(coordinator, time.monotonic() + 30)
+        port = listening_port(coordinator, time.monotonic() + 30)
         address = f"127.0.0.1:{port}"
         worker = _write(tmp_path, "collectives_until_error.py", COLLECTIVES_UNTIL_ERROR)
         launcher = subprocess.Popen(

@@ -10,7 +10,7 @@ import pytest
 
 from paramplane.world import ENV_VARS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NAME = re.compile(r"PARAMPLANE_[A-Z][A-Z_]*[A-Z](?![A-Z_{])")
 SET_BY_LAUNCHER = {"PARAMPLANE_LOCAL_RANK", "PARAMPLANE_RESTART_COUNT"}
 TEST_HOOKS: set[str] = set()  # none: tests inject faults by wrapping functions in their workers

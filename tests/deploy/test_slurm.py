@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 NODES = ("n1", "n2")
 pytestmark = [pytest.mark.netns, pytest.mark.cluster]
 

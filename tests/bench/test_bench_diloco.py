@@ -15,7 +15,7 @@ import pytest
 
 from paramplane.benchmarks import diloco as bench
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "diloco.py"
 KEYS = {
     "bench", "link", "shaping", "variant", "steps", "num_params", "link_bytes_per_step",
