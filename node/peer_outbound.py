@@ -8,6 +8,7 @@ One link per (peer, stream key): a lane (``lane.py``: a raw Unix or TCP socket w
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,8 @@ from paramplane.node.peer_wire import (
 from paramplane.protos import peer_pb2
 from paramplane.protos.auth import token_metadata
 from paramplane.protos.net import parse_address
+
+log = logging.getLogger(__name__)
 
 
 class OutStream:
@@ -187,7 +190,13 @@ class Outbound:
         if streams:
             await asyncio.wait([asyncio.ensure_future(finish(s)) for s in streams], timeout=grace)
         for ch in self._channels.values():
-            await ch.close(grace=None)
+            # grpc.aio's close waits for its calls to end: bounded, so one it cannot cancel does not hang the shutdown.
+            try:
+                await asyncio.wait_for(ch.close(grace=None), max(grace, 1.0))
+            except asyncio.TimeoutError:
+                log.warning(
+                    "a gRPC channel to a peer did not close within %.1f s; left to the process exit", grace
+                )
         self._channels.clear()
 
     # -- dialing ---------------------------------------------------------------------------------
