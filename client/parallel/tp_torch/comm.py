@@ -14,6 +14,7 @@ the input gradient is all-reduced once per column/row pair, as Megatron's fused 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from paramplane.group import ProcessGroup
@@ -139,69 +140,33 @@ class _Fns:
             def backward(ctx: Any, grad: Any) -> Any:
                 return grad, None
 
-        class GatherLast(Function):  # type: ignore[misc, valid-type]
-            @staticmethod
-            def forward(ctx: Any, x: Any, group: ProcessGroup) -> Any:
-                ctx.group = group
-                return _gather(x, group)
+        def conjugate(
+            forward_op: Callable[[Any, ProcessGroup], Any], backward_op: Callable[[Any, ProcessGroup], Any]
+        ) -> Any:
+            """A Function whose forward applies ``forward_op`` over the group and backward ``backward_op``."""
 
-            @staticmethod
-            def backward(ctx: Any, grad: Any) -> Any:
-                return _split(grad, ctx.group), None
+            class Conjugate(Function):  # type: ignore[misc, valid-type]
+                @staticmethod
+                def forward(ctx: Any, x: Any, group: ProcessGroup) -> Any:
+                    ctx.group = group
+                    return forward_op(x, group)
 
-        class ScatterLast(Function):  # type: ignore[misc, valid-type]
-            @staticmethod
-            def forward(ctx: Any, x: Any, group: ProcessGroup) -> Any:
-                ctx.group = group
-                return _split(x.detach(), group)
+                @staticmethod
+                def backward(ctx: Any, grad: Any) -> Any:
+                    return backward_op(grad, ctx.group), None
 
-            @staticmethod
-            def backward(ctx: Any, grad: Any) -> Any:
-                return _gather(grad, ctx.group), None
+            return Conjugate
 
-        class GatherSeq(Function):  # type: ignore[misc, valid-type]
-            @staticmethod
-            def forward(ctx: Any, x: Any, group: ProcessGroup) -> Any:
-                ctx.group = group
-                return _gather_seq(x, group)
-
-            @staticmethod
-            def backward(ctx: Any, grad: Any) -> Any:
-                return _reduce_scatter_seq(grad, ctx.group), None
-
-        class ReduceScatterSeq(Function):  # type: ignore[misc, valid-type]
-            @staticmethod
-            def forward(ctx: Any, x: Any, group: ProcessGroup) -> Any:
-                ctx.group = group
-                return _reduce_scatter_seq(x, group)
-
-            @staticmethod
-            def backward(ctx: Any, grad: Any) -> Any:
-                return _gather_seq(grad, ctx.group), None
-
-        class SplitSeq(Function):  # type: ignore[misc, valid-type]
-            @staticmethod
-            def forward(ctx: Any, x: Any, group: ProcessGroup) -> Any:
-                ctx.group = group
-                return _split_seq(x, group)
-
-            @staticmethod
-            def backward(ctx: Any, grad: Any) -> Any:
-                return _gather_seq(grad, ctx.group), None
-
-        class LeaveSeq(Function):  # type: ignore[misc, valid-type]
-            @staticmethod
-            def forward(ctx: Any, x: Any, group: ProcessGroup) -> Any:
-                ctx.group = group
-                return _gather_seq(x, group)
-
-            @staticmethod
-            def backward(ctx: Any, grad: Any) -> Any:
-                return _split_seq(grad, ctx.group), None
-
-        cls.built.update(copy=CopyTo, reduce=ReduceFrom, gather=GatherLast, scatter=ScatterLast)
-        cls.built.update(gather_seq=GatherSeq, reduce_scatter_seq=ReduceScatterSeq, split_seq=SplitSeq)
-        cls.built.update(leave_seq=LeaveSeq)
+        cls.built.update(
+            copy=CopyTo,
+            reduce=ReduceFrom,
+            gather=conjugate(_gather, _split),
+            scatter=conjugate(lambda x, g: _split(x.detach(), g), _gather),
+            gather_seq=conjugate(_gather_seq, _reduce_scatter_seq),
+            reduce_scatter_seq=conjugate(_reduce_scatter_seq, _gather_seq),
+            split_seq=conjugate(_split_seq, _gather_seq),
+            leave_seq=conjugate(_gather_seq, _split_seq),
+        )
 
 
 def copy_to(x: Any, group: ProcessGroup) -> Any:
