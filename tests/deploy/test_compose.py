@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import yaml
+from _netns import bridged_namespaces
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
@@ -181,10 +182,6 @@ def test_gpu_compose_overlay_shape() -> None:
     assert refused.returncode == 2 and mode in refused.stderr, refused.stderr
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
-
-
 @pytest.fixture
 def namespaces() -> Iterator[dict[str, tuple[str, str]]]:
     """service -> (namespace, address), on one bridge; removed afterwards."""
@@ -192,38 +189,9 @@ def namespaces() -> Iterator[dict[str, tuple[str, str]]]:
         pytest.skip("needs root and iproute2 for ip netns")
     tag = f"ppc{os.getpid() % 10000}"
     subnet = f"10.215.{random.randrange(1, 250)}"
-    names = list(COMPOSE["services"])
-    spaces = {svc: (f"{tag}{i}", f"{subnet}.{i + 1}") for i, svc in enumerate(names)}
-    bridge_ns = f"{tag}br"
-    made: list[str] = []
-    try:
-        for ns in [bridge_ns, *(ns for ns, _ in spaces.values())]:
-            _ip("netns", "add", ns)
-            made.append(ns)
-        _ip("-n", bridge_ns, "link", "add", "br0", "type", "bridge")
-        _ip("-n", bridge_ns, "link", "set", "br0", "up")
-        hosts = "127.0.0.1 localhost\n" + "".join(f"{addr} {svc}\n" for svc, (_, addr) in spaces.items())
-        for i, (ns, addr) in enumerate(spaces.values()):
-            _ip("link", "add", f"{tag}v{i}", "type", "veth", "peer", "name", f"{tag}p{i}")
-            _ip("link", "set", f"{tag}v{i}", "netns", ns)
-            _ip("link", "set", f"{tag}p{i}", "netns", bridge_ns)
-            _ip("-n", bridge_ns, "link", "set", f"{tag}p{i}", "master", "br0", "up")
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", f"{tag}v{i}")
-            _ip("-n", ns, "link", "set", f"{tag}v{i}", "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            etc = Path("/etc/netns") / ns
-            etc.mkdir(parents=True, exist_ok=True)
-            (etc / "hosts").write_text(hosts)
-    except (subprocess.CalledProcessError, OSError) as exc:
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
-        pytest.skip(f"ip netns unavailable here: {exc}")
-    try:
+    spaces = {svc: (f"{tag}{i}", f"{subnet}.{i + 1}") for i, svc in enumerate(COMPOSE["services"])}
+    with bridged_namespaces(tag, spaces, {svc: addr for svc, (_, addr) in spaces.items()}):
         yield spaces
-    finally:
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
-            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
 
 
 def _local(args: list[str], paths: dict[str, str]) -> list[str]:

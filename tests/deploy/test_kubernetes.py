@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 import yaml
+from _netns import bridged_namespaces
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy" / "kubernetes"
@@ -105,10 +106,6 @@ def test_manifests_shape() -> None:
     assert "token" in _one("Secret", "paramplane-token")["stringData"]
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
-
-
 @pytest.fixture
 def pods() -> Iterator[dict[str, tuple[str, str]]]:
     """pod -> (namespace, address) for the coordinator and each Job index, on one bridge; removed afterwards."""
@@ -119,39 +116,12 @@ def pods() -> Iterator[dict[str, tuple[str, str]]]:
     subnet = f"10.214.{random.randrange(1, 250)}"
     names = ["coordinator", *(f"paramplane-train-{i}" for i in range(world))]
     spaces = {name: (f"{tag}{i}", f"{subnet}.{i + 1}") for i, name in enumerate(names)}
-    bridge = f"{tag}br"
-    made: list[str] = []
     dns = {"paramplane-coordinator": spaces["coordinator"][1]}  # the Service (one ready endpoint)
     for i in range(world):  # the headless Service's per-pod names, and each pod's own hostname
         addr = spaces[f"paramplane-train-{i}"][1]
         dns |= {f"paramplane-train-{i}.paramplane-workers": addr, f"paramplane-train-{i}": addr}
-    hosts = "127.0.0.1 localhost\n" + "".join(f"{addr} {name}\n" for name, addr in dns.items())
-    try:
-        for ns in [bridge, *(ns for ns, _ in spaces.values())]:
-            _ip("netns", "add", ns)
-            made.append(ns)
-        _ip("-n", bridge, "link", "add", "br0", "type", "bridge")
-        _ip("-n", bridge, "link", "set", "br0", "up")
-        for i, (ns, addr) in enumerate(spaces.values()):
-            _ip("link", "add", f"{tag}v{i}", "type", "veth", "peer", "name", f"{tag}p{i}")
-            _ip("link", "set", f"{tag}v{i}", "netns", ns)
-            _ip("link", "set", f"{tag}p{i}", "netns", bridge)
-            _ip("-n", bridge, "link", "set", f"{tag}p{i}", "master", "br0", "up")
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", f"{tag}v{i}")
-            _ip("-n", ns, "link", "set", f"{tag}v{i}", "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            (Path("/etc/netns") / ns).mkdir(parents=True, exist_ok=True)
-            (Path("/etc/netns") / ns / "hosts").write_text(hosts)
-    except (subprocess.CalledProcessError, OSError) as exc:
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
-        pytest.skip(f"ip netns unavailable here: {exc}")
-    try:
+    with bridged_namespaces(tag, spaces, dns):
         yield spaces
-    finally:
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
-            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
 
 
 def _local(args: list[str], paths: dict[str, str]) -> list[str]:

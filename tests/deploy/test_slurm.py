@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _netns import bridged_namespaces
 
 REPO = Path(__file__).resolve().parents[2]
 NODES = ("n1", "n2")
@@ -42,10 +43,6 @@ def _have_slurm() -> bool:
             check=False,
         )
     return all(shutil.which(b) for b in ("slurmctld", "slurmd", "sbatch"))
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
 
 
 CONF = """ClusterName=pptest
@@ -171,61 +168,30 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     tag = f"pps{os.getpid() % 10000}"
     subnet = f"10.216.{random.randrange(1, 250)}"
     spaces = {name: (f"{tag}{name}", f"{subnet}.{i + 1}") for i, name in enumerate(("ctl", *NODES))}
-    bridge = f"{tag}br"
-    made: list[str] = []
     cluster = Cluster(tmp_path, spaces)
     try:
-        try:
-            for ns in [bridge, *(ns for ns, _ in spaces.values())]:
-                _ip("netns", "add", ns)
-                made.append(ns)
-            _ip("-n", bridge, "link", "add", "br0", "type", "bridge")
-            _ip("-n", bridge, "link", "set", "br0", "up")
-            hosts = "127.0.0.1 localhost\n" + "".join(
-                f"{addr} {name}\n" for name, (_, addr) in spaces.items()
+        # Every process we start lives in one of these namespaces: leaving them kills it.
+        with bridged_namespaces(tag, spaces, {name: addr for name, (_, addr) in spaces.items()}):
+            nodes = "\n".join(f"NodeName={n} NodeAddr={spaces[n][1]} CPUs=2 State=UNKNOWN" for n in NODES)
+            (tmp_path / "slurm.conf").write_text(
+                CONF.format(
+                    host=socket.gethostname(),
+                    ctl=spaces["ctl"][1],
+                    dir=tmp_path,
+                    nodes=nodes,
+                    names=",".join(NODES),
+                )
             )
-            for i, (ns, addr) in enumerate(spaces.values()):
-                _ip("link", "add", f"{tag}v{i}", "type", "veth", "peer", "name", f"{tag}p{i}")
-                _ip("link", "set", f"{tag}v{i}", "netns", ns)
-                _ip("link", "set", f"{tag}p{i}", "netns", bridge)
-                _ip("-n", bridge, "link", "set", f"{tag}p{i}", "master", "br0", "up")
-                _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", f"{tag}v{i}")
-                _ip("-n", ns, "link", "set", f"{tag}v{i}", "up")
-                _ip("-n", ns, "link", "set", "lo", "up")
-                (Path("/etc/netns") / ns).mkdir(parents=True, exist_ok=True)
-                (Path("/etc/netns") / ns / "hosts").write_text(hosts)
-        except (subprocess.CalledProcessError, OSError) as exc:
-            pytest.skip(f"ip netns unavailable here: {exc}")
-        nodes = "\n".join(f"NodeName={n} NodeAddr={spaces[n][1]} CPUs=2 State=UNKNOWN" for n in NODES)
-        (tmp_path / "slurm.conf").write_text(
-            CONF.format(
-                host=socket.gethostname(),
-                ctl=spaces["ctl"][1],
-                dir=tmp_path,
-                nodes=nodes,
-                names=",".join(NODES),
-            )
-        )
-        for sub in ("state", "spool"):
-            (tmp_path / sub).mkdir()
-        cluster.start("ctl", "slurmctld", "-D", "-i")
-        for name in NODES:
-            cluster.start_node(name)
-        cluster.idle(60)
-        yield cluster
+            for sub in ("state", "spool"):
+                (tmp_path / sub).mkdir()
+            cluster.start("ctl", "slurmctld", "-D", "-i")
+            for name in NODES:
+                cluster.start_node(name)
+            cluster.idle(60)
+            yield cluster
     finally:
-        for ns in made:  # every process we started lives in one of these namespaces
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=10)
-            for pid in pids.stdout.split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
         for proc in cluster.daemons.values():
             proc.wait(10)
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
-            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
 
 
 def _output(job_dir: Path, job_id: str) -> str:
