@@ -132,6 +132,10 @@ class PeerPlane:
     def failure(self, key: str) -> PlaneError | None:
         return self.inbound.failure(key)
 
+    def told_by(self, rank: int) -> PlaneError | None:
+        """The failure rank ``rank`` said, in an error frame, made it stop (None if it said none)."""
+        return self.inbound.told.get(rank)
+
     def fail_key(self, key: str, exc: PlaneError, *, lost: int = -1) -> None:
         """Fail every inbox of stream key ``key``: its pending and later receives raise ``exc``.
 

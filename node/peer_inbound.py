@@ -60,6 +60,8 @@ class Inbound:
         self._failures: dict[str, PlaneError] = {}
         self._global_failure: PlaneError | None = None
         self._departed: set[int] = set()
+        # What each rank said, in its first error frame, made it stop: it explains a broken link to it.
+        self.told: dict[int, PlaneError] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.admit_wait_s = CONFIGURE_WAIT_S
         """How long a stream for a group this rank has not created yet waits for it before it is refused."""
@@ -272,6 +274,7 @@ class Inbound:
             return True
         if header.HasField("failure"):
             failure = from_failure_message(header.failure)
+            self.told.setdefault(src, failure)
             if isinstance(failure, PeerLost) and failure.rank >= 0:
                 self._me.lost.add(failure.rank)
             self.fail_key(key, failure)

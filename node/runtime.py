@@ -280,18 +280,21 @@ class NodeRuntime:
 
     def cause_of_peer_lost(self, exc: PeerLost) -> PlaneError:
         """What to report for a peer a transport found dead: the world's abort if the coordinator has one, else
-        ``exc``. A rank that aborts the world (``world.abort(reason)``) and exits may be seen dead here before
-        the abort's notice arrives; the coordinator has it already (the abort call returned before the exit),
-        so one heartbeat tells every rank the reason instead of a bare PeerLost. Likewise the coordinator's
-        verdict on that same rank (it made no progress, so the world aborted, and then it exited) is the cause,
-        not the exit the transport saw. From any thread but the loop's.
+        what that peer said made it stop (its error frame), else ``exc``. A rank that aborts the world
+        (``world.abort(reason)``) and exits may be seen dead here before the abort's notice arrives; the
+        coordinator has it already (the abort call returned before the exit), so one heartbeat tells every rank
+        the reason instead of a bare PeerLost. Likewise a rank that stopped because another rank died, and
+        exited, is not the cause: the death it reported (to the coordinator or in its error frames) is. From
+        any thread but the loop's.
         """
         if not self.aborted.is_set() and not self._closed and self._coord is not None:
             with contextlib.suppress(PlaneError, TimeoutError, asyncio.TimeoutError):
                 self.run(self._beat(2.0), timeout=3.0)
-        cause = self._abort_exc
-        if isinstance(cause, WorldAborted) or (isinstance(cause, PeerLost) and cause.rank == exc.rank):
-            return cause
+        if self._abort_exc is not None:
+            return self._abort_exc
+        told = self.plane.told_by(exc.rank)
+        if told is not None and not (isinstance(told, PeerLost) and told.rank == exc.rank):
+            return told
         return exc
 
     async def _abort_world(self, exc: PlaneError) -> None:

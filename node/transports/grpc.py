@@ -266,6 +266,7 @@ class GrpcChannel:
     def fail(self, exc: PlaneError) -> PlaneError:
         """Fail this stream key here and, best effort, on every other rank of the group."""
         self.plane.fail_key(self.key, exc)
+        exc = self.plane.failure(self.key) or exc  # a peer's error frame that came first is the cause
         header = peer_pb2.FrameHeader(src=self.me, failure=failure_message(exc))
         for idx in range(self.n):
             if idx != self.index and self.ranks[idx] not in self.plane.lost:

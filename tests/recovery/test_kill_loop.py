@@ -63,7 +63,8 @@ def test_a_killed_rank_is_named_to_every_survivor(
         assert survivor.returncode == 0 and survivor.result is not None, world.describe()
         values = survivor.result["values"]
         assert survivor.result["failures"] == [], survivor.result["failures"]
-        assert values.get("error_type") == "PeerLost", values
-        assert values.get("error_rank") == victim and f"rank {victim}" in values["error_text"], values
+        seen = f"rank {survivor.rank} saw {values}"
+        assert values.get("error_type") == "PeerLost", seen
+        assert values.get("error_rank") == victim and f"rank {victim}" in values["error_text"], seen
         assert values["error_at"] - killed_at < HEARTBEAT_TIMEOUT_S + 10.0, values  # slack: a busy machine
     assert world.shm_leaks() == set()
