@@ -29,3 +29,12 @@ def test_tp_errors_vocab_parallel_loss_and_checkpoint_at_another_tp_size(tmp_pat
     )
     counts = [r["num_checks"] for r in world.check_ok()]
     assert min(counts) >= 20, counts
+
+
+@pytest.mark.timeout(240)  # its own bounds (180 s), not the global 120 s
+def test_tp2_llama_equals_torch_parallelize_module() -> None:
+    """pp.parallelize and torch's parallelize_module (DTensor, gloo) train the same Llama alike (float64)."""
+    env = {"PARAMPLANE_TIMEOUT": "60", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    world = run_world(2, "tp_torch_peer.py", env=env, timeout=180)
+    counts = [r["num_checks"] for r in world.check_ok()]
+    assert min(counts) >= 100, counts
