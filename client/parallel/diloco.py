@@ -58,6 +58,7 @@ from paramplane.optim import SGD, AdamW
 from paramplane.optim.optimizer import Optimizer
 from paramplane.parallel.ddp_buckets import broadcast_arrays
 from paramplane.parallel.diloco_comm import WIRE_DTYPES, start_mean
+from paramplane.parallel.diloco_recover import Undo, record_undo, rejoin
 from paramplane.parallel.torch_params import is_torch_module, to_array, to_tensor
 
 __all__ = ["DiLoCo"]
@@ -86,9 +87,9 @@ def _cut(sizes: list[int], k: int) -> list[list[int]]:
 
 class _Pending:
     def __init__(
-        self, fragment: int, waits: list[tuple[list[int], Callable[[], Any]]], snap: list[Any]
+        self, fragment: int, waits: list[tuple[list[int], Callable[[], Any]]], snap: list[Any], number: int
     ) -> None:
-        self.fragment, self.waits, self.snap = fragment, waits, snap
+        self.fragment, self.waits, self.snap, self.number = fragment, waits, snap, number
 
 
 class DiLoCo:
@@ -168,6 +169,8 @@ class DiLoCo:
         self.step = 0
         self._started = 0  # the step whose sync last started
         self._pending: _Pending | None = None
+        self.num_applied = 0  # syncs applied (sync j starts after inner step j * interval)
+        self._undo: Undo | None = None  # how to take the last applied sync back (diloco_recover)
         if not hasattr(inner_optimizer, "register_step_post_hook"):
             raise ValueError(
                 f"the inner optimizer must be a pp.optim or torch.optim optimizer, got {type(inner_optimizer).__name__}"
@@ -238,7 +241,7 @@ class DiLoCo:
         fails (a lost replica: PlaneError) stays in ``_pending`` for :meth:`rejoin` to redo."""
         self.finish()
         if self.step % self.interval == 0 and self._started != self.step:
-            self._pending = self._start((self.step // self.interval - 1) % self.fragments)
+            self._pending = self._start(self.step // self.interval)
             self._started = self.step
             if not self.overlap:
                 self.finish()
@@ -249,8 +252,10 @@ class DiLoCo:
             self._apply(self._pending)  # waits first: a failed collective leaves everything as it was
             self._pending = None
 
-    def _start(self, f: int, base: list[Any] | None = None) -> _Pending:
-        """Start fragment ``f``'s mean of ``last - base`` (``base``: the fragment's current values)."""
+    def _start(self, number: int, base: list[Any] | None = None, *, keep: bool = False) -> _Pending:
+        """Start sync ``number`` (1, 2, ...; fragment ``(number - 1) % fragments``): the mean of ``last - base``
+        (``base``: the fragment's current values). ``keep``: snapshot ``base`` even without overlap."""
+        f = (number - 1) % self.fragments
         idx = self.fragment_indices[f]
         base = base if base is not None else [self._values(i) for i in idx]
         by_dtype: dict[Any, list[int]] = {}
@@ -262,8 +267,8 @@ class DiLoCo:
             xp = array_module(self.last[members[0]])  # numpy or cupy
             flat = xp.concatenate([(self.last[i] - base[at[i]]).reshape(-1) for i in members])
             waits.append((members, start_mean(self.group, flat, self.outer_dtype)))
-        snap = [b.copy() for b in base] if self.overlap else []
-        return _Pending(f, waits, snap)
+        snap = [b.copy() for b in base] if self.overlap or keep else []
+        return _Pending(f, waits, snap, number)
 
     def _apply(self, pending: _Pending) -> None:
         idx = self.fragment_indices[pending.fragment]
@@ -275,6 +280,7 @@ class DiLoCo:
                 means[i] = flat[at : at + n].reshape(self.last[i].shape)
                 at += n
         drift = [self._values(i) - s for i, s in zip(idx, pending.snap, strict=True)] if pending.snap else []
+        undo = record_undo(self, pending, drift)
         saved = [p.grad for p in self.params]
         try:
             for i in range(len(self.params)):
@@ -290,18 +296,16 @@ class DiLoCo:
             self.last[i][...] = self._values(i)
             if drift:
                 self._values(i)[...] += drift[k]
+        self.num_applied, self._undo = pending.number, undo
 
     def rejoin(self, group: ProcessGroup | None = None, *, has_state: bool) -> int:
-        """After ``world.reform()`` replaced a lost replica: every member of ``group`` (default: the same
-        group, e.g. ``world.group``; pass a remade ``mesh.group("replicate")``) calls it. The lowest rank with
-        ``has_state=True`` sends ``last``, the outer optimizer's state and the step count live; ranks with
-        ``has_state=False`` (the replacement, made with ``init_sync=False``) set their parameters to
-        ``last``: the lost replica restarts from the last sync, its progress since then is lost. A sync
-        that failed is then redone (the replacement's outer gradient is zero) and one that was due but
-        never started is started. Returns the step count (inner steps done) to resume the loop from.
-        See :func:`~paramplane.parallel.diloco_recover.rejoin`."""
-        from paramplane.parallel.diloco_recover import rejoin
-
+        """After ``world.reform()`` replaced lost replicas: every member of ``group`` (default: the same group,
+        e.g. ``world.group``; pass a remade ``mesh.group("replicate")``, and ``fsdp.reform(mesh.group("shard"))``
+        first) calls it, the replacements (made with ``init_sync=False``) with ``has_state=False``. Survivors
+        that applied a sync others could not (a replica lost during its collective) roll it back; the lowest
+        rank with state sends ``last``, the outer optimizer's state and the step count live; a replacement
+        restarts from ``last``; every sync due and not applied is redone. Returns the step count (inner steps
+        done) to resume the loop from. See :mod:`~paramplane.parallel.diloco_recover`."""
         return rejoin(self, group, has_state=has_state)
 
     def per_replica(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -333,7 +337,7 @@ class DiLoCo:
             a[...] = np.asarray(state["last"][key]).reshape(a.shape)
         self.outer_optimizer.load_state_dict(state["outer"])
         self.step = self._started = int(state["step"])
-        self._pending = None
+        self._pending, self._undo, self.num_applied = None, None, self.step // self.interval
 
     def _materialize_outer(self) -> None:
         """Give the outer optimizer (zero) state for every parameter, so saved and loaded keys agree: zero
@@ -385,8 +389,9 @@ class DiLoCo:
 
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
         """Take the step count and the outer optimizer's hyper-parameters (arrays were loaded in place)."""
-        self._pending = None
+        self._pending, self._undo = None, None
         self.step = self._started = int(state["step"])
+        self.num_applied = self.step // self.interval
         if isinstance(self.outer_optimizer, Optimizer):
             self.outer_optimizer.load_sharded_state_dict(
                 {k[len("outer.") :]: v for k, v in state.items() if k.startswith("outer.")}

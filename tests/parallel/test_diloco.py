@@ -6,6 +6,7 @@ trips (plain, FSDP shards, torch), FSDP inside a host and a torch module with to
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import numpy as np
 import pytest
@@ -72,3 +73,51 @@ def test_a_replica_lost_between_syncs_is_replaced_and_training_ends_like_the_sim
     assert results[0]["digests"], "no state to compare"
     for res in results:  # last, the outer momentum (and after a whole sync the parameters): equal everywhere
         assert res["digests"] == results[0]["digests"], res["rank"]
+
+
+def _lose_replica_1(mode: str, **env: str) -> tuple[list[Any], list[dict[str, Any]]]:
+    """2 replicas x 2 ranks (FSDP full_shard in each host); ranks 2 and 3 (replica 1) are lost and
+    replaced (tests/workers/diloco_replica.py). Returns the first processes' outcomes and the results."""
+    env = {"MODE": mode, "STEPS": "12", "H": "4", "FRAGMENTS": "1", "OVERLAP": "0", **env}
+    outcome = run_world(
+        4,
+        "diloco_replica.py",
+        env={**env, "PARAMPLANE_TIMEOUT": "60"},
+        rank_env={r: {"PARAMPLANE_HOST_ID": h} for r, h in HOSTS.items()},
+        replace={r: {"PARAMPLANE_HOST_ID": HOSTS[r]} for r in (2, 3)},
+        timeout=150,
+        heartbeat_timeout_s=5,
+    )
+    return outcome.replaced, outcome.check_ok()
+
+
+def _agree_everywhere(results: list[dict[str, Any]], h: int) -> None:
+    assert len({res["values"]["resumed_at"] for res in results}) == 1, results
+    assert all(res["values"]["errors"] for res in results[:2]), "a survivor never saw the loss"
+    # Every rank ends on the same parameters, bit for bit (12 steps: the last one is a whole sync).
+    assert len({res["digests"]["end"] for res in results}) == 1, results
+    if results[0]["values"]["resumed_at"] % h == 0:  # the rejoin redid a whole sync: equal right after it
+        assert len({res["digests"]["after rejoin"] for res in results}) == 1, results
+
+
+@pytest.mark.timeout(200)  # its own bounds (150 s), not the global 120 s
+def test_a_whole_replica_of_two_ranks_lost_between_syncs_gets_the_synced_state_from_the_other() -> None:
+    """Both ranks of replica 1 exit at the start of step 5; the replacements (other initial weights) get
+    the last synced state over the replicate groups (each shard from its peer shard) and the job ends as the
+    simulation in which replica 1 restarts from the sync of step 4 (the worker checks every step)."""
+    replaced, results = _lose_replica_1("between", FAIL_AT="5")
+    assert [r.returncode for r in replaced] == [3, 3]
+    _agree_everywhere(results, 4)
+
+
+@pytest.mark.timeout(200)  # its own bounds (150 s), not the global 120 s
+def test_a_replica_killed_inside_a_sync_leaves_survivors_that_agree() -> None:
+    """Ranks 2 and 3 are SIGKILLed inside the outer all-reduce of the sync after step 8 such that rank 0
+    received the mean and applied it while rank 1 never got it. rejoin rolls rank 0's sync back, redoes it
+    with the replacements, and every rank holds the same parameters, equal to the simulation in which
+    replica 1 restarts from the sync of step 4, and training goes on to step 12."""
+    replaced, results = _lose_replica_1("in_sync", KILL_SYNC="2")
+    assert [r.returncode for r in replaced] == [-9, -9]
+    assert [res["values"]["applied_before_rejoin"] for res in results[:2]] == [2, 1]  # the split happened
+    assert all(res["values"]["applied"] == 3 for res in results)
+    _agree_everywhere(results, 4)

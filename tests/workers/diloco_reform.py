@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +27,19 @@ from paramplane.optim import SGD
 
 
 def simulate(
-    replicas: int, steps: int, h: int, k: int, overlap: bool, victim: int, fail_at: int, resumed: int
+    replicas: int,
+    steps: int,
+    h: int,
+    k: int,
+    overlap: bool,
+    victim: int,
+    fail_at: int,
+    resumed: int,
+    batch_of: Callable[[int, int], tuple[np.ndarray, np.ndarray]] = data,
 ) -> list[list[list[np.ndarray]]]:
     """Every replica's parameters after each inner step; replica ``victim`` is lost at the start of step
-    ``fail_at`` and back (from ``last``) with ``resumed`` steps done. The last entry: after ``finish()``."""
+    ``fail_at`` and back (from ``last``) with ``resumed`` steps done; ``batch_of(step, replica)`` its data.
+    The last entry: after ``finish()``."""
     models = [make_model() for _ in range(replicas)]
     opts = [SGD(m.parameters(), lr=0.1) for m in models]
     sim = Sim([[p.data for p in m.parameters()] for m in models], h, k, overlap, 0.7, 0.9)
@@ -40,7 +50,7 @@ def simulate(
                 for p, last in zip(m.parameters(), sim.last, strict=True):
                     p.data[...] = last  # lost: the replacement starts from the last sync
             else:
-                train_step(m, o, *data(step, r))
+                train_step(m, o, *batch_of(step, r))
         sim.after_inner()
         out.append([[p.data.copy() for p in m.parameters()] for m in models])
     if sim.pending is not None:  # DiLoCo.finish(): apply the sync still in flight

@@ -182,8 +182,10 @@ class FSDP:
         self._forward_open = False
         self.memory.update()
 
-    def reform(self) -> None:
-        """Go on after ``world.reform()`` (this FSDP's group is ``world.group``, now over the new world).
+    def reform(self, group: ProcessGroup | None = None) -> None:
+        """Go on after ``world.reform()`` (this FSDP's group is ``world.group``, now over the new world; an FSDP
+        over a group made from the old world, e.g. ``mesh.group("shard")``, takes the one remade from the new
+        world as ``group``: same ranks, same place in the mesh).
 
         Drops what the failed step left in flight (gathered parameters, pending reductions, gradients),
         makes the shard and replicate groups again and checks the model across the group: the collectives
@@ -192,6 +194,13 @@ class FSDP:
         fsdp.replicate_group, has_state=True)``: its replicas hold the same shards (hybrid strategies and
         no_shard); with full_shard or shard_grad_op its shards are gone, so load a checkpoint instead.
         """
+        if group is not None:
+            if not isinstance(group, ProcessGroup) or group.ranks != self.group.ranks:
+                raise ValueError(
+                    f"FSDP.reform(group) takes the remade group over the same ranks {self.group.ranks}, got "
+                    f"{getattr(group, 'ranks', group)!r}"
+                )
+            self.group = group
         for unit in self.units:
             self._reducer.drop(unit)
             unit.gather_work = None
