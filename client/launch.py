@@ -31,6 +31,7 @@ from paramplane.protos.fields import default_of, field_docs
 from paramplane.protos.net import check_seconds, parse_address, read_token, resolve_token
 
 if TYPE_CHECKING:
+    from paramplane.agent_server import AgentThread
     from paramplane.coordinator.server import CoordinatorThread
 
 # glibc keeps large blocks instead of returning them to the OS: chunk buffers are reused
@@ -92,6 +93,11 @@ class LaunchConfig:
     ``None``: the coordinator numbers them (``PARAMPLANE_RANK=-1``)."""
     restart_base: int = 0
     """Added to the attempt number in ``PARAMPLANE_RESTART_COUNT`` (``--slurm``: ``SLURM_RESTART_COUNT``)."""
+    agent: bool = True
+    """With ``--coordinator``: this launcher is its host's agent. The ranks call it on a Unix socket and it
+    calls the coordinator once per host (joins together, one heartbeat per interval for all ranks, one watch
+    stream, barriers batched), so the coordinator's load grows with hosts, not ranks; a rank that dies is
+    reported at once. ``--no-agent``: every rank calls the coordinator itself."""
     max_replacements: int = 0
     """After a rank fails, start a replacement for that rank alone (this many times at most, in all) while
     the other ranks go on: they re-form the world in process (``world.reform()``) and bring the
@@ -249,6 +255,25 @@ def _embedded_coordinator(config: LaunchConfig, token: str | None) -> Coordinato
     return CoordinatorThread(settings)
 
 
+def _host_agent(config: LaunchConfig, coordinator: str, token: str | None) -> AgentThread:
+    """This host's agent in front of ``coordinator`` (not started yet)."""
+    from paramplane.agent_server import AgentThread  # only when used
+    from paramplane.protos.net import tls_paths
+
+    ca = tls_paths()["CA"]
+    return AgentThread(
+        coordinator,
+        host_id=_host_id(config),
+        num_local=config.num_ranks,
+        token=token,
+        tls_root_cert=Path(ca).read_bytes() if ca else None,
+    )
+
+
+def _host_id(config: LaunchConfig) -> str:
+    return config.host_id or os.environ.get("PARAMPLANE_HOST_ID") or socket.gethostname()
+
+
 class _Rank:
     def __init__(self, index: int, process: subprocess.Popen[bytes]) -> None:
         self.index = index
@@ -275,6 +300,7 @@ class Launcher:
         self._out = _binary_writer(sys.stdout)
         self._err = _binary_writer(sys.stderr)
         self._locks = (threading.Lock(), threading.Lock())
+        self._agent: AgentThread | None = None
 
     def run(self) -> int:
         """Launch, wait, stop; return the launcher's exit status."""
@@ -318,6 +344,7 @@ class Launcher:
         """Start the coordinator (standalone) and every rank, supervise them, stop everything."""
         config = self.config
         coordinator: CoordinatorThread | None = None
+        self._agent = None
         code, message = 1, None
         try:
             if config.standalone:
@@ -328,6 +355,9 @@ class Launcher:
             else:
                 assert config.coordinator is not None
                 address = config.coordinator
+                if config.agent:
+                    self._agent = _host_agent(config, address, token)
+                    self._agent.start()
             for index in range(config.num_ranks):
                 if self._signal is not None:
                     break
@@ -344,6 +374,8 @@ class Launcher:
                 for rank in self._ranks:
                     for thread in rank.threads:
                         thread.join(timeout=max(0.0, deadline - time.monotonic()))
+                if self._agent is not None:
+                    self._agent.stop()
                 if coordinator is not None:
                     coordinator.stop(min(config.grace_s, 1.0))
         return code, message
@@ -428,7 +460,7 @@ class Launcher:
         env.update(
             PARAMPLANE_COORDINATOR=address,
             PARAMPLANE_WORLD_SIZE=str(config.total_ranks),
-            PARAMPLANE_HOST_ID=config.host_id or os.environ.get("PARAMPLANE_HOST_ID") or socket.gethostname(),
+            PARAMPLANE_HOST_ID=_host_id(config),
             PARAMPLANE_LOCAL_RANK=str(index),
             PARAMPLANE_RESTART_COUNT=str(config.restart_base + attempt),
             PYTHONUNBUFFERED="1",
@@ -445,6 +477,9 @@ class Launcher:
             env["PARAMPLANE_JOIN_TIMEOUT"] = str(config.join_timeout_s)
         if replacement:
             env["PARAMPLANE_REPLACEMENT"] = "1"
+        env.pop("PARAMPLANE_AGENT", None)
+        if self._agent is not None:
+            env["PARAMPLANE_AGENT"] = self._agent.address
         argv = [sys.executable, *(["-m"] if config.module else []), config.target, *config.args]
         pipe = subprocess.PIPE if config.prefix else None
         process = subprocess.Popen(
@@ -510,6 +545,10 @@ class Launcher:
                 continue
             self._handle(event)
             kind, index, returncode = event
+            if kind == "exit" and returncode < 0 and self._agent is not None:
+                # Killed (crash, OOM killer, SIGKILL): lost at once. A rank that exits with a code chose to and
+                # said why itself (pp.init's hooks abort the world first), or may have failed because of another.
+                self._agent.rank_died(self._ranks[index].process.pid, describe_exit(returncode))
             if kind == "exit" and returncode != 0 and self._num_replacements < self.config.max_replacements:
                 self._replace(index, replace)
                 continue
@@ -625,6 +664,7 @@ def _parser() -> argparse.ArgumentParser:
     replacements = default_of(LaunchConfig, "max_replacements")
     add("--max-replacements", type=int, default=replacements, metavar="K", help=doc["max_replacements"])
     add("--no-prefix", dest="prefix", action="store_false", help=doc["prefix"])
+    add("--no-agent", dest="agent", action="store_false", help=doc["agent"])
     add("-m", "--module", action="store_true", help=doc["module"])
     add("target", metavar="script.py", help=doc["target"])
     add("args", nargs=argparse.REMAINDER, help=doc["args"])

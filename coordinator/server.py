@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -97,8 +99,33 @@ class CoordinatorConfig:
         return self.http_host if self.http_host is not None else self.host
 
 
-def _add_servicer(service: CoordinatorService, server: grpc.aio.Server) -> None:
-    """The generated registration, with Join's response serializer taking the wire bytes Join answers."""
+def _counted(counts: Counter[str], name: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """``handler`` counting its calls in ``counts`` (``paramplane status``, the live view)."""
+    kw = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.unary_unary is not None:
+        unary = handler.unary_unary
+
+        def count_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            counts[name] += 1
+            return unary(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(count_unary, **kw)
+    stream = handler.unary_stream
+    assert stream is not None  # the service has unary and server-streaming methods only
+
+    def count_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        counts[name] += 1
+        return stream(request, context)
+
+    return grpc.unary_stream_rpc_method_handler(count_stream, **kw)
+
+
+def add_servicer(service: pb_grpc.CoordinatorServicer, server: grpc.aio.Server, counts: Counter[str]) -> None:
+    """The generated registration, with Join's response serializer taking the wire bytes Join answers and
+    every call counted in ``counts`` (the coordinator and the host agent serve the same service)."""
 
     class _Capture:
         handlers: dict[str, grpc.RpcMethodHandler] = {}
@@ -113,7 +140,7 @@ def _add_servicer(service: CoordinatorService, server: grpc.aio.Server) -> None:
 
     capture = _Capture()
     pb_grpc.add_CoordinatorServicer_to_server(service, capture)
-    handlers = dict(capture.handlers)
+    handlers = {name: _counted(counts, name, h) for name, h in capture.handlers.items()}
     join = handlers["Join"]
     handlers["Join"] = grpc.unary_unary_rpc_method_handler(
         join.unary_unary, request_deserializer=join.request_deserializer, response_serializer=serialize_join
@@ -162,7 +189,7 @@ class CoordinatorServer:
             heartbeat_interval_s=config.heartbeat_interval_s,
             heartbeat_timeout_s=config.heartbeat_timeout_s,
         )
-        _add_servicer(service, server)
+        add_servicer(service, server, service.num_calls)
         health_servicer = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         target = host_port(config.host, config.port)

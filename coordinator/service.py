@@ -7,6 +7,7 @@ a ticker task drives the state's clock. No decisions are made here.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -16,6 +17,7 @@ from typing import TypeVar
 
 import grpc
 
+from paramplane.coordinator.hosts import barrier_host, heartbeat_host, join_host
 from paramplane.coordinator.model import (
     Assignment,
     Effects,
@@ -91,6 +93,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._watchers: set[asyncio.Queue[Event]] = set()
         self._wake = asyncio.Event()
         self._ticker: asyncio.Task[None] | None = None
+        self.num_calls: collections.Counter[str] = collections.Counter()
+        """Calls answered, by method name (counted by the server's handlers)."""
         self._peers_wire: tuple[tuple[RankInfo, ...], bytes] | None = (
             None  # the last world's table, serialized
         )
@@ -320,7 +324,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         await self._guard(
-            context, self._sync(lambda: self._state.abort(request.epoch, request.rank, request.reason))
+            context,
+            self._sync(
+                lambda: self._state.abort(request.epoch, request.rank, request.reason, lost=request.lost)
+            ),
         )
         return pb.AbortResponse()
 
@@ -333,6 +340,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             history=[pb.ReportPoint(**p) for p in status.pop("history", [])],
             heartbeat_interval_s=self._heartbeat_interval_s,
             heartbeat_timeout_s=self._heartbeat_timeout_s,
+            num_calls=dict(self.num_calls),
             **status,
         )
 
@@ -342,3 +350,22 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
         await self._guard(context, self._sync(lambda: self._state.leave(request.epoch, request.rank)))
         return pb.LeaveResponse()
+
+    # -- host calls (coordinator/hosts.py) --------------------------------------------------------
+    async def JoinHost(
+        self, request: pb.JoinHostRequest, context: grpc.aio.ServicerContext
+    ) -> pb.JoinHostResponse:
+        work = join_host(
+            self._state, self._block, request, self._heartbeat_interval_s, self._heartbeat_timeout_s
+        )
+        return await self._guard(context, work)
+
+    async def HeartbeatHost(
+        self, request: pb.HeartbeatHostRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HeartbeatHostResponse:
+        return await self._guard(context, self._sync(lambda: heartbeat_host(self._state, request)))
+
+    async def BarrierHost(
+        self, request: pb.BarrierHostRequest, context: grpc.aio.ServicerContext
+    ) -> pb.BarrierHostResponse:
+        return await self._guard(context, barrier_host(self._state, self._block, request))

@@ -86,6 +86,8 @@ class _World:
     # group -> (most issued by any rank, when first reported), increasing: when op n was first issued anywhere.
     issued_at: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     abort: Event | None = None
+    agent: dict[int, str] = field(default_factory=dict)  # rank -> host agent carrying its heartbeats
+    callers: dict[str, float] = field(default_factory=dict)  # heartbeat caller (rank or agent) -> last call
     stats: JobStats = field(init=False)
 
     def __post_init__(self) -> None:
@@ -173,9 +175,13 @@ class CoordinatorState:
                 "since_heartbeat_s": (now - seen) if (seen := w.last_seen[r]) is not None else -1.0,
                 "left": r in w.left,
                 "stats": w.stats.rank_dict(r),
+                "agent": w.agent.get(r, ""),
             }
             for r, j in enumerate(w.joiners)
         ]
+        out["num_heartbeat_callers"] = sum(
+            now - seen <= self._heartbeat_timeout_s for seen in w.callers.values()
+        )
         out["steps_per_s"], out["tokens_per_s"] = w.stats.rates(now)
         out["history"] = w.stats.history(now)
         out["groups"] = [
@@ -471,9 +477,11 @@ class CoordinatorState:
         progress: Mapping[str, tuple[int, int]],
         now: float,
         stats: RankStats | None = None,
+        agent: str = "",
     ) -> Event | None:
         """Record that ``rank`` is alive, its (issued, completed) per group and its counters; answers the world's
-        abort (the event its watchers get), or None."""
+        abort (the event its watchers get), or None. ``agent`` names the host agent that carried the beat
+        (empty: the rank called itself)."""
         world = self.member(epoch, rank, allow_aborted=True)
         if world.abort is not None:
             return world.abort
@@ -484,6 +492,11 @@ class CoordinatorState:
                     f"group {group!r}: progress needs 0 <= completed <= issued, got ({issued}, {completed})",
                 )
         world.last_seen[rank] = now
+        if agent:
+            world.agent[rank] = agent
+            world.callers[agent] = now
+        else:
+            world.callers[f"rank {rank}"] = now
         for group, (issued, completed) in progress.items():
             per_rank = world.progress.setdefault(group, {})
             old = per_rank.get(rank)
@@ -522,10 +535,13 @@ class CoordinatorState:
             self._resolve(waiter, error=error)
         return error
 
-    def abort(self, epoch: int, rank: int, reason: str) -> None:
-        """``rank`` reports a fatal error: the world aborts (a second abort changes nothing)."""
+    def abort(self, epoch: int, rank: int, reason: str, *, lost: bool = False) -> None:
+        """``rank`` reports a fatal error: the world aborts (a second abort changes nothing). ``lost``: the
+        rank's host agent saw its process die, and ``reason`` says how."""
         world = self.member(epoch, rank, allow_aborted=True)
-        if world.abort is None:
+        if world.abort is None and lost:
+            self._abort(world, rank, reason or f"rank {rank} died", lost=True)
+        elif world.abort is None:
             self._abort(world, rank, f"rank {rank} aborted: {reason or 'no reason given'}")
 
     def _abort(self, world: _World, rank: int, reason: str, *, lost: bool = False) -> None:
@@ -605,6 +621,18 @@ class CoordinatorState:
                 if seen is None
                 else f"{seen - world.formed_at:.1f} s after the world formed"
             )
+            agent = world.agent.get(rank)
+            if agent is not None and now - world.callers[agent] > self._heartbeat_timeout_s:
+                ranks = sorted(r for r, a in world.agent.items() if a == agent and r not in world.left)
+                self._abort(
+                    world,
+                    rank,
+                    f"the host agent {agent} (ranks {ranks}, host {joiner.host_id}) missed heartbeats for "
+                    f"{now - world.callers[agent]:.1f} s: the launcher died, hangs, or cannot reach the "
+                    f"coordinator; its ranks are lost (rank {rank} first, last seen {last})",
+                    lost=True,
+                )
+                return
             self._abort(
                 world,
                 rank,

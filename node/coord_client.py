@@ -148,7 +148,8 @@ class CoordinatorClient:
         tls_root_cert: bytes | None = None,
         call_timeout_s: float = 30.0,
     ) -> None:
-        parse_address(address, "coordinator address")
+        if not address.startswith("unix:"):  # unix:PATH: the host agent (node/host_agent.py)
+            parse_address(address, "coordinator address")
         self.address = address
         self._timeout_s = _check_timeout(call_timeout_s)
         self._metadata = token_metadata(token)
@@ -160,7 +161,7 @@ class CoordinatorClient:
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
         ]
-        if tls_root_cert is not None:
+        if tls_root_cert is not None and not address.startswith("unix:"):  # a local socket needs no TLS
             creds = grpc.ssl_channel_credentials(root_certificates=tls_root_cert)
             self._channel = grpc.aio.secure_channel(address, creds, options=options)
         else:
@@ -417,6 +418,56 @@ class CoordinatorClient:
         """Leave cleanly: this rank's silence from now on is not a death."""
         m = self._member()
         await self._call("leave", self._stub.Leave, pb.LeaveRequest(epoch=m.epoch, rank=m.rank))
+
+    # -- host calls: a host agent speaks for its ranks (node/host_agent.py) -------------------------------------
+    # These raise the coordinator's grpc.aio.AioRpcError untouched: the agent relays each error to the rank
+    # whose call it was, with its status code and trailers, and the rank's own client types it.
+    async def join_host(self, joiners: Sequence[pb.JoinRequest], *, timeout_s: float) -> pb.JoinHostResponse:
+        """Join several ranks at once; retries while the coordinator is not up yet, until ``timeout_s``."""
+        deadline = time.monotonic() + _check_timeout(timeout_s)
+        backoff = _JOIN_BACKOFF_S[0]
+        request = pb.JoinHostRequest(joiners=joiners)
+        while True:
+            try:
+                response = await self._stub.JoinHost(
+                    request, timeout=max(deadline - time.monotonic(), 0.001), metadata=self._metadata
+                )
+                assert isinstance(response, pb.JoinHostResponse)
+                return response
+            except grpc.aio.AioRpcError as e:
+                left = deadline - time.monotonic()
+                if e.code() != grpc.StatusCode.UNAVAILABLE or left <= 0:
+                    raise
+                await asyncio.sleep(min(backoff, left))
+                backoff = min(backoff * 2, _JOIN_BACKOFF_S[1])
+
+    async def heartbeat_host(
+        self, host_id: str, beats: Sequence[pb.HeartbeatRequest]
+    ) -> pb.HeartbeatHostResponse:
+        """The latest heartbeat of each of the host's ranks, in one call; answers one result per beat."""
+        response = await self._stub.HeartbeatHost(
+            pb.HeartbeatHostRequest(host_id=host_id, beats=beats),
+            timeout=self._timeout_s,
+            metadata=self._metadata,
+        )
+        assert isinstance(response, pb.HeartbeatHostResponse)
+        return response
+
+    async def barrier_host(self, request: pb.BarrierHostRequest) -> pb.BarrierHostResponse:
+        """Several of the host's ranks arrive at one barrier; answers one outcome per arriving rank."""
+        response = await self._stub.BarrierHost(
+            request, timeout=request.timeout_s + WAIT_MARGIN_S, metadata=self._metadata
+        )
+        assert isinstance(response, pb.BarrierHostResponse)
+        return response
+
+    async def relay(self, method: str, request: object, *, timeout_s: float) -> object:
+        """One call of ``method`` (a Coordinator RPC name) as a rank sent it, relayed by its host agent."""
+        return await getattr(self._stub, method)(request, timeout=timeout_s, metadata=self._metadata)
+
+    def watch_as(self, epoch: int, rank: int) -> grpc.aio.UnaryStreamCall:
+        """The Watch stream of ``epoch`` subscribed as ``rank``: the host agent holds one for its ranks."""
+        return self._stub.Watch(pb.WatchRequest(epoch=epoch, rank=rank), metadata=self._metadata)
 
     async def close(self) -> None:
         await self._channel.close(None)

@@ -58,6 +58,9 @@ class RuntimeConfig:
     timeout) for its survivors to re-form it (``World.reform()``) and join the new epoch."""
     bind_host: str = "127.0.0.1"
     """Address the peer server listens on; set it to reach peers on other hosts."""
+    agent: str = ""
+    """``unix:PATH`` of this host's agent (``paramplane launch`` sets it): coordinator calls go through the
+    agent, which speaks for all of the host's ranks; empty: straight to the coordinator."""
     advertise_host: str | None = None
     """Address other ranks use to reach this one (default: bind_host)."""
     transport: TransportPolicy = "auto"
@@ -79,6 +82,8 @@ class RuntimeConfig:
 
     def __post_init__(self) -> None:
         parse_address(self.coordinator, "coordinator (PARAMPLANE_COORDINATOR)")
+        if self.agent and not self.agent.startswith("unix:"):
+            raise ValueError(f"agent (PARAMPLANE_AGENT) must be unix:PATH, got {self.agent!r}")
         if self.world_size < 0:
             raise ValueError(f"world_size must be >= 0, got {self.world_size}")
         check_seconds(self.timeout_s, "timeout_s (PARAMPLANE_TIMEOUT)")
@@ -107,6 +112,7 @@ ENV_OF = {
     "join_timeout_s": "PARAMPLANE_JOIN_TIMEOUT",
     "replacement": "PARAMPLANE_REPLACEMENT",
     "bind_host": "PARAMPLANE_BIND",
+    "agent": "PARAMPLANE_AGENT",
     "advertise_host": "PARAMPLANE_ADVERTISE",
     "transport": "PARAMPLANE_TRANSPORT",
     "shm_slot_mb": "PARAMPLANE_SHM_SLOT_MB",
@@ -169,7 +175,9 @@ class NodeRuntime:
 
     async def _start(self) -> Membership:
         c = self.config
-        self._coord = CoordinatorClient(c.coordinator, token=c.token, tls_root_cert=c.coordinator_root_cert)
+        self._coord = CoordinatorClient(
+            c.agent or c.coordinator, token=c.token, tls_root_cert=c.coordinator_root_cert
+        )
         address = await self.plane.start()
         m = await self.coord.join(
             host_id=c.host_id,

@@ -687,19 +687,23 @@ class AbortRequest(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    LOST_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     rank: _builtins.int
     reason: _builtins.str
+    lost: _builtins.bool
+    """The rank's host agent saw it die (its child process exited or was killed): the rank is lost."""
     def __init__(
         self,
         *,
         epoch: _builtins.int = ...,
         rank: _builtins.int = ...,
         reason: _builtins.str = ...,
+        lost: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "rank", b"rank", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "lost", b"lost", "rank", b"rank", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -783,6 +787,7 @@ class RankStatus(_message.Message):
     LEFT_FIELD_NUMBER: _builtins.int
     PID_FIELD_NUMBER: _builtins.int
     STATS_FIELD_NUMBER: _builtins.int
+    AGENT_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     host_id: _builtins.str
     address: _builtins.str
@@ -790,6 +795,8 @@ class RankStatus(_message.Message):
     """negative: no heartbeat yet"""
     left: _builtins.bool
     pid: _builtins.int
+    agent: _builtins.str
+    """The host agent whose calls carry this rank's heartbeats (empty: the rank beats itself)."""
     @_builtins.property
     def stats(self) -> Global___RankStats: ...
     def __init__(
@@ -802,10 +809,11 @@ class RankStatus(_message.Message):
         left: _builtins.bool = ...,
         pid: _builtins.int = ...,
         stats: Global___RankStats | None = ...,
+        agent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "host_id", b"host_id", "left", b"left", "pid", b"pid", "rank", b"rank", "since_heartbeat_s", b"since_heartbeat_s", "stats", b"stats"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent", b"agent", "host_id", b"host_id", "left", b"left", "pid", b"pid", "rank", b"rank", "since_heartbeat_s", b"since_heartbeat_s", "stats", b"stats"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -852,6 +860,26 @@ Global___GroupStatus: _TypeAlias = GroupStatus  # noqa: Y015
 class StatusResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class NumCallsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     EPOCH_FIELD_NUMBER: _builtins.int
     JOB_ID_FIELD_NUMBER: _builtins.int
     WORLD_SIZE_FIELD_NUMBER: _builtins.int
@@ -871,6 +899,8 @@ class StatusResponse(_message.Message):
     HISTORY_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
     HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    NUM_CALLS_FIELD_NUMBER: _builtins.int
+    NUM_HEARTBEAT_CALLERS_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     job_id: _builtins.str
     world_size: _builtins.int
@@ -894,6 +924,10 @@ class StatusResponse(_message.Message):
     tokens_per_s: _builtins.float
     heartbeat_interval_s: _builtins.float
     heartbeat_timeout_s: _builtins.float
+    num_heartbeat_callers: _builtins.int
+    """Distinct heartbeat callers (a rank beating itself, or a host agent for its ranks) heard within the
+    heartbeat timeout: with agents, this grows with hosts, not ranks.
+    """
     @_builtins.property
     def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankStatus]: ...
     @_builtins.property
@@ -901,6 +935,10 @@ class StatusResponse(_message.Message):
     @_builtins.property
     def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReportPoint]:
         """The last reports of the lowest reporting rank, oldest first (at most one per heartbeat, bounded)."""
+
+    @_builtins.property
+    def num_calls(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Calls this coordinator answered, by method, over its life."""
 
     def __init__(
         self,
@@ -924,10 +962,12 @@ class StatusResponse(_message.Message):
         history: _abc.Iterable[Global___ReportPoint] | None = ...,
         heartbeat_interval_s: _builtins.float = ...,
         heartbeat_timeout_s: _builtins.float = ...,
+        num_calls: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        num_heartbeat_callers: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_rank", b"abort_rank", "abort_reason", b"abort_reason", "aborted", b"aborted", "epoch", b"epoch", "formed", b"formed", "formed_s_ago", b"formed_s_ago", "groups", b"groups", "heartbeat_interval_s", b"heartbeat_interval_s", "heartbeat_timeout_s", b"heartbeat_timeout_s", "history", b"history", "job_id", b"job_id", "num_aborts", b"num_aborts", "num_reforms", b"num_reforms", "num_restarts", b"num_restarts", "num_waiting", b"num_waiting", "ranks", b"ranks", "steps_per_s", b"steps_per_s", "tokens_per_s", b"tokens_per_s", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_rank", b"abort_rank", "abort_reason", b"abort_reason", "aborted", b"aborted", "epoch", b"epoch", "formed", b"formed", "formed_s_ago", b"formed_s_ago", "groups", b"groups", "heartbeat_interval_s", b"heartbeat_interval_s", "heartbeat_timeout_s", b"heartbeat_timeout_s", "history", b"history", "job_id", b"job_id", "num_aborts", b"num_aborts", "num_calls", b"num_calls", "num_heartbeat_callers", b"num_heartbeat_callers", "num_reforms", b"num_reforms", "num_restarts", b"num_restarts", "num_waiting", b"num_waiting", "ranks", b"ranks", "steps_per_s", b"steps_per_s", "tokens_per_s", b"tokens_per_s", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -961,3 +1001,216 @@ class ReportPoint(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReportPoint: _TypeAlias = ReportPoint  # noqa: Y015
+
+@_typing.final
+class JoinHostRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOINERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def joiners(self) -> _containers.RepeatedCompositeFieldContainer[Global___JoinRequest]: ...
+    def __init__(
+        self,
+        *,
+        joiners: _abc.Iterable[Global___JoinRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["joiners", b"joiners"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinHostRequest: _TypeAlias = JoinHostRequest  # noqa: Y015
+
+@_typing.final
+class JoinHostResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    PEERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___JoinResponse]:
+        """One per joiner, in the request's order, each without the peer table (peers is empty)."""
+
+    @_builtins.property
+    def peers(self) -> _containers.RepeatedCompositeFieldContainer[Global___PeerInfo]: ...
+    def __init__(
+        self,
+        *,
+        members: _abc.Iterable[Global___JoinResponse] | None = ...,
+        peers: _abc.Iterable[Global___PeerInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["members", b"members", "peers", b"peers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinHostResponse: _TypeAlias = JoinHostResponse  # noqa: Y015
+
+@_typing.final
+class CallError(_message.Message):
+    """One call's failure, for a call answered inside a host call: the gRPC status code's name and details, and the
+    trailers the rank's client types its error by.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    DETAILS_FIELD_NUMBER: _builtins.int
+    ABORT_RANK_FIELD_NUMBER: _builtins.int
+    LEFT_RANK_FIELD_NUMBER: _builtins.int
+    MISMATCH_FIELD_NUMBER: _builtins.int
+    code: _builtins.str
+    details: _builtins.str
+    abort_rank: _builtins.int
+    """-1: none"""
+    left_rank: _builtins.int
+    """-1: none"""
+    mismatch: _builtins.bool
+    def __init__(
+        self,
+        *,
+        code: _builtins.str = ...,
+        details: _builtins.str = ...,
+        abort_rank: _builtins.int = ...,
+        left_rank: _builtins.int = ...,
+        mismatch: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_rank", b"abort_rank", "code", b"code", "details", b"details", "left_rank", b"left_rank", "mismatch", b"mismatch"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CallError: _TypeAlias = CallError  # noqa: Y015
+
+@_typing.final
+class HeartbeatHostRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOST_ID_FIELD_NUMBER: _builtins.int
+    BEATS_FIELD_NUMBER: _builtins.int
+    host_id: _builtins.str
+    @_builtins.property
+    def beats(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeartbeatRequest]: ...
+    def __init__(
+        self,
+        *,
+        host_id: _builtins.str = ...,
+        beats: _abc.Iterable[Global___HeartbeatRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["beats", b"beats", "host_id", b"host_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeartbeatHostRequest: _TypeAlias = HeartbeatHostRequest  # noqa: Y015
+
+@_typing.final
+class HeartbeatResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESPONSE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def response(self) -> Global___HeartbeatResponse: ...
+    @_builtins.property
+    def error(self) -> Global___CallError:
+        """Set when this beat was refused (e.g. a stale epoch): the rank's next heartbeat fails with it."""
+
+    def __init__(
+        self,
+        *,
+        response: Global___HeartbeatResponse | None = ...,
+        error: Global___CallError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "response", b"response"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "response", b"response"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeartbeatResult: _TypeAlias = HeartbeatResult  # noqa: Y015
+
+@_typing.final
+class HeartbeatHostResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeartbeatResult]:
+        """One per beat, in the request's order."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___HeartbeatResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeartbeatHostResponse: _TypeAlias = HeartbeatHostResponse  # noqa: Y015
+
+@_typing.final
+class BarrierHostRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARRIVING_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    name: _builtins.str
+    timeout_s: _builtins.float
+    @_builtins.property
+    def arriving(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The host's ranks arriving now."""
+
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The participating ranks; empty means the whole world."""
+
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        name: _builtins.str = ...,
+        arriving: _abc.Iterable[_builtins.int] | None = ...,
+        ranks: _abc.Iterable[_builtins.int] | None = ...,
+        timeout_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arriving", b"arriving", "epoch", b"epoch", "name", b"name", "ranks", b"ranks", "timeout_s", b"timeout_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BarrierHostRequest: _TypeAlias = BarrierHostRequest  # noqa: Y015
+
+@_typing.final
+class BarrierHostResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ERRORS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___CallError]:
+        """One per arriving rank, in the request's order; an unset error is a release."""
+
+    def __init__(
+        self,
+        *,
+        errors: _abc.Iterable[Global___CallError] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["errors", b"errors"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BarrierHostResponse: _TypeAlias = BarrierHostResponse  # noqa: Y015

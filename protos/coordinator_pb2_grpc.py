@@ -94,6 +94,21 @@ class CoordinatorStub:
                 request_serializer=paramplane_dot_protos_dot_coordinator__pb2.StatusRequest.SerializeToString,
                 response_deserializer=paramplane_dot_protos_dot_coordinator__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.JoinHost = channel.unary_unary(
+                '/paramplane.v1.Coordinator/JoinHost',
+                request_serializer=paramplane_dot_protos_dot_coordinator__pb2.JoinHostRequest.SerializeToString,
+                response_deserializer=paramplane_dot_protos_dot_coordinator__pb2.JoinHostResponse.FromString,
+                _registered_method=True)
+        self.HeartbeatHost = channel.unary_unary(
+                '/paramplane.v1.Coordinator/HeartbeatHost',
+                request_serializer=paramplane_dot_protos_dot_coordinator__pb2.HeartbeatHostRequest.SerializeToString,
+                response_deserializer=paramplane_dot_protos_dot_coordinator__pb2.HeartbeatHostResponse.FromString,
+                _registered_method=True)
+        self.BarrierHost = channel.unary_unary(
+                '/paramplane.v1.Coordinator/BarrierHost',
+                request_serializer=paramplane_dot_protos_dot_coordinator__pb2.BarrierHostRequest.SerializeToString,
+                response_deserializer=paramplane_dot_protos_dot_coordinator__pb2.BarrierHostResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -177,6 +192,28 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JoinHost(self, request, context):
+        """A host agent (the launcher) speaks for its host's ranks: one call per host instead of one per rank.
+        Joins of several ranks at once; answers each rank's place and the peer table once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HeartbeatHost(self, request, context):
+        """The latest heartbeat of every rank of the host that beat since the agent's last call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BarrierHost(self, request, context):
+        """Several of the host's ranks arrive at one barrier; answers each arrival's outcome.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -239,6 +276,21 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=paramplane_dot_protos_dot_coordinator__pb2.StatusRequest.FromString,
                     response_serializer=paramplane_dot_protos_dot_coordinator__pb2.StatusResponse.SerializeToString,
+            ),
+            'JoinHost': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinHost,
+                    request_deserializer=paramplane_dot_protos_dot_coordinator__pb2.JoinHostRequest.FromString,
+                    response_serializer=paramplane_dot_protos_dot_coordinator__pb2.JoinHostResponse.SerializeToString,
+            ),
+            'HeartbeatHost': grpc.unary_unary_rpc_method_handler(
+                    servicer.HeartbeatHost,
+                    request_deserializer=paramplane_dot_protos_dot_coordinator__pb2.HeartbeatHostRequest.FromString,
+                    response_serializer=paramplane_dot_protos_dot_coordinator__pb2.HeartbeatHostResponse.SerializeToString,
+            ),
+            'BarrierHost': grpc.unary_unary_rpc_method_handler(
+                    servicer.BarrierHost,
+                    request_deserializer=paramplane_dot_protos_dot_coordinator__pb2.BarrierHostRequest.FromString,
+                    response_serializer=paramplane_dot_protos_dot_coordinator__pb2.BarrierHostResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -565,6 +617,87 @@ class Coordinator:
             '/paramplane.v1.Coordinator/Status',
             paramplane_dot_protos_dot_coordinator__pb2.StatusRequest.SerializeToString,
             paramplane_dot_protos_dot_coordinator__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinHost(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramplane.v1.Coordinator/JoinHost',
+            paramplane_dot_protos_dot_coordinator__pb2.JoinHostRequest.SerializeToString,
+            paramplane_dot_protos_dot_coordinator__pb2.JoinHostResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HeartbeatHost(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramplane.v1.Coordinator/HeartbeatHost',
+            paramplane_dot_protos_dot_coordinator__pb2.HeartbeatHostRequest.SerializeToString,
+            paramplane_dot_protos_dot_coordinator__pb2.HeartbeatHostResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BarrierHost(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramplane.v1.Coordinator/BarrierHost',
+            paramplane_dot_protos_dot_coordinator__pb2.BarrierHostRequest.SerializeToString,
+            paramplane_dot_protos_dot_coordinator__pb2.BarrierHostResponse.FromString,
             options,
             channel_credentials,
             insecure,

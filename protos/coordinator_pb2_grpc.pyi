@@ -49,6 +49,14 @@ class CoordinatorStub:
     """A rank leaves cleanly: its silence afterwards is not a death."""
     Status: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.StatusRequest, _coordinator_pb2.StatusResponse]
     """The world as the coordinator sees it (paramplane status)."""
+    JoinHost: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.JoinHostRequest, _coordinator_pb2.JoinHostResponse]
+    """A host agent (the launcher) speaks for its host's ranks: one call per host instead of one per rank.
+    Joins of several ranks at once; answers each rank's place and the peer table once.
+    """
+    HeartbeatHost: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.HeartbeatHostRequest, _coordinator_pb2.HeartbeatHostResponse]
+    """The latest heartbeat of every rank of the host that beat since the agent's last call."""
+    BarrierHost: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.BarrierHostRequest, _coordinator_pb2.BarrierHostResponse]
+    """Several of the host's ranks arrive at one barrier; answers each arrival's outcome."""
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -71,6 +79,14 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """A rank leaves cleanly: its silence afterwards is not a death."""
     Status: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.StatusRequest, _coordinator_pb2.StatusResponse]  # type: ignore[assignment]
     """The world as the coordinator sees it (paramplane status)."""
+    JoinHost: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.JoinHostRequest, _coordinator_pb2.JoinHostResponse]  # type: ignore[assignment]
+    """A host agent (the launcher) speaks for its host's ranks: one call per host instead of one per rank.
+    Joins of several ranks at once; answers each rank's place and the peer table once.
+    """
+    HeartbeatHost: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.HeartbeatHostRequest, _coordinator_pb2.HeartbeatHostResponse]  # type: ignore[assignment]
+    """The latest heartbeat of every rank of the host that beat since the agent's last call."""
+    BarrierHost: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.BarrierHostRequest, _coordinator_pb2.BarrierHostResponse]  # type: ignore[assignment]
+    """Several of the host's ranks arrive at one barrier; answers each arrival's outcome."""
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -162,5 +178,31 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.StatusResponse, _abc.Awaitable[_coordinator_pb2.StatusResponse]]:
         """The world as the coordinator sees it (paramplane status)."""
+
+    @_abc_1.abstractmethod
+    def JoinHost(
+        self,
+        request: _coordinator_pb2.JoinHostRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.JoinHostResponse, _abc.Awaitable[_coordinator_pb2.JoinHostResponse]]:
+        """A host agent (the launcher) speaks for its host's ranks: one call per host instead of one per rank.
+        Joins of several ranks at once; answers each rank's place and the peer table once.
+        """
+
+    @_abc_1.abstractmethod
+    def HeartbeatHost(
+        self,
+        request: _coordinator_pb2.HeartbeatHostRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.HeartbeatHostResponse, _abc.Awaitable[_coordinator_pb2.HeartbeatHostResponse]]:
+        """The latest heartbeat of every rank of the host that beat since the agent's last call."""
+
+    @_abc_1.abstractmethod
+    def BarrierHost(
+        self,
+        request: _coordinator_pb2.BarrierHostRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.BarrierHostResponse, _abc.Awaitable[_coordinator_pb2.BarrierHostResponse]]:
+        """Several of the host's ranks arrive at one barrier; answers each arrival's outcome."""
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

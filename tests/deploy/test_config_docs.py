@@ -121,6 +121,7 @@ def test_init_reads_each_runtime_field_from_its_variable_and_arguments_win(
         "shm_slot_mb": ("2", 2.0),
         "tcp_lane": ("0", False),
         "unix_lane": ("0", False),
+        "agent": ("unix:/run/agent.sock", "unix:/run/agent.sock"),
     }
     assert set(values) == set(ENV_OF)
     for name, (raw, _) in values.items():

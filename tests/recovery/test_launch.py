@@ -148,6 +148,7 @@ def test_ranks_get_their_environment_and_every_line_is_prefixed(tmp_path: Path) 
         env_line, partial = stdout[rank]
         env = json.loads(env_line)
         assert env.pop("argv") == ["-n", "5", "--flag"]
+        assert env.pop("PARAMPLANE_AGENT").startswith("unix:/")  # the launcher is the host's agent
         assert env == {
             "PARAMPLANE_COORDINATOR": NOWHERE,
             "PARAMPLANE_WORLD_SIZE": "3",

@@ -1,0 +1,415 @@
+"""The host agent: ``paramplane launch`` speaks to the coordinator for all of its host's ranks.
+
+The launcher serves the Coordinator service on a Unix socket (``PARAMPLANE_AGENT``, in a private folder,
+the job token checked as at the coordinator); its ranks' own ``CoordinatorClient`` calls go there. Upstream,
+the agent makes one call per host where the ranks would make one each:
+
+- joins arriving together go out as one ``JoinHost`` (the peer table comes back once);
+- heartbeats are kept (the latest per rank) and go out as one ``HeartbeatHost`` per interval; a rank that
+  stops beating is left out, so the coordinator names it at its timeout as before;
+- one ``Watch`` stream per epoch, relayed to every local rank's stream; aborts also answer heartbeats;
+- a barrier's local arrivals go out as one ``BarrierHost``; concurrent waiting gets of one key as one call;
+- a rank process killed by a signal (the launcher's child) is reported at once as lost (``Abort``, ``lost``).
+
+A lost agent (the launcher killed) silences all its ranks: the coordinator names the host's agent.
+Every other call is relayed as it came, its answer or error (code, details, trailers) returned untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+
+from paramplane.node.coord_client import WAIT_MARGIN_S, CoordinatorClient
+from paramplane.protos import coordinator_pb2 as pb
+from paramplane.protos import coordinator_pb2_grpc as pb_grpc
+from paramplane.protos.auth import ABORT_RANK_METADATA_KEY, LEFT_RANK_METADATA_KEY, MISMATCH_METADATA_KEY
+
+log = logging.getLogger("paramplane.agent")
+
+JOIN_WINDOW_S = 0.5
+"""Joins arriving within this long of the first one go out together (at once when every local rank joined)."""
+BARRIER_WINDOW_S = 0.02
+"""Arrivals at one barrier within this long go out together (at once when every local participant arrived)."""
+
+
+_F = TypeVar("_F", bound="asyncio.Future[Any]")
+
+
+def _quiet(fut: _F) -> _F:
+    """``fut``, its exception marked retrieved: a rank that went away (its call cancelled) leaves no warning."""
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return fut
+
+
+class Relayed(Exception):
+    """A call's failure to hand back to the rank as its own gRPC error."""
+
+    def __init__(
+        self, code: grpc.StatusCode, details: str, trailers: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        super().__init__(details)
+        self.code, self.details, self.trailers = code, details, trailers
+
+    @classmethod
+    def of(cls, e: grpc.aio.AioRpcError) -> Relayed:
+        pairs = tuple((k, str(v)) for k, v in (e.trailing_metadata() or ()))
+        return cls(e.code(), e.details() or "", pairs)
+
+    @classmethod
+    def of_call(cls, error: pb.CallError) -> Relayed:
+        trailers: list[tuple[str, str]] = []
+        if error.code == "ABORTED":
+            trailers.append((ABORT_RANK_METADATA_KEY, str(error.abort_rank)))
+        elif error.mismatch:
+            trailers.append((MISMATCH_METADATA_KEY, "1"))
+        elif error.left_rank >= 0:
+            trailers.append((LEFT_RANK_METADATA_KEY, str(error.left_rank)))
+        return cls(grpc.StatusCode[error.code], error.details, tuple(trailers))
+
+
+@dataclass
+class _Epoch:
+    """A world this host's ranks joined through the agent."""
+
+    ranks: dict[int, int]  # rank -> pid
+    world_size: int
+    interval_s: float
+    abort: pb.HeartbeatResponse | None = None
+
+
+@dataclass
+class _Hub:
+    """One upstream Watch stream of an epoch, replayed to every local subscriber."""
+
+    events: list[pb.WatchEvent] = field(default_factory=list)
+    queues: list[asyncio.Queue[pb.WatchEvent | Relayed]] = field(default_factory=list)
+    error: Relayed | None = None
+    task: asyncio.Task[None] | None = None
+
+
+class HostAgent(pb_grpc.CoordinatorServicer):
+    """The Coordinator service of one host's ranks, in front of the real coordinator (on one event loop)."""
+
+    def __init__(self, upstream: CoordinatorClient, *, host_id: str, num_local: int) -> None:
+        self._up = upstream
+        self.host_id = host_id
+        self._num_local = num_local
+        self.num_calls: collections.Counter[str] = collections.Counter()
+        self._joins: list[tuple[pb.JoinRequest, float, asyncio.Future[bytes]]] = []
+        self._join_flush: asyncio.TimerHandle | None = None
+        self._epochs: dict[int, _Epoch] = {}
+        self._beats: dict[tuple[int, int], pb.HeartbeatRequest] = {}
+        self._refused: dict[tuple[int, int], Relayed] = {}
+        self._upstream_error: Relayed | None = None
+        self._hubs: dict[int, _Hub] = {}
+        self._barriers: dict[tuple[int, str], list[tuple[pb.BarrierRequest, asyncio.Future[None]]]] = {}
+        self._barrier_flush: dict[tuple[int, str], asyncio.TimerHandle] = {}
+        self._kv_waits: dict[tuple[int, str], tuple[float, asyncio.Task[Any]]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._beating: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start the heartbeat loop (on the running loop)."""
+        self._beating = asyncio.ensure_future(self._beat_forever())
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._beating, *self._tasks, *(h.task for h in self._hubs.values())) if t]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._up.close()
+
+    def _spawn(self, work: Any) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return _quiet(task)
+
+    @staticmethod
+    async def _answer(context: grpc.aio.ServicerContext, work: Any) -> Any:
+        try:
+            return await work
+        except grpc.aio.AioRpcError as e:
+            error = Relayed.of(e)
+        except Relayed as e:
+            error = e
+        await context.abort(error.code, error.details, trailing_metadata=error.trailers)
+
+    @staticmethod
+    def _left_s(context: grpc.aio.ServicerContext, default: float = 30.0) -> float:
+        left = context.time_remaining()
+        return default if left is None else max(left, 0.001)
+
+    # -- joins ------------------------------------------------------------------------------------
+    async def Join(  # type: ignore[override]  # wire bytes, as the coordinator's Join
+        self, request: pb.JoinRequest, context: grpc.aio.ServicerContext
+    ) -> bytes:
+        fut: asyncio.Future[bytes] = _quiet(asyncio.get_running_loop().create_future())
+        self._joins.append((request, time.monotonic() + self._left_s(context, 300.0), fut))
+        if len(self._joins) >= self._num_local:
+            self._flush_joins()
+        elif self._join_flush is None:
+            self._join_flush = asyncio.get_running_loop().call_later(JOIN_WINDOW_S, self._flush_joins)
+        return await self._answer(context, asyncio.shield(fut))
+
+    def _flush_joins(self) -> None:
+        if self._join_flush is not None:
+            self._join_flush.cancel()
+            self._join_flush = None
+        batch, self._joins = self._joins, []
+        if batch:
+            self._spawn(self._join_batch(batch))
+
+    async def _join_batch(self, batch: list[tuple[pb.JoinRequest, float, asyncio.Future[bytes]]]) -> None:
+        timeout_s = max(min(deadline for _, deadline, _ in batch) - time.monotonic(), 0.001)
+        try:
+            response = await self._up.join_host([r for r, _, _ in batch], timeout_s=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            for _, _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(Relayed.of(e))
+            return
+        peers = pb.JoinResponse(peers=response.peers).SerializeToString()
+        for (request, _, fut), member in zip(batch, response.members, strict=True):
+            epoch = self._epochs.get(member.epoch)
+            if epoch is None:
+                epoch = self._epochs[member.epoch] = _Epoch(
+                    {}, member.world_size, member.heartbeat_interval_s
+                )
+            epoch.ranks[member.rank] = request.pid
+            if not fut.done():
+                fut.set_result(member.SerializeToString() + peers)
+        for old in [e for e in self._epochs if e < max(self._epochs) - 1]:
+            del self._epochs[old]
+
+    # -- heartbeats -------------------------------------------------------------------------------
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HeartbeatResponse:
+        key = (request.epoch, request.rank)
+        self._beats[key] = request
+        refused = self._refused.pop(key, None) or self._upstream_error
+        if refused is not None:
+            await context.abort(refused.code, refused.details, trailing_metadata=refused.trailers)
+        epoch = self._epochs.get(request.epoch)
+        if epoch is not None and epoch.abort is not None:
+            return epoch.abort
+        return pb.HeartbeatResponse(aborted=False, rank=-1)
+
+    async def _beat_forever(self) -> None:
+        while True:
+            interval = min((e.interval_s for e in self._epochs.values()), default=1.0)
+            await asyncio.sleep(max(interval, 0.05))
+            if self._beats:
+                await self._beat_once()
+
+    async def _beat_once(self) -> None:
+        beats, self._beats = self._beats, {}
+        try:
+            response = await self._up.heartbeat_host(self.host_id, list(beats.values()))
+        except grpc.aio.AioRpcError as e:
+            self._upstream_error = Relayed.of(e)
+            for key, beat in beats.items():
+                self._beats.setdefault(key, beat)  # still this rank's latest: it goes with the next call
+            log.warning("host heartbeat failed: %s", e.details())
+            return
+        self._upstream_error = None
+        for key, result in zip(beats, response.results, strict=True):
+            if result.HasField("error"):
+                self._refused[key] = Relayed.of_call(result.error)
+            elif result.response.aborted and (epoch := self._epochs.get(key[0])) is not None:
+                epoch.abort = result.response
+
+    async def rank_died(self, pid: int, how: str) -> None:
+        """The launcher saw rank process ``pid`` end with a failure (``how``): name its rank lost at once."""
+        for number in sorted(self._epochs, reverse=True):
+            epoch = self._epochs[number]
+            rank = next((r for r, p in epoch.ranks.items() if p == pid), None)
+            if rank is None:
+                continue
+            self._beats.pop((number, rank), None)
+            if epoch.abort is not None:
+                return
+            reason = f"rank {rank} (pid {pid}, host {self.host_id}) {how}: its launcher saw the process end"
+            request = pb.AbortRequest(epoch=number, rank=rank, reason=reason, lost=True)
+            try:
+                await self._up.relay("Abort", request, timeout_s=5.0)
+            except grpc.aio.AioRpcError as e:  # the coordinator's heartbeat timeout still names the rank
+                log.warning("could not report rank %d's death: %s", rank, e.details())
+            return
+
+    # -- watch ------------------------------------------------------------------------------------
+    async def Watch(
+        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WatchEvent]:
+        hub = self._hubs.get(request.epoch)
+        if hub is None:
+            hub = self._hubs[request.epoch] = _Hub()
+            hub.task = asyncio.ensure_future(self._relay_watch(request, hub))
+            for old in [e for e in self._hubs if e < request.epoch - 1]:
+                dropped = self._hubs.pop(old)
+                if dropped.task is not None:
+                    dropped.task.cancel()
+        queue: asyncio.Queue[pb.WatchEvent | Relayed] = asyncio.Queue()
+        for event in hub.events:
+            queue.put_nowait(event)
+        if hub.error is not None:
+            queue.put_nowait(hub.error)
+        hub.queues.append(queue)
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, Relayed):
+                    await context.abort(item.code, item.details, trailing_metadata=item.trailers)
+                    return
+                event = pb.WatchEvent()
+                event.CopyFrom(item)
+                if event.kind == pb.WatchEvent.MEMBERSHIP:
+                    event.rank = request.rank
+                yield event
+                if event.kind in (pb.WatchEvent.ABORT, pb.WatchEvent.SHUTDOWN):
+                    return
+        finally:
+            hub.queues.remove(queue)
+
+    async def _relay_watch(self, request: pb.WatchRequest, hub: _Hub) -> None:
+        stream = self._up.watch_as(request.epoch, request.rank)
+        try:
+            async for event in stream:
+                hub.events.append(event)
+                if event.kind == pb.WatchEvent.ABORT and (epoch := self._epochs.get(request.epoch)):
+                    epoch.abort = pb.HeartbeatResponse(
+                        aborted=True, reason=event.reason, rank=event.rank, lost=event.lost
+                    )
+                for queue in hub.queues:
+                    queue.put_nowait(event)
+        except grpc.aio.AioRpcError as e:
+            hub.error = Relayed.of(e)
+            for queue in hub.queues:
+                queue.put_nowait(hub.error)
+        finally:
+            stream.cancel()
+
+    # -- barriers and waiting gets ----------------------------------------------------------------
+    async def Barrier(
+        self, request: pb.BarrierRequest, context: grpc.aio.ServicerContext
+    ) -> pb.BarrierResponse:
+        epoch = self._epochs.get(request.epoch)
+        if epoch is None:  # not a world of ours: the coordinator says what is wrong
+            await self._answer(context, self._up.relay("Barrier", request, timeout_s=self._left_s(context)))
+            return pb.BarrierResponse()
+        key = (request.epoch, request.name)
+        fut: asyncio.Future[None] = _quiet(asyncio.get_running_loop().create_future())
+        arrivals = self._barriers.setdefault(key, [])
+        arrivals.append((request, fut))
+        everyone = set(request.ranks) if request.ranks else range(epoch.world_size)
+        local = sum(r in everyone for r in epoch.ranks)
+        if len(arrivals) >= local:
+            self._flush_barrier(key)
+        elif key not in self._barrier_flush:
+            self._barrier_flush[key] = asyncio.get_running_loop().call_later(
+                BARRIER_WINDOW_S, self._flush_barrier, key
+            )
+        await self._answer(context, asyncio.shield(fut))
+        return pb.BarrierResponse()
+
+    def _flush_barrier(self, key: tuple[int, str]) -> None:
+        timer = self._barrier_flush.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+        arrivals = self._barriers.pop(key, [])
+        if arrivals:
+            self._spawn(self._barrier_batch(arrivals))
+
+    async def _barrier_batch(self, arrivals: list[tuple[pb.BarrierRequest, asyncio.Future[None]]]) -> None:
+        first = arrivals[0][0]
+        request = pb.BarrierHostRequest(
+            epoch=first.epoch,
+            name=first.name,
+            arriving=[r.rank for r, _ in arrivals],
+            ranks=first.ranks,
+            timeout_s=first.timeout_s,
+        )
+        try:
+            response = await self._up.barrier_host(request)
+        except grpc.aio.AioRpcError as e:
+            for _, fut in arrivals:
+                if not fut.done():
+                    fut.set_exception(Relayed.of(e))
+            return
+        for (_, fut), error in zip(arrivals, response.errors, strict=True):
+            if fut.done():
+                continue
+            if error.code:
+                fut.set_exception(Relayed.of_call(error))
+            else:
+                fut.set_result(None)
+
+    async def KVGet(self, request: pb.KVGetRequest, context: grpc.aio.ServicerContext) -> pb.KVGetResponse:
+        if not request.wait:
+            return await self._answer(
+                context, self._up.relay("KVGet", request, timeout_s=self._left_s(context))
+            )
+        # Waiting gets of one key (a group's unique id on every local rank) share one upstream call.
+        key = (request.epoch, request.key)
+        deadline = time.monotonic() + request.timeout_s
+        shared = self._kv_waits.get(key)
+        if shared is None or shared[1].done() or shared[0] < deadline:
+            task = self._spawn(self._up.relay("KVGet", request, timeout_s=request.timeout_s + WAIT_MARGIN_S))
+            shared = self._kv_waits[key] = (deadline, task)
+            task.add_done_callback(lambda done: self._forget_wait(key, done))
+        return await self._answer(context, asyncio.shield(shared[1]))
+
+    def _forget_wait(self, key: tuple[int, str], done: asyncio.Task[Any]) -> None:
+        shared = self._kv_waits.get(key)
+        if shared is not None and shared[1] is done:
+            del self._kv_waits[key]
+
+    # -- relayed as they came ---------------------------------------------------------------------
+    async def _relay(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._answer(context, self._up.relay(method, request, timeout_s=self._left_s(context)))
+
+    async def KVSet(self, request: pb.KVSetRequest, context: grpc.aio.ServicerContext) -> Any:
+        return await self._relay("KVSet", request, context)
+
+    async def KVAdd(self, request: pb.KVAddRequest, context: grpc.aio.ServicerContext) -> Any:
+        return await self._relay("KVAdd", request, context)
+
+    async def KVCompareSet(self, request: pb.KVCompareSetRequest, context: grpc.aio.ServicerContext) -> Any:
+        return await self._relay("KVCompareSet", request, context)
+
+    async def KVDelete(self, request: pb.KVDeleteRequest, context: grpc.aio.ServicerContext) -> Any:
+        return await self._relay("KVDelete", request, context)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> Any:
+        return await self._relay("Abort", request, context)
+
+    async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> Any:
+        self._beats.pop((request.epoch, request.rank), None)
+        return await self._relay("Leave", request, context)
+
+    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> Any:
+        return await self._relay("Status", request, context)
+
+    # -- host calls are the agent's own, upstream ------------------------------------------------------------
+    async def _refuse(self, method: str, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED, f"{method} goes to the coordinator, not to a host agent"
+        )
+
+    async def JoinHost(self, request: pb.JoinHostRequest, context: grpc.aio.ServicerContext) -> Any:
+        return await self._refuse("JoinHost", context)
+
+    async def HeartbeatHost(self, request: pb.HeartbeatHostRequest, context: grpc.aio.ServicerContext) -> Any:
+        return await self._refuse("HeartbeatHost", context)
+
+    async def BarrierHost(self, request: pb.BarrierHostRequest, context: grpc.aio.ServicerContext) -> Any:
+        return await self._refuse("BarrierHost", context)

@@ -1,0 +1,131 @@
+"""The host calls: a host agent (``paramplane launch``) speaks for its ranks in one call per host.
+
+Each call is the per-rank call done for every rank it carries, against the same state machine: a host's
+joins, the latest heartbeat of each of its ranks, its ranks' arrivals at one barrier. Per-rank outcomes
+travel back as ``CallError`` messages that the agent turns into each rank's own gRPC error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+from paramplane.coordinator.model import Assignment, ErrorKind, Joiner, StateError
+from paramplane.coordinator.state import CoordinatorState
+from paramplane.protos import coordinator_pb2 as pb
+from paramplane.protos.stats import stats_of
+
+Block = Callable[[Callable[[int], None], float], Awaitable[object]]
+
+
+def call_error(e: StateError) -> pb.CallError:
+    """A refused per-rank call, as the host call answers it."""
+    return pb.CallError(
+        code=e.kind.name,
+        details=str(e),
+        abort_rank=e.rank if e.kind is ErrorKind.ABORTED else -1,
+        left_rank=e.left,
+        mismatch=e.mismatch,
+    )
+
+
+async def _all_or_none(works: list[Awaitable[object]]) -> list[object]:
+    """Every result, or the first failure with the others withdrawn (their waiters cancelled)."""
+    tasks = [asyncio.ensure_future(w) for w in works]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def join_host(
+    state: CoordinatorState, block: Block, request: pb.JoinHostRequest, interval_s: float, timeout_s: float
+) -> pb.JoinHostResponse:
+    """Join every joiner of the request; answers once the world formed (one failure fails them all)."""
+    if not request.joiners:
+        raise StateError(ErrorKind.INVALID_ARGUMENT, "a host join needs at least one joiner")
+
+    def joining(j: pb.JoinRequest) -> Awaitable[object]:
+        joiner = Joiner(j.instance_id, j.host_id, j.peer_address, j.rank_hint, j.world_size, j.pid)
+        return block(lambda w: state.join(joiner, w, time.monotonic()), state.join_timeout_s)
+
+    assignments = await _all_or_none([joining(j) for j in request.joiners])
+    members = []
+    for a in assignments:
+        assert isinstance(a, Assignment)
+        members.append(
+            pb.JoinResponse(
+                rank=a.rank,
+                world_size=a.world_size,
+                node_rank=a.node_rank,
+                num_nodes=a.num_nodes,
+                local_rank=a.local_rank,
+                local_world_size=a.local_world_size,
+                epoch=a.epoch,
+                heartbeat_interval_s=interval_s,
+                heartbeat_timeout_s=timeout_s,
+                job_id=a.job_id,
+            )
+        )
+    first = assignments[0]
+    assert isinstance(first, Assignment)
+    return pb.JoinHostResponse(members=members, peers=[p.to_message() for p in first.peers])
+
+
+def heartbeat_host(state: CoordinatorState, request: pb.HeartbeatHostRequest) -> pb.HeartbeatHostResponse:
+    """Record every beat of the request, each as the rank's own heartbeat carried by the host's agent."""
+    if not request.host_id:
+        raise StateError(ErrorKind.INVALID_ARGUMENT, "a host heartbeat needs the agent's host_id")
+    now = time.monotonic()
+    results = []
+    for beat in request.beats:
+        progress = {p.group: (p.issued, p.completed) for p in beat.progress}
+        stats = stats_of(beat.stats) if beat.HasField("stats") else None
+        try:
+            abort = state.heartbeat(beat.epoch, beat.rank, progress, now, stats, agent=request.host_id)
+        except StateError as e:
+            results.append(pb.HeartbeatResult(error=call_error(e)))
+            continue
+        if abort is None:
+            response = pb.HeartbeatResponse(aborted=False, rank=-1)
+        else:
+            response = pb.HeartbeatResponse(
+                aborted=True, reason=abort.reason, rank=abort.rank, lost=abort.lost
+            )
+        results.append(pb.HeartbeatResult(response=response))
+    return pb.HeartbeatHostResponse(results=results)
+
+
+async def barrier_host(
+    state: CoordinatorState, block: Block, request: pb.BarrierHostRequest
+) -> pb.BarrierHostResponse:
+    """Every arriving rank of the request arrives at the barrier; answers each arrival's outcome."""
+
+    def arriving(rank: int) -> Awaitable[object]:
+        def register(waiter: int) -> None:
+            state.barrier(
+                request.epoch,
+                request.name,
+                rank,
+                list(request.ranks),
+                request.timeout_s,
+                waiter,
+                time.monotonic(),
+            )
+
+        return block(register, request.timeout_s)
+
+    outcomes = await asyncio.gather(*(arriving(r) for r in request.arriving), return_exceptions=True)
+    errors = []
+    for outcome in outcomes:
+        if isinstance(outcome, StateError):
+            errors.append(call_error(outcome))
+        elif isinstance(outcome, BaseException):
+            raise outcome
+        else:
+            errors.append(pb.CallError())
+    return pb.BarrierHostResponse(errors=errors)
