@@ -34,7 +34,6 @@ import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +41,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from paramplane.local_world import run_world
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 TRANSPORTS = ("lane-unix", "lane-tcp", "shm", "grpc-stream")
@@ -367,57 +368,36 @@ def torch_available() -> bool:
 
 
 def _run_world(cfg: BenchConfig, impl: str, transport: str, world: int) -> list[dict[str, Any]]:
-    """Start ``world`` rank processes for one impl/transport, wait for them, return rank 0's rows."""
-    coordinator = None
-    procs: list[subprocess.Popen[bytes]] = []
+    """Start ``world`` rank processes for one impl/transport (``run_world``), return rank 0's rows."""
     # Our launcher's malloc defaults for our ranks only: a peer runs at its own defaults.
     env = dict(os.environ, **(MALLOC_ENV if impl == "paramplane" else {}))
+    if impl == "paramplane":
+        env.update(
+            PARAMPLANE_TRANSPORT="shm" if transport == "shm" else "grpc",
+            PARAMPLANE_TCP_LANE="0" if transport == "grpc-stream" else "1",
+            # lane-tcp stands for the inter-host path: loopback TCP, not a same-machine socket.
+            PARAMPLANE_UNIX_LANE="1" if transport == "lane-unix" else "0",
+            PARAMPLANE_TIMEOUT=str(cfg.timeout_s),
+        )
+    else:
+        env["GLOO_SOCKET_IFNAME"] = "lo"
     with tempfile.TemporaryDirectory(prefix="pp-bench-") as tmp:
-        out, logs = Path(tmp) / "rows.jsonl", [Path(tmp) / f"rank{r}.log" for r in range(world)]
-        try:
-            if impl == "paramplane":
-                from paramplane.coordinator.server import CoordinatorConfig, CoordinatorThread
+        out = Path(tmp) / "rows.jsonl"
 
-                coordinator = CoordinatorThread(CoordinatorConfig(world_size=world, host="127.0.0.1", port=0))
-                env.update(
-                    PARAMPLANE_COORDINATOR=coordinator.start(),
-                    PARAMPLANE_WORLD_SIZE=str(world),
-                    PARAMPLANE_TRANSPORT="shm" if transport == "shm" else "grpc",
-                    PARAMPLANE_TCP_LANE="0" if transport == "grpc-stream" else "1",
-                    # lane-tcp stands for the inter-host path: loopback TCP, not a same-machine socket.
-                    PARAMPLANE_UNIX_LANE="1" if transport == "lane-unix" else "0",
-                    PARAMPLANE_TIMEOUT=str(cfg.timeout_s),
-                )
-            else:
-                env["GLOO_SOCKET_IFNAME"] = "lo"
-            for rank in range(world):
-                spec = dict(impl=impl, transport=transport, rank=rank, world=world, store=f"{tmp}/store")
-                spec.update(out=str(out), config=asdict(cfg))
-                with logs[rank].open("wb") as log:
-                    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
-                    env_rank = dict(env, PARAMPLANE_RANK=str(rank))
-                    procs.append(subprocess.Popen(argv, env=env_rank, stdout=log, stderr=subprocess.STDOUT))
-            deadline = time.monotonic() + cfg.timeout_s
-            for proc in procs:
-                try:
-                    proc.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    break
-            failed = [r for r, proc in enumerate(procs) if proc.returncode != 0]
-            if failed:
-                tail = logs[failed[0]].read_bytes()[-1500:].decode(errors="replace")
-                raise RuntimeError(
-                    f"{impl}/{transport} world {world}: ranks {failed} failed or passed {cfg.timeout_s:.0f}s "
-                    f"(codes {[proc.returncode for proc in procs]}); last output of rank {failed[0]}:\n{tail}"
-                )
-            return [json.loads(line) for line in out.read_text().splitlines()]
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait(10)
-            if coordinator is not None:
-                coordinator.stop()
+        def command(rank: int) -> list[str]:
+            spec = dict(impl=impl, transport=transport, rank=rank, world=world, store=f"{tmp}/store")
+            spec.update(out=str(out), config=asdict(cfg))
+            return [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+
+        run = run_world(world, command, env=env, timeout_s=cfg.timeout_s, coordinator=impl == "paramplane")
+        failed = [r for r in run.ranks if r.returncode != 0]
+        if failed or run.timed_out:
+            raise RuntimeError(
+                f"{impl}/{transport} world {world}: ranks {[r.rank for r in failed]} failed or passed "
+                f"{cfg.timeout_s:.0f}s (codes {[r.returncode for r in run.ranks]}); last output of rank "
+                f"{failed[0].rank if failed else 0}:\n{(failed or run.ranks)[0].output[-1500:]}"
+            )
+        return [json.loads(line) for line in out.read_text().splitlines()]
 
 
 def combine(rounds: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -18,11 +18,12 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from paramplane.local_world import run_world
 
 TIMEOUT_S = 120.0
 
@@ -75,25 +76,17 @@ def _free_port() -> int:
 
 
 def _form_world(impl: str, address: str, world_size: int) -> tuple[float, float]:
-    """Spawn ``world_size`` workers; answers (spawn to all joined, join alone) in seconds."""
+    """Spawn ``world_size`` workers (``run_world``); answers (spawn to all joined, join alone) in seconds."""
     args = [sys.executable, __file__, "--worker", impl, "--address", address, "--world-size", str(world_size)]
     spawned = time.monotonic()
-    procs = [
-        subprocess.Popen([*args, "--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in range(world_size)
-    ]
+    # The coordinator is started by the caller, before the clock: the time is the ranks' alone.
+    world = run_world(world_size, lambda r: [*args, "--rank", str(r)], timeout_s=TIMEOUT_S, coordinator=False)
     reports = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=TIMEOUT_S)
-            if p.returncode != 0:
-                raise RuntimeError(f"{impl} worker exited with {p.returncode}: {err.strip()[-2000:]}")
-            reports.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    for r in world.ranks:
+        lines = [line for line in r.output.splitlines() if line.startswith("{")]
+        if r.returncode != 0 or world.timed_out or not lines:
+            raise RuntimeError(f"{impl} rank {r.rank} exited with {r.returncode}: {r.output.strip()[-2000:]}")
+        reports.append(json.loads(lines[-1]))
     last_end = max(r["end"] for r in reports)
     return last_end - spawned, last_end - max(r["start"] for r in reports)
 
