@@ -42,6 +42,8 @@ def build(name: str, seed: int = 0, **over: Any) -> Any:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     torch.manual_seed(seed)
+    if name == "gpt2-cross":  # a decoder attending to an encoder's states in every block
+        name, over = "gpt2", {"add_cross_attention": True, **over}
     if name == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -82,6 +84,18 @@ def batch(step: int) -> dict[str, Any]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def encoder_states(step: int) -> dict[str, Any]:
+    """What a cross-attention model reads besides the batch: an encoder's states (5 positions, the last of
+    the first row masked), requiring a gradient as an encoder's output would."""
+    import torch
+
+    rng = np.random.default_rng(100 + step)
+    states = torch.from_numpy(rng.standard_normal((3, 5, 24))).requires_grad_()
+    mask = torch.ones(3, 5, dtype=torch.long)
+    mask[0, -1] = 0
+    return {"encoder_hidden_states": states, "encoder_attention_mask": mask}
+
+
 def shifted(logits: Any, labels: Any) -> tuple[Any, Any]:
     """Causal LM: position t predicts token t + 1."""
     return logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)
@@ -117,22 +131,40 @@ def train_one(rep: Report, name: str, tp: Any, sequence: bool = False) -> None:
     pp.parallelize(model, tp, pp.tp_plan_for(model, loss_parallel=True, sequence_parallel=sequence))
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (dense, model)]
     calls = _counting(tp)
-    num_layers = len(model.transformer.h if name == "gpt2" else model.model.layers)
+    num_layers = len(model.model.layers if name == "llama" else model.transformer.h)
+    cross = name == "gpt2-cross"
+    if cross:
+        attn = model.transformer.h[0].crossattention
+        heads = (
+            attn.num_heads,
+            attn.split_size,
+            tuple(attn.q_attn.weight.shape),
+            tuple(attn.c_attn.weight.shape),
+        )
+        want_heads = (6 // tp.size, 24 // tp.size, (24, 24 // tp.size), (24, 48 // tp.size))
+        rep.check(f"{tag} cross heads split", heads == want_heads, f"{heads} != {want_heads}")
     for step in range(STEPS):
         b = batch(step)
         kw = {"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]}
-        want = F.cross_entropy(*shifted(dense(**kw).logits, b["labels"]))
+        enc = encoder_states(step) if cross else {}
+        mine = {k: v.detach().clone().requires_grad_(v.requires_grad) for k, v in enc.items()}
+        want = F.cross_entropy(*shifted(dense(**kw, **enc).logits, b["labels"]))
         calls[0] = 0
-        logits, target = shifted(model(**kw).logits, b["labels"])
+        logits, target = shifted(model(**kw, **mine).logits, b["labels"])
         rep.check(f"{tag} logits split", logits.shape[-1] == VOCAB // tp.size, str(logits.shape))
         got = pp.vocab_parallel_cross_entropy(logits, target, tp)
         want.backward()
         got.backward()
         # forward: a row all-reduce per attention and MLP, the embedding's, the loss's two; backward: the
         # column input's per attention and MLP and the head's
+        # cross-attention adds per layer its row all-reduce and the f of its queries and of the encoder states
         if not sequence:
-            rep.check(f"{tag} all-reduces per step", calls[0] == 4 * num_layers + 4, f"{calls[0]}")
+            want_calls = (7 if cross else 4) * num_layers + 4
+            rep.check(f"{tag} all-reduces per step", calls[0] == want_calls, f"{calls[0]} != {want_calls}")
         _close(rep, f"{tag} loss step {step}", got.item(), want.item())
+        if cross:
+            states = "encoder_hidden_states"
+            _close(rep, f"{tag} encoder states grad {step}", mine[states].grad, enc[states].grad)
         if step == 0:
             dense_params = dict(dense.named_parameters())
             for pname, p in model.named_parameters():
@@ -190,6 +222,8 @@ def train(world: Any, rep: Report) -> None:
             train_one(rep, name, tp)
             train_one(rep, name, tp, sequence=True)
             gathered(rep, name, tp)
+        train_one(rep, "gpt2-cross", tp)
+        train_one(rep, "gpt2-cross", tp, sequence=True)
         sequential(rep, tp)
 
 
@@ -221,6 +255,24 @@ def errors(rep: Report, tp: Any) -> None:
         ValueError,
         lambda: pp.parallelize(wrong, tp, {"*attn.c_attn": "colwise", "*attn.c_proj": "rowwise"}),
         "parts=3",
+    )
+    cross = build("gpt2-cross")
+    rep.raises(
+        "cross kv",
+        ValueError,
+        lambda: pp.parallelize(cross, tp, {"*crossattention.c_attn": pp.ColwiseParallel(parts=3)}),
+        "parts=2",
+    )
+    rep.raises(
+        "cross q",
+        ValueError,
+        lambda: pp.parallelize(cross, tp, {"*crossattention.c_attn": pp.ColwiseParallel(parts=2)}),
+        "q_attn",
+    )
+    odd_cross = build("gpt2-cross", n_head=4)
+    plan = pp.tp_plan_for(odd_cross)
+    rep.raises(
+        "cross heads", ValueError, lambda: pp.parallelize(odd_cross, tp, plan), "4 attention heads", "tp=3"
     )
     rep.raises("tied", ValueError, lambda: pp.parallelize(wrong, tp, {"transformer.wte": "vocab"}), "tied")
     rep.raises(

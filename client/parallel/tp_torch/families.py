@@ -12,7 +12,16 @@ the ranks' parts. What each family needs, as torchtitan's ``parallelize_llama`` 
   keeps its ratio (``num_key_value_groups``) when both head counts divide by tp. ``num_heads`` /
   ``num_key_value_heads`` attributes, where a version has them, are divided too.
 
-Cross-attention and other attention modules are not adjusted (a plan that splits their projections raises).
+- transformers GPT-2 with cross-attention (``GPT2Config(add_cross_attention=True)``: each block's
+  ``crossattention`` attends from the decoder's states to ``encoder_hidden_states``): its ``q_attn`` (queries)
+  is split column-wise, its fused ``c_attn`` (keys and values from the encoder's states) as 2 blocks
+  (``ColwiseParallel(parts=2)``), its ``c_proj`` row-wise; the same attributes are divided by tp. The
+  encoder's states reach every rank whole (their gradient is all-reduced like any column layer's input).
+  Under sequence parallel only the decoder's states are split along the sequence; ``ln_cross_attn`` is a
+  sequence-parallel norm and the cross ``c_attn`` reads the whole encoder states.
+
+Other attention modules are not adjusted (a plan that splits the projections of an unknown one does not
+know its head count: write it with care, or add the family here).
 """
 
 from __future__ import annotations
@@ -54,6 +63,19 @@ def _heads_error(where: str, what: str, heads: int, tp: int) -> ValueError:
     )
 
 
+def _check_cross(name: str, prefix: str, styles: dict[str, Style], kv: Style) -> None:
+    """GPT-2's cross-attention: ``q_attn`` (queries, from the decoder) and ``c_attn`` (keys and values side by
+    side, from the encoder's states) split column-wise together, by heads."""
+    q = _style_of(styles, prefix + "q_attn")
+    if not isinstance(kv, ColwiseParallel) or kv.parts != 2 or kv.gather_output:
+        raise ValueError(
+            f"{name!r}: GPT-2's cross-attention c_attn holds k and v side by side; split it with "
+            "pp.ColwiseParallel(parts=2) (see pp.tp_plan_for)"
+        )
+    if not isinstance(q, ColwiseParallel) or q.parts != 1 or q.gather_output:
+        raise ValueError(f"{name!r}: split the cross-attention's q_attn column-wise with its c_attn")
+
+
 def check_attention(root: Any, styles: dict[str, Style], tp: int) -> None:
     """ValueError (naming the head count and tp) for an attention module whose projections the plan splits
     but whose heads do not divide by ``tp``, or whose projections are split the wrong way."""
@@ -65,8 +87,8 @@ def check_attention(root: Any, styles: dict[str, Style], tp: int) -> None:
             if style is None:
                 continue
             if getattr(module, "is_cross_attention", False):
-                raise ValueError(f"{name!r}: cross-attention is not supported under tensor parallel")
-            if not isinstance(style, ColwiseParallel) or style.parts != 3 or style.gather_output:
+                _check_cross(name, prefix, styles, style)
+            elif not isinstance(style, ColwiseParallel) or style.parts != 3 or style.gather_output:
                 raise ValueError(
                     f"{name!r}: GPT-2's fused c_attn holds q, k and v side by side; split it with "
                     "pp.ColwiseParallel(parts=3) (see pp.tp_plan_for)"
@@ -109,6 +131,9 @@ _PLANS: dict[str, dict[str, Style]] = {
         "*wte": VocabParallel(),
         "*attn.c_attn": ColwiseParallel(parts=3),
         "*attn.c_proj": RowwiseParallel(),
+        "*crossattention.q_attn": ColwiseParallel(),
+        "*crossattention.c_attn": ColwiseParallel(parts=2),
+        "*crossattention.c_proj": RowwiseParallel(),
         "*mlp.c_fc": ColwiseParallel(),
         "*mlp.c_proj": RowwiseParallel(),
         "lm_head": ColwiseParallel(),
@@ -128,7 +153,7 @@ _PLANS: dict[str, dict[str, Style]] = {
 
 
 _SEQUENCE = {
-    "gpt2": ("GPT2Block", ("*ln_1", "*ln_2"), "ln_f"),
+    "gpt2": ("GPT2Block", ("*ln_1", "*ln_2", "*ln_cross_attn"), "ln_f"),
     "llama": ("DecoderLayer", ("*input_layernorm", "*post_attention_layernorm"), "norm"),
 }
 
@@ -137,6 +162,7 @@ def _sequence_plan(model: Any, family: str, plan: dict[str, Style]) -> dict[str,
     """Megatron sequence parallel on top of ``plan``: the region from the first block's input to the final
     norm's output, the norms inside it, the column layers gathering and the row layers reduce-scattering."""
     block, norms, final = _SEQUENCE[family]
+    all_names = [n for n, _ in model.named_modules()]
     names = [n for n, m in model.named_modules() if type(m).__name__.endswith(block)]
     last = [n for n, _ in model.named_modules() if n == final or n.endswith(f".{final}")]
     if not names or not last:
@@ -146,7 +172,7 @@ def _sequence_plan(model: Any, family: str, plan: dict[str, Style]) -> dict[str,
         )
     out: dict[str, Style] = {}
     for pattern, style in plan.items():
-        if pattern == "lm_head":
+        if pattern in ("lm_head", "*crossattention.c_attn"):  # the head; the whole encoder states
             pass
         elif isinstance(style, RowwiseParallel) or (isinstance(style, ColwiseParallel) and family == "gpt2"):
             style = dataclasses.replace(style, sequence_parallel=True)
@@ -158,7 +184,7 @@ def _sequence_plan(model: Any, family: str, plan: dict[str, Style]) -> dict[str,
             {"*self_attn": SequenceParallel(gather_input=True), "*mlp": SequenceParallel(gather_input=True)}
         )
     out[names[0]] = SequenceParallel(scatter_input=True)
-    out.update({n: SequenceParallel() for n in norms})
+    out.update({n: SequenceParallel() for n in norms if any(fnmatch.fnmatchcase(m, n) for m in all_names)})
     out[last[-1]] = SequenceParallel(gather_output=True)
     return out
 
