@@ -40,6 +40,7 @@ if TYPE_CHECKING:
         VocabParallel,
         parallelize,
         tp_full_state_dict,
+        tp_optim_state,
         tp_plan_for,
         vocab_parallel_cross_entropy,
     )
@@ -67,6 +68,7 @@ _LAZY = {
     "VocabParallel": "paramplane.parallel.tp_torch",
     "parallelize": "paramplane.parallel.tp_torch",
     "tp_full_state_dict": "paramplane.parallel.tp_torch",
+    "tp_optim_state": "paramplane.parallel.tp_torch",
     "tp_plan_for": "paramplane.parallel.tp_torch",
     "vocab_parallel_cross_entropy": "paramplane.parallel.tp_torch",
     "CPUOffload": "paramplane.parallel.fsdp",
@@ -135,6 +137,7 @@ __all__ = [
     "pipeline_split",
     "shard_range",
     "tp_full_state_dict",
+    "tp_optim_state",
     "tp_plan_for",
     "units_by_class",
     "vocab_parallel_cross_entropy",

@@ -12,7 +12,8 @@ not divide by tp, a tied parameter only one of whose modules is split: each a Va
 The module is changed in place and returned: its parameters are this rank's pieces (each with a ``tp_shard``),
 its keys are unchanged. ``pp.tp_full_state_dict(module)`` gives the dense state; the returned module also has
 ``full_state_dict()`` and the ``sharded_state_dict`` / ``load_sharded_state_dict`` pair that ``pp.checkpoint``
-uses, so ``pp.checkpoint.save({"model": module}, ...)`` writes the dense model, loadable at any tp size.
+uses, so ``pp.checkpoint.save({"model": module}, ...)`` writes the dense model, loadable at any tp size, and
+``optim_state(opt)`` (``pp.tp_optim_state``) for a torch optimizer's state, which reshards the same way.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from paramplane.group import ProcessGroup
 from paramplane.parallel.torch_params import is_torch_module
 from paramplane.parallel.tp_torch import families, styles
 from paramplane.parallel.tp_torch.comm import SharedCopy
+from paramplane.parallel.tp_torch.optim import tp_optim_state
 from paramplane.parallel.tp_torch.state import (
     tp_full_state_dict,
     tp_load_sharded_state_dict,
@@ -102,4 +104,5 @@ def parallelize(module: Any, tp_group: ProcessGroup, plan: Mapping[str, Any]) ->
     module.full_state_dict = types.MethodType(tp_full_state_dict, module)
     module.sharded_state_dict = types.MethodType(tp_sharded_state_dict, module)
     module.load_sharded_state_dict = types.MethodType(tp_load_sharded_state_dict, module)
+    module.optim_state = types.MethodType(tp_optim_state, module)
     return module
