@@ -8,7 +8,9 @@ train 2 AdamW steps on the same batches; each checks every step's loss, the firs
 final parameters, gathered dense (``TPShard.dense_of`` / ``DTensor.full_tensor``), against torch's and
 against the dense model trained on one process. Twice: with the logits gathered (the model's own loss) and
 with them left split over the vocabulary (``pp.vocab_parallel_cross_entropy`` against torch's
-``loss_parallel()`` cross-entropy on a ``Shard(-1)`` DTensor).
+``loss_parallel()`` cross-entropy on a ``Shard(-1)`` DTensor); and under sequence parallel
+(``tp_plan_for(..., sequence_parallel=True)`` against torchtitan's ``SequenceParallel`` norms and
+``PrepareModuleInput`` layouts, the residual stream a ``Shard(1)`` DTensor), gathered logits.
 
 GPT-2 is not compared: torch's ``ColwiseParallel`` / ``RowwiseParallel`` apply to ``nn.Linear`` and
 ``nn.Embedding`` only, and GPT-2's projections are transformers' ``Conv1D`` (the worker checks that torch
@@ -33,18 +35,28 @@ TOL = 1e-12  # float64 (measured: under 1e-15); the two sum the ranks' parts in 
 STEPS = 2
 
 
-def torch_plan(loss_parallel: bool) -> dict[str, Any]:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    col, row = ColwiseParallel(), RowwiseParallel()
-    layer = "model.layers.*."
-    head = (
-        ColwiseParallel(use_local_output=False)
-        if loss_parallel
-        else ColwiseParallel(output_layouts=Replicate())
+def torch_plan(loss_parallel: bool, sequence: bool) -> dict[str, Any]:
+    """torchtitan's Llama plan on transformers' module names; ``sequence``: its sequence-parallel form (the
+    region starts at the first layer's input here, as in ``pp.tp_plan_for``, because transformers' Llama builds
+    its causal mask from the embedding's output)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
     )
-    return {
+
+    col = ColwiseParallel()
+    row = RowwiseParallel(output_layouts=Shard(1), use_local_output=False) if sequence else RowwiseParallel()
+    layer = "model.layers.*."
+    if loss_parallel:
+        head = ColwiseParallel(use_local_output=False)
+    else:
+        head = ColwiseParallel(
+            input_layouts=Shard(1) if sequence else Replicate(), output_layouts=Replicate()
+        )
+    plan: dict[str, Any] = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
         **{f"{layer}self_attn.{p}_proj": col for p in "qkv"},
         f"{layer}self_attn.o_proj": row,
@@ -53,6 +65,22 @@ def torch_plan(loss_parallel: bool) -> dict[str, Any]:
         f"{layer}mlp.down_proj": row,
         "lm_head": head,
     }
+    if sequence:
+        seq, whole = Shard(1), Replicate()
+        plan |= {
+            "model.layers.0": PrepareModuleInput(
+                input_layouts=(whole,), desired_input_layouts=(seq,), use_local_output=False
+            ),
+            f"{layer}input_layernorm": SequenceParallel(),
+            f"{layer}post_attention_layernorm": SequenceParallel(),
+            f"{layer}self_attn": PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": seq},
+                desired_input_kwarg_layouts={"hidden_states": whole},
+            ),
+            f"{layer}mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(whole,)),
+            "model.norm": SequenceParallel(),
+        }
+    return plan
 
 
 def loss_of(kind: str, model: Any, step: int, tp: Any, loss_parallel: bool) -> float:
@@ -92,15 +120,16 @@ def dense_grads(model: Any) -> dict[str, Any]:
     return out
 
 
-def compare(rep: Report, tp: Any, mesh: Any, loss_parallel: bool) -> None:
+def compare(rep: Report, tp: Any, mesh: Any, loss_parallel: bool, sequence: bool = False) -> None:
     import torch
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
-    tag = "loss-parallel" if loss_parallel else "gathered"
+    tag = ("loss-parallel" if loss_parallel else "gathered") + (" sequence-parallel" if sequence else "")
     models = {k: build("llama", tie_word_embeddings=False) for k in ("dense", "pp", "torch")}
-    pp.parallelize(models["pp"], tp, pp.tp_plan_for(models["pp"], loss_parallel=loss_parallel))
-    parallelize_module(models["torch"], mesh, torch_plan(loss_parallel))
+    plan = pp.tp_plan_for(models["pp"], loss_parallel=loss_parallel, sequence_parallel=sequence)
+    pp.parallelize(models["pp"], tp, plan)
+    parallelize_module(models["torch"], mesh, torch_plan(loss_parallel, sequence))
     rep.check(f"{tag} torch split", isinstance(models["torch"].lm_head.weight, DTensor))
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for k, m in models.items()}
     for step in range(STEPS):
@@ -154,6 +183,7 @@ def scenario(world: Any, rep: Report) -> None:
         tp = pp.Mesh(world, tp=2).group("tp")
         for loss_parallel in (False, True):
             compare(rep, tp, mesh, loss_parallel)
+        compare(rep, tp, mesh, False, sequence=True)
         torch_refuses_conv1d(rep, mesh)
     finally:
         dist.destroy_process_group()
