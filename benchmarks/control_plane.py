@@ -14,6 +14,11 @@ spread over H simulated hosts (host ids) and P simulator processes. Per world si
 - ``detect_s``: one rank stops heartbeating; until every other rank has the abort naming it (the
   coordinator's heartbeat timeout, default 10 s, is the bound).
 
+With ``--impls agent`` the same runs through host agents (``paramplane launch --coordinator``'s design): one
+``HostAgent`` per simulated host batches its ranks' joins, heartbeats and barrier arrivals into one call per
+host, holds one Watch stream per host and shares one waiting get per key (``_control_plane_agent.py``); rows
+say ``paramplane-agent``.
+
 TCPStore (libuv server in its own process; one client per simulated rank, threads in P processes) runs the
 same rendezvous (``add`` + ``wait``, as torch's static rendezvous does), barrier and unique-id fan-outs.
 Output: JSON lines (``--out`` appends them); ``--plot`` draws the log-log figure.
@@ -334,7 +339,7 @@ def _measure(impl: str, n: int, heartbeat_timeout_s: float, steady_s: float = ST
     procs = _procs_for(n, hosts)
     with tempfile.TemporaryDirectory(prefix="pp-cp-") as tmp:
         port_file = Path(tmp) / "port"
-        if impl == "paramplane":
+        if impl != "tcpstore":
             server = subprocess.Popen(
                 [sys.executable, "-m", "paramplane.cli", "coordinator", "--world-size", str(n), "--port", "0",
                  "--port-file", str(port_file), "--heartbeat-timeout", str(heartbeat_timeout_s)],
@@ -350,8 +355,8 @@ def _measure(impl: str, n: int, heartbeat_timeout_s: float, steady_s: float = ST
             sampler.start()
             parts = _run_sims(impl, target, n, hosts, procs, steady_s)
             sampler.done.set()
-            row = _summary(impl, n, hosts, procs, parts)
-            if impl == "paramplane":
+            row = _summary("paramplane-agent" if impl == "agent" else impl, n, hosts, procs, parts)
+            if impl != "tcpstore":
                 start, end = max(p["steady"][0] for p in parts), min(p["steady"][1] for p in parts)
                 row["cpu_steady"], row["rss_mb"] = sampler.window(start + 1.0, end)
                 stop = parts[(hosts - 1) % procs]["stop"]  # the process of rank n - 1, the silent one
@@ -377,7 +382,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
                ("cpu_steady", "coordinator CPU, steady (cores)"), ("rss_mb", "server memory (MB)")]  # fmt: skip
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
     for ax, (key, title) in zip(axes.flat, figures):
-        for impl, style in (("paramplane", "o-"), ("tcpstore", "s--")):
+        for impl, style in (("paramplane", "o-"), ("paramplane-agent", "^-"), ("tcpstore", "s--")):
             pts = sorted(
                 (r["world_size"], r[key]) for r in rows if r["impl"] == impl and r.get(key) is not None
             )
@@ -398,7 +403,13 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024, 4096])
-    parser.add_argument("--impls", nargs="+", default=["paramplane", "tcpstore"])
+    parser.add_argument(
+        "--impls",
+        nargs="+",
+        default=["paramplane", "agent", "tcpstore"],
+        choices=["paramplane", "agent", "tcpstore"],
+        help="paramplane: every rank calls the coordinator; agent: through one host agent per host",
+    )
     parser.add_argument("--out", type=Path)
     parser.add_argument(
         "--heartbeat-timeout",
@@ -410,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tcpstore-max", type=int, default=4096, help="largest world size run on TCPStore")
     parser.add_argument("--plot", type=Path, help="draw the log-log figure of --out's rows here")
     parser.add_argument("--plot-only", action="store_true", help="only draw --plot from the rows in --out")
-    parser.add_argument("--sim", choices=["paramplane", "tcpstore"], help=argparse.SUPPRESS)
+    parser.add_argument("--sim", choices=["paramplane", "agent", "tcpstore"], help=argparse.SUPPRESS)
     parser.add_argument("--store-server", help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
@@ -426,6 +437,19 @@ def main(argv: list[str] | None = None) -> int:
 
         result = asyncio.run(
             _sim_paramplane(args.target, args.n, args.hosts, args.procs, args.index, args.steady)
+        )
+        print(json.dumps(result), flush=True)
+        return 0
+    if args.sim == "agent":
+        import asyncio
+
+        from paramplane.benchmarks._control_plane_agent import sim_agents
+
+        mine = _my_ranks(args.n, args.hosts, args.procs, args.index)
+        result = asyncio.run(
+            sim_agents(
+                args.target, args.n, mine, args.n // args.hosts, _ready_then_go, args.steady, TIMEOUT_S, UID
+            )
         )
         print(json.dumps(result), flush=True)
         return 0

@@ -49,6 +49,11 @@ def _quiet(fut: _F) -> _F:
     return fut
 
 
+KV_WAIT_SLACK_S = 1.0
+"""A waiting get joins another's upstream call for the same key when that call's deadline is at most this much
+earlier than its own."""
+
+
 class Relayed(Exception):
     """A call's failure to hand back to the rank as its own gRPC error."""
 
@@ -103,7 +108,7 @@ class HostAgent(pb_grpc.CoordinatorServicer):
         self.host_id = host_id
         self._num_local = num_local
         self.num_calls: collections.Counter[str] = collections.Counter()
-        self._joins: list[tuple[pb.JoinRequest, float, asyncio.Future[bytes]]] = []
+        self._joins: list[tuple[pb.JoinRequest, float, asyncio.Future[tuple[pb.JoinResponse, bytes]]]] = []
         self._join_flush: asyncio.TimerHandle | None = None
         self._epochs: dict[int, _Epoch] = {}
         self._beats: dict[tuple[int, int], pb.HeartbeatRequest] = {}
@@ -152,13 +157,21 @@ class HostAgent(pb_grpc.CoordinatorServicer):
     async def Join(  # type: ignore[override]  # wire bytes, as the coordinator's Join
         self, request: pb.JoinRequest, context: grpc.aio.ServicerContext
     ) -> bytes:
-        fut: asyncio.Future[bytes] = _quiet(asyncio.get_running_loop().create_future())
-        self._joins.append((request, time.monotonic() + self._left_s(context, 300.0), fut))
+        member, peers = await self._answer(context, self.join(request, self._left_s(context, 300.0)))
+        return bytes(member.SerializeToString() + peers)
+
+    async def join(self, request: pb.JoinRequest, timeout_s: float) -> tuple[pb.JoinResponse, bytes]:
+        """One local rank's join, batched with the others: its place (without the peer table) and the peer table
+        as the wire bytes of a JoinResponse holding only it (concatenated, they are the rank's answer)."""
+        fut: asyncio.Future[tuple[pb.JoinResponse, bytes]] = _quiet(
+            asyncio.get_running_loop().create_future()
+        )
+        self._joins.append((request, time.monotonic() + timeout_s, fut))
         if len(self._joins) >= self._num_local:
             self._flush_joins()
         elif self._join_flush is None:
             self._join_flush = asyncio.get_running_loop().call_later(JOIN_WINDOW_S, self._flush_joins)
-        return await self._answer(context, asyncio.shield(fut))
+        return await asyncio.shield(fut)
 
     def _flush_joins(self) -> None:
         if self._join_flush is not None:
@@ -168,7 +181,9 @@ class HostAgent(pb_grpc.CoordinatorServicer):
         if batch:
             self._spawn(self._join_batch(batch))
 
-    async def _join_batch(self, batch: list[tuple[pb.JoinRequest, float, asyncio.Future[bytes]]]) -> None:
+    async def _join_batch(
+        self, batch: list[tuple[pb.JoinRequest, float, asyncio.Future[tuple[pb.JoinResponse, bytes]]]]
+    ) -> None:
         timeout_s = max(min(deadline for _, deadline, _ in batch) - time.monotonic(), 0.001)
         try:
             response = await self._up.join_host([r for r, _, _ in batch], timeout_s=timeout_s)
@@ -186,7 +201,7 @@ class HostAgent(pb_grpc.CoordinatorServicer):
                 )
             epoch.ranks[member.rank] = request.pid
             if not fut.done():
-                fut.set_result(member.SerializeToString() + peers)
+                fut.set_result((member, peers))
         for old in [e for e in self._epochs if e < max(self._epochs) - 1]:
             del self._epochs[old]
 
@@ -362,7 +377,7 @@ class HostAgent(pb_grpc.CoordinatorServicer):
         key = (request.epoch, request.key)
         deadline = time.monotonic() + request.timeout_s
         shared = self._kv_waits.get(key)
-        if shared is None or shared[1].done() or shared[0] < deadline:
+        if shared is None or shared[1].done() or shared[0] + KV_WAIT_SLACK_S < deadline:
             task = self._spawn(self._up.relay("KVGet", request, timeout_s=request.timeout_s + WAIT_MARGIN_S))
             shared = self._kv_waits[key] = (deadline, task)
             task.add_done_callback(lambda done: self._forget_wait(key, done))

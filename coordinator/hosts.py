@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from paramplane.coordinator.model import Assignment, ErrorKind, Joiner, StateError
 from paramplane.coordinator.state import CoordinatorState
 from paramplane.protos import coordinator_pb2 as pb
+from paramplane.protos.records import RankInfo
 from paramplane.protos.stats import stats_of
 
 Block = Callable[[Callable[[int], None], float], Awaitable[object]]
@@ -43,9 +44,15 @@ async def _all_or_none(works: list[Awaitable[object]]) -> list[object]:
 
 
 async def join_host(
-    state: CoordinatorState, block: Block, request: pb.JoinHostRequest, interval_s: float, timeout_s: float
-) -> pb.JoinHostResponse:
-    """Join every joiner of the request; answers once the world formed (one failure fails them all)."""
+    state: CoordinatorState,
+    block: Block,
+    request: pb.JoinHostRequest,
+    interval_s: float,
+    timeout_s: float,
+    peers_wire: Callable[[tuple[RankInfo, ...]], bytes],
+) -> bytes:
+    """Join every joiner of the request; answers once the world formed (one failure fails them all), as wire
+    bytes: the members, then the peer table that ``peers_wire`` serialized once for every host."""
     if not request.joiners:
         raise StateError(ErrorKind.INVALID_ARGUMENT, "a host join needs at least one joiner")
 
@@ -73,7 +80,7 @@ async def join_host(
         )
     first = assignments[0]
     assert isinstance(first, Assignment)
-    return pb.JoinHostResponse(members=members, peers=[p.to_message() for p in first.peers])
+    return pb.JoinHostResponse(members=members).SerializeToString() + peers_wire(first.peers)
 
 
 def heartbeat_host(state: CoordinatorState, request: pb.HeartbeatHostRequest) -> pb.HeartbeatHostResponse:

@@ -141,10 +141,13 @@ def add_servicer(service: pb_grpc.CoordinatorServicer, server: grpc.aio.Server, 
     capture = _Capture()
     pb_grpc.add_CoordinatorServicer_to_server(service, capture)
     handlers = {name: _counted(counts, name, h) for name, h in capture.handlers.items()}
-    join = handlers["Join"]
-    handlers["Join"] = grpc.unary_unary_rpc_method_handler(
-        join.unary_unary, request_deserializer=join.request_deserializer, response_serializer=serialize_join
-    )
+    for name in ("Join", "JoinHost"):
+        join = handlers[name]
+        handlers[name] = grpc.unary_unary_rpc_method_handler(
+            join.unary_unary,
+            request_deserializer=join.request_deserializer,
+            response_serializer=serialize_join,
+        )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 

@@ -74,8 +74,8 @@ def _assignment_wire(
     return own.SerializeToString() + peers_wire
 
 
-def serialize_join(response: pb.JoinResponse | bytes) -> bytes:
-    """The Join handler's response serializer: ``Join`` answers wire bytes (see ``_assignment_wire``)."""
+def serialize_join(response: pb.JoinResponse | pb.JoinHostResponse | bytes) -> bytes:
+    """The Join and JoinHost handlers' response serializer: they answer wire bytes (see ``_assignment_wire``)."""
     return response if isinstance(response, bytes) else response.SerializeToString()
 
 
@@ -93,6 +93,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._watchers: set[asyncio.Queue[Event]] = set()
         self._wake = asyncio.Event()
         self._ticker: asyncio.Task[None] | None = None
+        self._host_peers: tuple[tuple[RankInfo, ...], bytes] | None = None
         self.num_calls: collections.Counter[str] = collections.Counter()
         """Calls answered, by method name (counted by the server's handlers)."""
         self._peers_wire: tuple[tuple[RankInfo, ...], bytes] | None = (
@@ -352,13 +353,25 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return pb.LeaveResponse()
 
     # -- host calls (coordinator/hosts.py) --------------------------------------------------------
-    async def JoinHost(
+    async def JoinHost(  # type: ignore[override]  # wire bytes: see serialize_join
         self, request: pb.JoinHostRequest, context: grpc.aio.ServicerContext
-    ) -> pb.JoinHostResponse:
+    ) -> bytes:
         work = join_host(
-            self._state, self._block, request, self._heartbeat_interval_s, self._heartbeat_timeout_s
+            self._state,
+            self._block,
+            request,
+            self._heartbeat_interval_s,
+            self._heartbeat_timeout_s,
+            self._host_peers_wire,
         )
         return await self._guard(context, work)
+
+    def _host_peers_wire(self, peers: tuple[RankInfo, ...]) -> bytes:
+        """The world's peer table as the wire bytes of a JoinHostResponse holding only it (once per world)."""
+        if self._host_peers is None or self._host_peers[0] is not peers:
+            wire = pb.JoinHostResponse(peers=[p.to_message() for p in peers]).SerializeToString()
+            self._host_peers = (peers, wire)
+        return self._host_peers[1]
 
     async def HeartbeatHost(
         self, request: pb.HeartbeatHostRequest, context: grpc.aio.ServicerContext

@@ -385,3 +385,44 @@ def test_a_group_idle_for_long_is_not_stuck_when_one_rank_issues_the_next_op_fir
     [event] = s.take_effects().events
     assert event.kind is EventKind.ABORT and event.rank == 1
     assert "no progress on group 'world' for 301.0 s" in event.reason
+
+
+def test_a_silent_host_agent_is_named_with_its_ranks_and_a_silent_rank_under_a_live_agent_alone() -> None:
+    """Heartbeats carried by host agents: callers count agents, not ranks; an agent gone quiet is named with its
+    ranks, while a rank its (live) agent stopped carrying is named as itself."""
+    s = state(4, heartbeat_timeout_s=10.0)
+    form(s, ["a", "a", "b", "b"], now=100.0)
+    for t in (101.0, 106.0):
+        for rank in range(4):
+            s.heartbeat(1, rank, {}, now=t, agent="agent-a" if rank < 2 else "agent-b")
+    status = s.status(106.0)
+    assert status["num_heartbeat_callers"] == 2
+    assert [r["agent"] for r in status["ranks"]] == ["agent-a", "agent-a", "agent-b", "agent-b"]
+    for t in (110.0, 114.0):  # agent-b goes quiet after 106
+        for rank in (0, 1):
+            s.heartbeat(1, rank, {}, now=t, agent="agent-a")
+        s.tick(t)
+    assert s.status(116.4)["num_heartbeat_callers"] == 1  # agent-b silent 10.4 s
+    s.tick(116.5)
+    [event] = s.take_effects().events
+    assert event.kind is EventKind.ABORT and event.lost and event.rank == 2
+    assert event.reason.startswith(
+        "the host agent agent-b (ranks [2, 3], host b) missed heartbeats for 10.5 s"
+    )
+
+    s = state(2, heartbeat_timeout_s=10.0)
+    form(s, ["a", "a"], now=100.0)
+    for t in (101.0, 106.0, 110.0):
+        s.heartbeat(1, 0, {}, now=t, agent="agent-a")  # rank 1 never beats (hangs); its agent is alive
+        s.tick(t)
+    s.tick(110.5)
+    [event] = s.take_effects().events
+    assert event.rank == 1 and event.reason.startswith("rank 1 missed heartbeats for 10.5 s")
+
+
+def test_an_abort_reported_lost_by_a_host_agent_names_the_dead_rank_with_its_reason() -> None:
+    s = state(2)
+    form(s, ["a", "a"])
+    s.abort(1, 1, "rank 1 (pid 7, host a) was killed by SIGKILL", lost=True)
+    [event] = s.take_effects().events
+    assert (event.rank, event.lost, event.reason) == (1, True, "rank 1 (pid 7, host a) was killed by SIGKILL")
