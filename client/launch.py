@@ -545,10 +545,8 @@ class Launcher:
                 continue
             self._handle(event)
             kind, index, returncode = event
-            if kind == "exit" and returncode < 0 and self._agent is not None:
-                # Killed (crash, OOM killer, SIGKILL): lost at once. A rank that exits with a code chose to and
-                # said why itself (pp.init's hooks abort the world first), or may have failed because of another.
-                self._agent.rank_died(self._ranks[index].process.pid, describe_exit(returncode))
+            if kind == "exit" and returncode != 0:
+                self._report_killed()
             if kind == "exit" and returncode != 0 and self._num_replacements < self.config.max_replacements:
                 self._replace(index, replace)
                 continue
@@ -557,6 +555,23 @@ class Launcher:
                 stopped = f"; stopped the other {_plural(num_live, 'rank')}" if num_live else ""
                 code = returncode if returncode > 0 else 128 - returncode
                 return code, f"rank {index} {describe_exit(returncode)}{stopped}"
+
+    def _report_killed(self) -> None:
+        """Tell the agent of every rank killed by a signal (crash, OOM killer, SIGKILL), named lost at once. A
+        rank that exited with a code chose to and said why itself (pp.init's hooks abort the world first), or
+        failed because of another: a host-mate may see a killed rank's links drop and exit before the killed
+        one's own exit event arrives here, so every rank is looked at, not only the one whose event this is."""
+        if self._agent is None:
+            return
+        for rank in self._ranks:
+            if rank.reaped:
+                continue
+            try:
+                info = os.waitid(os.P_PID, rank.process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                continue
+            if info is not None and info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+                self._agent.rank_died(rank.process.pid, describe_exit(-info.si_status))
 
     def _stop_all(self, first_signal: int) -> None:
         """Signal every group we started, SIGKILL what is left after the grace, reap the leaders."""

@@ -65,6 +65,17 @@ class _StatusCollector(Collector):
                 ops[k] = ops.get(k, 0) + v
         yield _by_transport("paramplane_transport_bytes", "Payload bytes of collectives and messages.", moved)
         yield _by_transport("paramplane_transport_ops", "Collectives and messages, summed over ranks.", ops)
+        calls = CounterMetricFamily(
+            "paramplane_coordinator_calls", "Calls the coordinator answered, by method.", labels=["method"]
+        )
+        for method, count in sorted(s.num_calls.items()):
+            calls.add_metric([method], count)
+        yield calls
+        yield _gauge(
+            "paramplane_heartbeat_callers",
+            "Heartbeat callers heard within the timeout: host agents, plus ranks that beat themselves.",
+            s.num_heartbeat_callers,
+        )
         yield _counter("paramplane_aborts", "Worlds aborted since the coordinator started.", s.num_aborts)
         yield _counter(
             "paramplane_restarts", "Worlds formed by new processes after an abort.", s.num_restarts

@@ -622,7 +622,11 @@ class CoordinatorState:
                 else f"{seen - world.formed_at:.1f} s after the world formed"
             )
             agent = world.agent.get(rank)
-            if agent is not None and now - world.callers[agent] > self._heartbeat_timeout_s:
+            if agent is not None and world.callers[agent] < (seen or 0.0) + self._heartbeat_timeout_s:
+                # Its agent has not called since this rank's deadline: the rank's last beats may have died with
+                # the agent. Its next call (the rank hangs) or its own timeout (the agent is lost) tells.
+                if now - world.callers[agent] <= self._heartbeat_timeout_s:
+                    continue
                 ranks = sorted(r for r, a in world.agent.items() if a == agent and r not in world.left)
                 self._abort(
                     world,

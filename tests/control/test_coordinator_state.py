@@ -398,7 +398,7 @@ def test_a_silent_host_agent_is_named_with_its_ranks_and_a_silent_rank_under_a_l
     status = s.status(106.0)
     assert status["num_heartbeat_callers"] == 2
     assert [r["agent"] for r in status["ranks"]] == ["agent-a", "agent-a", "agent-b", "agent-b"]
-    for t in (110.0, 114.0):  # agent-b goes quiet after 106
+    for t in (110.0, 114.0, 116.0):  # agent-b goes quiet after 106
         for rank in (0, 1):
             s.heartbeat(1, rank, {}, now=t, agent="agent-a")
         s.tick(t)
@@ -416,6 +416,20 @@ def test_a_silent_host_agent_is_named_with_its_ranks_and_a_silent_rank_under_a_l
         s.heartbeat(1, 0, {}, now=t, agent="agent-a")  # rank 1 never beats (hangs); its agent is alive
         s.tick(t)
     s.tick(110.5)
+    [event] = s.take_effects().events
+    assert event.rank == 1 and event.reason.startswith("rank 1 missed heartbeats for 10.5 s")
+
+    # A rank that beat and then stopped: past its deadline, it is named only once its agent has called again
+    # without it (before that, the beats it sent may have died with an agent that is itself lost).
+    s = state(2, heartbeat_timeout_s=10.0)
+    form(s, ["a", "a"], now=100.0)
+    s.heartbeat(1, 1, {}, now=101.0, agent="agent-a")
+    for t in (101.0, 106.0, 110.0):
+        s.heartbeat(1, 0, {}, now=t, agent="agent-a")
+    s.tick(111.2)  # rank 1 silent 10.2 s; agent-a last called at 110, before rank 1's deadline (111)
+    assert not s.take_effects().events
+    s.heartbeat(1, 0, {}, now=111.4, agent="agent-a")
+    s.tick(111.5)
     [event] = s.take_effects().events
     assert event.rank == 1 and event.reason.startswith("rank 1 missed heartbeats for 10.5 s")
 
