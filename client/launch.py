@@ -152,6 +152,9 @@ class LaunchConfig:
         return self.num_ranks if self.world_size is None else self.world_size
 
 
+KILLED_GRACE_S = 1.0
+"""When a rank exits with a failure code, how long the launcher looks for a host-mate killed by a signal (the
+likely cause) to report to the coordinator before stopping the others."""
 COORDINATOR_PROBE_S = 10.0
 """How long the launcher waits for an external coordinator to answer before a restart."""
 
@@ -563,15 +566,25 @@ class Launcher:
         one's own exit event arrives here, so every rank is looked at, not only the one whose event this is."""
         if self._agent is None:
             return
-        for rank in self._ranks:
-            if rank.reaped:
-                continue
-            try:
-                info = os.waitid(os.P_PID, rank.process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-            except ChildProcessError:
-                continue
-            if info is not None and info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
-                self._agent.rank_died(rank.process.pid, describe_exit(-info.si_status))
+        # A killed process drops its sockets before it is a zombie (tearing down a large one takes a while on
+        # busy cores): a host-mate that failed on the dropped links gets this far first, so look a little longer.
+        deadline = time.monotonic() + KILLED_GRACE_S
+        while True:
+            killed = []
+            for rank in self._ranks:
+                if rank.reaped:
+                    continue
+                try:
+                    info = os.waitid(os.P_PID, rank.process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                except ChildProcessError:
+                    continue
+                if info is not None and info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+                    killed.append((rank.process.pid, describe_exit(-info.si_status)))
+            if killed or time.monotonic() >= deadline:
+                break
+            time.sleep(_POLL_S)
+        for pid, how in killed:
+            self._agent.rank_died(pid, how)
 
     def _stop_all(self, first_signal: int) -> None:
         """Signal every group we started, SIGKILL what is left after the grace, reap the leaders."""
