@@ -224,7 +224,10 @@ class HostAgent(pb_grpc.CoordinatorServicer):
             interval = min((e.interval_s for e in self._epochs.values()), default=1.0)
             await asyncio.sleep(max(interval, 0.05))
             if self._beats:
-                await self._beat_once()
+                try:
+                    await self._beat_once()
+                except Exception:  # never let the host go silent over one bad answer
+                    log.exception("host heartbeat failed")
 
     async def _beat_once(self) -> None:
         beats, self._beats = self._beats, {}
