@@ -23,6 +23,12 @@ Variants (every one at equal tokens: ``--steps`` inner steps of 4 x ``--batch`` 
   ``pp.DiLoCo(..., mesh.group("replicate"), sync_every=H)`` across (outer Nesterov SGD lr 0.7, momentum 0.9).
 - ``streaming_h40``: the same with ``fragments=4, overlap=True, outer_dtype="int8"`` and H = 40 (``fragments``
   must divide H, and 40 divides the 200 steps): one fragment (an FSDP unit) synced every 10 steps.
+- ``streaming_h40_avg``: ``streaming_h40`` with plain averaging as the outer step (``torch.optim.SGD`` lr 1,
+  no momentum) instead of DiLoCo's default Nesterov SGD (lr 0.7, momentum 0.9).
+- Not in the default ``--variants``: ``streaming_h40_f32`` (no int8) and ``streaming_h40_no_overlap``;
+  ``--outer-lr``/``--outer-momentum`` and ``--alpha`` override the outer optimizer and DiLoCo's ``alpha``
+  of every DiLoCo variant (ablations). At the end every DiLoCo variant calls ``diloco.sync_all()`` before
+  its final evaluation (``final_val_loss_before_sync_all``: the one before it).
 
 Measured per variant and link: bytes crossing the link per step (rank 0 reads the veth's ``tx_bytes`` +
 ``rx_bytes`` before and after the training steps: payload, TCP/IP headers and heartbeats), the training wall
@@ -60,7 +66,20 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "diloco_h10": {"sync_every": 10},
     "diloco_h50": {"sync_every": 50},
     "streaming_h40": {"sync_every": 40, "fragments": 4, "overlap": True, "outer_dtype": "int8"},
+    # streaming_h40 with plain averaging as the outer step (SGD lr 1, no momentum: FedAvg's) instead of
+    # Nesterov 0.7 / 0.9, which overshoots when each fragment gets only a few outer steps (README).
+    "streaming_h40_avg": {
+        "sync_every": 40,
+        "fragments": 4,
+        "overlap": True,
+        "outer_dtype": "int8",
+        "outer": (1.0, 0.0),
+    },
+    # Ablations of streaming_h40 (not in the default run): float32 outer gradients; no overlap.
+    "streaming_h40_f32": {"sync_every": 40, "fragments": 4, "overlap": True},
+    "streaming_h40_no_overlap": {"sync_every": 40, "fragments": 4, "outer_dtype": "int8"},
 }
+HEADLINE = ["hybrid_shard", "diloco_h10", "diloco_h50", "streaming_h40", "streaming_h40_avg"]
 LINKS = {"100mbit": "100mbit", "1gbit": "1gbit"}
 VOCAB, SEQ, RANKS_PER_HOST, DELAY = 128, 64, 2, "10ms"
 
@@ -119,7 +138,15 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         mesh = pp.Mesh(world.group, dims=[("replicate", hosts), ("shard", RANKS_PER_HOST)])
         fsdp = pp.FSDP(model, mesh.group("shard"), "full_shard")
         opt = torch.optim.AdamW(fsdp.parameters(), lr=args.lr)
-        diloco = pp.DiLoCo(fsdp, opt, mesh.group("replicate"), **spec)
+        kw = {k: v for k, v in spec.items() if k != "outer"}
+        outer = (args.outer_lr, args.outer_momentum) if args.outer_lr is not None else spec.get("outer")
+        if outer is not None:  # else DiLoCo's default outer optimizer (Nesterov SGD 0.7 / 0.9)
+            kw["outer_optimizer"] = torch.optim.SGD(
+                fsdp.parameters(), lr=outer[0], momentum=outer[1], nesterov=outer[1] > 0
+            )
+        if args.alpha is not None and spec.get("overlap"):
+            kw["alpha"] = args.alpha
+        diloco = pp.DiLoCo(fsdp, opt, mesh.group("replicate"), **kw)
     val_starts = np.random.default_rng(12345).integers(0, len(val) - SEQ, args.val_windows)
 
     def evaluate() -> float:
@@ -132,7 +159,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
     world.group.barrier()
     dev = os.environ.get("PPDL_VETH") if rank == 0 else None
-    bytes0, clock, curve = link_bytes(dev), 0.0, []
+    bytes0, clock, curve, unsynced = link_bytes(dev), 0.0, [], None
     mark = time.perf_counter()
     for step in range(args.steps):
         rng = np.random.default_rng(step * 1000 + rank)
@@ -143,8 +170,12 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         done = step + 1
         if done % args.eval_every == 0 or done == args.steps:
             if done == args.steps:
-                if diloco is not None:
+                if diloco is not None:  # every replica ends on the averaged model (a fragment may lag)
                     diloco.finish()
+                    paused = time.perf_counter()
+                    unsynced = evaluate()
+                    mark += time.perf_counter() - paused  # not training time
+                    diloco.sync_all()
                 world.group.barrier()  # the end: every rank is done
                 bytes1 = link_bytes(dev)
             clock += time.perf_counter() - mark
@@ -161,6 +192,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         "train_s": round(clock, 3),
         "curve": curve,
         "final_val_loss": curve[-1][2],
+        "final_val_loss_before_sync_all": unsynced,
         "link_bytes": None if bytes0 is None else bytes1 - bytes0,  # type: ignore[operator]
     }
 
@@ -217,6 +249,9 @@ def run_variant(args: argparse.Namespace, variant: str, hosts: TwoHosts | None) 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--variant", variant]
     for flag in ("steps", "dim", "layers", "batch", "lr", "eval_every", "val_windows", "corpus_bytes"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    for flag in ("outer_lr", "outer_momentum", "alpha"):
+        if getattr(args, flag) is not None:
+            cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     token = secrets.token_hex(16)
     base = dict(os.environ, PARAMPLANE_TOKEN=token, PARAMPLANE_TIMEOUT="300", PYTHONUNBUFFERED="1")
     base.pop("PARAMPLANE_TRANSPORT", None)
@@ -277,7 +312,8 @@ def summarise(link: str, results: dict[str, dict[str, Any]], steps: int) -> list
                 "bench": "diloco",
                 "link": link,
                 "variant": variant,
-                **VARIANTS[variant],
+                **{k: v for k, v in VARIANTS[variant].items() if k != "outer"},
+                "outer_lr_momentum": VARIANTS[variant].get("outer"),
                 "steps": steps,
                 "num_params": res["num_params"],
                 "link_bytes_per_step": per_step,
@@ -290,6 +326,7 @@ def summarise(link: str, results: dict[str, dict[str, Any]], steps: int) -> list
                 "time_to_target_ratio_vs_hybrid": (t / t_base) if t is not None and t_base else None,
                 "final_val_loss": res["final_val_loss"],
                 "final_loss_ratio_vs_hybrid": res["final_val_loss"] / base["final_val_loss"],
+                "final_val_loss_before_sync_all": res.get("final_val_loss_before_sync_all"),
                 "curve": res["curve"],
             }
         )
@@ -323,7 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", choices=list(VARIANTS), help=argparse.SUPPRESS)
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, hybrid_shard first")
+    p.add_argument(
+        "--variants",
+        default=",".join(HEADLINE),
+        help=f"comma-separated of {list(VARIANTS)}, hybrid_shard first",
+    )
     p.add_argument("--links", default="100mbit,1gbit", help=f"comma-separated of {list(LINKS)}")
     p.add_argument("--no-netns", action="store_true", help="ranks on 127.0.0.1, no link (bytes: null)")
     p.add_argument("--steps", type=int, default=200)
@@ -335,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--val-windows", type=int, default=64)
     p.add_argument("--corpus-bytes", type=int, default=4_000_000)
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per variant")
+    p.add_argument("--outer-lr", type=float, help="DiLoCo variants: outer SGD lr (default: DiLoCo's 0.7)")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="with --outer-lr (Nesterov when > 0)")
+    p.add_argument("--alpha", type=float, help="streaming variants: DiLoCo's alpha (default: None)")
     p.add_argument("--out", type=Path)
     p.add_argument("--plot", type=Path)
     args = p.parse_args(argv)

@@ -107,9 +107,13 @@ class DiLoCo:
         outer_dtype: str | None = None,
         *,
         init_sync: bool = True,
+        alpha: float | None = None,
     ) -> None:
         """``init_sync`` broadcasts the parameters from group rank 0 (every replica must start equal; a
-        collective every member joins); ``False`` when they are equal already (a checkpoint follows)."""
+        collective every member joins); ``False`` when they are equal already (a checkpoint follows).
+        ``alpha`` (with ``overlap``): how a late outer result merges with the local parameters; ``None`` keeps
+        the local progress made meanwhile (outer result + local progress since the sync started), a float in
+        [0, 1] gives ``alpha * local + (1 - alpha) * outer result`` (Streaming DiLoCo's mixing factor)."""
         if not isinstance(group, ProcessGroup):
             raise ValueError(f"DiLoCo needs a ProcessGroup of replicas, got {type(group).__name__}")
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
@@ -125,6 +129,10 @@ class DiLoCo:
             )
         if outer_dtype not in WIRE_DTYPES:
             raise ValueError(f"outer_dtype must be one of {WIRE_DTYPES}, got {outer_dtype!r}")
+        if alpha is not None and (not isinstance(alpha, int | float) or not 0.0 <= alpha <= 1.0):
+            raise ValueError(f"alpha must be None or a float in [0, 1], got {alpha!r}")
+        if alpha is not None and not overlap:
+            raise ValueError("alpha mixes an overlapped sync's late result: it needs overlap=True")
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap must be a bool, got {overlap!r}")
         own = getattr(model, "group", None)
@@ -146,6 +154,7 @@ class DiLoCo:
         if len(named) < fragments:
             raise ValueError(f"fragments={fragments} but the model has only {len(named)} parameters")
         self.model, self.group, self.inner_optimizer = model, group, inner_optimizer
+        self.alpha = alpha
         self.sync_every, self.fragments, self.overlap, self.outer_dtype = (
             sync_every,
             fragments,
@@ -252,10 +261,24 @@ class DiLoCo:
             self._apply(self._pending)  # waits first: a failed collective leaves everything as it was
             self._pending = None
 
-    def _start(self, number: int, base: list[Any] | None = None, *, keep: bool = False) -> _Pending:
-        """Start sync ``number`` (1, 2, ...; fragment ``(number - 1) % fragments``): the mean of ``last - base``
-        (``base``: the fragment's current values). ``keep``: snapshot ``base`` even without overlap."""
-        f = (number - 1) % self.fragments
+    def sync_all(self) -> None:
+        """Apply a sync in flight, then sync every fragment not synced after this very step, at once (a
+        collective every replica calls): at the end of a streaming run every replica then holds the same
+        model, as after DiLoCo's last sync with one fragment (the schedule's fragments each hold up to
+        ``sync_every - interval`` steps of local progress otherwise)."""
+        self.finish()
+        just = (self.step // self.interval - 1) % self.fragments if self.step % self.interval == 0 else -1
+        for f in range(self.fragments):
+            if f != just or self._started != self.step:
+                self._apply(self._start(0, fragment=f))
+
+    def _start(
+        self, number: int, base: list[Any] | None = None, *, keep: bool = False, fragment: int | None = None
+    ) -> _Pending:
+        """Start sync ``number`` (1, 2, ...; fragment ``(number - 1) % fragments``; 0: an extra one of
+        ``fragment``): the mean of ``last - base`` (``base``: the fragment's current values). ``keep``:
+        snapshot ``base`` even without overlap."""
+        f = (number - 1) % self.fragments if fragment is None else fragment
         idx = self.fragment_indices[f]
         base = base if base is not None else [self._values(i) for i in idx]
         by_dtype: dict[Any, list[int]] = {}
@@ -267,7 +290,7 @@ class DiLoCo:
             xp = array_module(self.last[members[0]])  # numpy or cupy
             flat = xp.concatenate([(self.last[i] - base[at[i]]).reshape(-1) for i in members])
             waits.append((members, start_mean(self.group, flat, self.outer_dtype)))
-        snap = [b.copy() for b in base] if self.overlap or keep else []
+        snap = [b.copy() for b in base] if (self.overlap and number) or keep else []
         return _Pending(f, waits, snap, number)
 
     def _apply(self, pending: _Pending) -> None:
@@ -294,9 +317,15 @@ class DiLoCo:
                 p.grad = g
         for k, i in enumerate(idx):
             self.last[i][...] = self._values(i)
-            if drift:
+            alpha = self.alpha
+            if drift and alpha is None:
                 self._values(i)[...] += drift[k]
-        self.num_applied, self._undo = pending.number, undo
+            elif drift and alpha is not None:  # local = snap + drift
+                local = pending.snap[k] + drift[k]
+                self._values(i)[...] = alpha * local + (1.0 - alpha) * self._values(i)
+                undo.drift[k] = self._values(i) - self.last[i]  # how far from last it was left
+        if pending.number:  # not an extra sync (sync_all)
+            self.num_applied, self._undo = pending.number, undo
 
     def rejoin(self, group: ProcessGroup | None = None, *, has_state: bool) -> int:
         """After ``world.reform()`` replaced lost replicas: every member of ``group`` (default: the same group,

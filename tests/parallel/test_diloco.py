@@ -37,6 +37,7 @@ def test_diloco_world_4_on_two_hosts() -> None:
         env={"PARAMPLANE_TIMEOUT": "60"},
         rank_env={r: {"PARAMPLANE_HOST_ID": h} for r, h in HOSTS.items()},
         timeout=180,
+        heartbeat_timeout_s=30,  # nobody dies here: a rank starved on a loaded machine is not lost
     )
     with_torch = importlib.util.find_spec("torch") is not None  # the torch module under DiLoCo runs too
     results = world.check_ok(min_checks=200 if with_torch else 190)

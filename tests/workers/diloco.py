@@ -71,8 +71,18 @@ class Spy(ProcessGroup):
 class Sim:
     """DiLoCo over ``replicas`` in one process: arrays per replica, Nesterov (or plain) outer SGD in numpy."""
 
-    def __init__(self, params: list[list[np.ndarray]], h: int, k: int, overlap: bool, lr: float, mom: float):
+    def __init__(
+        self,
+        params: list[list[np.ndarray]],
+        h: int,
+        k: int,
+        overlap: bool,
+        lr: float,
+        mom: float,
+        alpha: float | None = None,
+    ):
         self.params, self.h, self.k, self.overlap, self.lr, self.mom = params, h, k, overlap, lr, mom
+        self.alpha = alpha
         self.last = [a.copy() for a in params[0]]
         self.buf: list[np.ndarray | None] = [None] * len(self.last)
         self.pending: tuple[list[int], list[np.ndarray], list[list[np.ndarray]]] | None = None
@@ -102,7 +112,10 @@ class Sim:
                 g = g + self.mom * buf
             new = self.last[i] - self.lr * g
             for rep, snap in zip(self.params, snaps, strict=True):
-                rep[i][...] = new + (rep[i] - snap[j])
+                if self.overlap and self.alpha is not None:
+                    rep[i][...] = self.alpha * rep[i] + (1 - self.alpha) * new
+                else:
+                    rep[i][...] = new + (rep[i] - snap[j])
             self.last[i] = new
 
 
@@ -115,11 +128,12 @@ def nn_sim(
     mom: float,
     replicas: int,
     batch_of: Callable[..., Any],
+    alpha: float | None = None,
 ) -> list[list[list[np.ndarray]]]:
     """Every replica's parameters after each step."""
     models = [make_model() for _ in range(replicas)]
     opts = [SGD(m.parameters(), lr=0.1) for m in models]
-    sim = Sim([[p.data for p in m.parameters()] for m in models], h, k, overlap, lr, mom)
+    sim = Sim([[p.data for p in m.parameters()] for m in models], h, k, overlap, lr, mom, alpha)
     out = []
     for step in range(steps):
         for r, (m, o) in enumerate(zip(models, opts, strict=True)):
@@ -138,7 +152,7 @@ def run_nn(rep: Report, name: str, group: Any, h: int, k: int = 1, overlap: bool
     rep.check(f"{name} fragments", d.fragment_indices == FRAGS[k], str(d.fragment_indices))
     outer = kw.get("outer_optimizer")
     lr, mom = (outer.lr, outer.momentum) if outer is not None else (0.7, 0.9)
-    want = nn_sim(9, h, k, overlap, lr, mom, group.size, data)
+    want = nn_sim(9, h, k, overlap, lr, mom, group.size, data, kw.get("alpha"))
     if isinstance(group, Spy):
         group.log.clear()
     for step in range(9):
@@ -174,6 +188,8 @@ def scenario(world: Any, rep: Report) -> None:
     rep.raises("H 0", ValueError, lambda: pp.DiLoCo(m, o, g, sync_every=0), "sync_every")
     rep.raises("fragments divide", ValueError, lambda: pp.DiLoCo(m, o, g, 4, fragments=3), "divide")
     rep.raises("too many fragments", ValueError, lambda: pp.DiLoCo(m, o, g, 8, fragments=8), "only 4")
+    rep.raises("alpha range", ValueError, lambda: pp.DiLoCo(m, o, g, 4, overlap=True, alpha=1.5), "[0, 1]")
+    rep.raises("alpha no overlap", ValueError, lambda: pp.DiLoCo(m, o, g, 4, alpha=0.5), "overlap=True")
     rep.raises("outer dtype", ValueError, lambda: pp.DiLoCo(m, o, g, 4, outer_dtype="int4"), "int8")
     rep.raises("same optimizer", ValueError, lambda: pp.DiLoCo(m, o, g, 4, outer_optimizer=o), "second")
     other = SGD(make_model().parameters(), lr=1.0)
@@ -184,10 +200,21 @@ def scenario(world: Any, rep: Report) -> None:
     run_nn(rep, "nesterov H=4", g, 4)
     run_nn(rep, "fragments 4", g, 4, k=4)
     spy = Spy.of(g)
-    run_nn(rep, "streaming", spy, 4, k=2, overlap=True)
+    model, d, want = run_nn(rep, "streaming", spy, 4, k=2, overlap=True)
     # Syncs after steps 2, 4, 6, 8 take fragments 0, 1, 0, 1 (40 and 35 elements): each once per 4 steps.
     want_log = [(s, "all_reduce", "float64", [40, 35][j % 2]) for j, s in enumerate([2, 4, 6, 8])]
     rep.check("streaming schedule", spy.log == want_log, f"{spy.log} != {want_log}")
+    run_nn(rep, "alpha 0.5", g, 4, k=2, overlap=True, alpha=0.5)  # Streaming DiLoCo's mixing factor
+    # sync_all after step 9 (the sync of step 8 was applied then): both fragments, one Nesterov step each.
+    last = [a.copy() for a in d.last]
+    bufs = [d.outer_optimizer.state[i]["momentum_buffer"].copy() for i in range(4)]
+    d.sync_all()
+    rep.check("sync_all syncs both fragments", [n for *_, n in spy.log[4:]] == [40, 35], f"{spy.log}")
+    for i, p in enumerate(model.parameters()):
+        grad = np.mean([last[i] - w[i] for w in want[-1]], axis=0)
+        want_p = last[i] - 0.7 * (grad + 0.9 * (0.9 * bufs[i] + grad))
+        rep.equal(f"sync_all param {i}", p.data, want_p, rtol=1e-10)
+        rep.equal(f"sync_all last {i}", d.last[i], p.data)
     # -- quantised outer gradients: the wire dtype, error against float64 ---------------------------
     exact = nn_sim(9, 2, 1, False, 0.7, 0.9, g.size, data)[-1][me]
     errors = {}
