@@ -54,7 +54,7 @@ import numpy as np
 from paramplane.group import ProcessGroup
 from paramplane.nn.module import Module
 from paramplane.node.arrays import array_module
-from paramplane.optim import SGD, AdamW
+from paramplane.optim import SGD
 from paramplane.optim.optimizer import Optimizer
 from paramplane.parallel.ddp_buckets import broadcast_arrays
 from paramplane.parallel.diloco_comm import WIRE_DTYPES, start_mean
@@ -368,53 +368,12 @@ class DiLoCo:
         self.step = self._started = int(state["step"])
         self._pending, self._undo, self.num_applied = None, None, self.step // self.interval
 
-    def _materialize_outer(self) -> None:
-        """Give the outer optimizer (zero) state for every parameter, so saved and loaded keys agree: zero
-        momentum (and AdamW's zero moments at step 0) steps exactly as no state does."""
-        opt = self.outer_optimizer
-        if isinstance(opt, SGD) and opt.momentum > 0 and opt.dampening == 0:
-            for i in range(len(opt.params)):
-                opt.ensure_state(i, ["momentum_buffer"], {})
-        elif isinstance(opt, AdamW) and not getattr(opt, "amsgrad", False):
-            for i in range(len(opt.params)):
-                opt.ensure_state(i, ["exp_avg", "exp_avg_sq"], {"step": 0})
-        elif not isinstance(opt, Optimizer):
-            import torch
-
-            group = opt.param_groups[0] if len(opt.param_groups) == 1 else None
-            if not isinstance(opt, torch.optim.SGD) or group is None or group["dampening"] != 0:
-                raise ValueError(
-                    "pp.checkpoint saves a torch outer optimizer when it is one torch.optim.SGD param group "
-                    "without dampening; use DiLoCo.state_dict() for others"
-                )
-            if group["momentum"] > 0:
-                for p in self.params:
-                    opt.state[p].setdefault("momentum_buffer", torch.zeros_like(p.detach()))
-
-    def _pieces(self, prefix: str, i: int, array: Any) -> dict[str, Any]:
-        layout = self._layouts[i]
-        if layout is None:
-            return {f"{prefix}{self.keys[i]}": array}
-        views = layout.views if hasattr(layout, "views") else layout
-        return {f"{prefix}{name}": piece for name, piece in views(array.reshape(-1)).items()}
-
     def sharded_state_dict(self) -> dict[str, Any]:
         """For ``pp.checkpoint``: ``step``, ``last.<param>`` and ``outer.<key>`` (live views: a loader writes
         into them). FSDP shards appear as pieces of the original parameters, so they reshard."""
-        self.finish()
-        self._materialize_outer()
-        out: dict[str, Any] = {"step": self.step}
-        for i in range(len(self.params)):
-            out.update(self._pieces("last.", i, self.last[i]))
-        opt = self.outer_optimizer
-        if isinstance(opt, Optimizer):
-            out.update({f"outer.{k}": v for k, v in opt.sharded_state_dict().items()})
-        else:
-            for i, p in enumerate(self.params):
-                buf = opt.state[p].get("momentum_buffer")
-                if buf is not None:
-                    out.update(self._pieces("outer.momentum_buffer.", i, to_array(buf, self.keys[i])))
-        return out
+        from paramplane.parallel.diloco_state import sharded_state_dict
+
+        return sharded_state_dict(self)
 
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
         """Take the step count and the outer optimizer's hyper-parameters (arrays were loaded in place)."""
