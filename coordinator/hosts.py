@@ -43,6 +43,22 @@ async def _all_or_none(works: list[Awaitable[object]]) -> list[object]:
         raise
 
 
+def join_response(a: Assignment, interval_s: float, timeout_s: float) -> pb.JoinResponse:
+    """One rank's JoinResponse fields (the peer table is added by the caller, serialized once per world)."""
+    return pb.JoinResponse(
+        rank=a.rank,
+        world_size=a.world_size,
+        node_rank=a.node_rank,
+        num_nodes=a.num_nodes,
+        local_rank=a.local_rank,
+        local_world_size=a.local_world_size,
+        epoch=a.epoch,
+        heartbeat_interval_s=interval_s,
+        heartbeat_timeout_s=timeout_s,
+        job_id=a.job_id,
+    )
+
+
 async def join_host(
     state: CoordinatorState,
     block: Block,
@@ -64,20 +80,7 @@ async def join_host(
     members = []
     for a in assignments:
         assert isinstance(a, Assignment)
-        members.append(
-            pb.JoinResponse(
-                rank=a.rank,
-                world_size=a.world_size,
-                node_rank=a.node_rank,
-                num_nodes=a.num_nodes,
-                local_rank=a.local_rank,
-                local_world_size=a.local_world_size,
-                epoch=a.epoch,
-                heartbeat_interval_s=interval_s,
-                heartbeat_timeout_s=timeout_s,
-                job_id=a.job_id,
-            )
-        )
+        members.append(join_response(a, interval_s, timeout_s))
     first = assignments[0]
     assert isinstance(first, Assignment)
     return pb.JoinHostResponse(members=members).SerializeToString() + peers_wire(first.peers)

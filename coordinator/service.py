@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import grpc
 
-from paramplane.coordinator.hosts import barrier_host, heartbeat_host, join_host
+from paramplane.coordinator.hosts import barrier_host, heartbeat_host, join_host, join_response
 from paramplane.coordinator.model import (
     Assignment,
     Effects,
@@ -59,18 +59,7 @@ def _assignment_wire(
 ) -> bytes:
     """A JoinResponse on the wire: this rank's fields, then the world's peer table serialized once for every
     joiner (protobuf concatenation merges them): O(ranks) per join instead of building the table again."""
-    own = pb.JoinResponse(
-        rank=a.rank,
-        world_size=a.world_size,
-        node_rank=a.node_rank,
-        num_nodes=a.num_nodes,
-        local_rank=a.local_rank,
-        local_world_size=a.local_world_size,
-        epoch=a.epoch,
-        heartbeat_interval_s=heartbeat_interval_s,
-        heartbeat_timeout_s=heartbeat_timeout_s,
-        job_id=a.job_id,
-    )
+    own = join_response(a, heartbeat_interval_s, heartbeat_timeout_s)
     return own.SerializeToString() + peers_wire
 
 
