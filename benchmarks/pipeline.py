@@ -244,12 +244,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker in ("torch", "torch-stages"):
         run = worker_torch if args.worker == "torch" else worker_torch_stages
         print(json.dumps(run(args, _configs(args), _stage_ms, _measured)), flush=True)
-        if args.worker == "torch-stages":
-            # Open bug (issue 26's note): after pp.Pipeline ran torch stages, a rank aborted at interpreter exit
-            # ("terminate called without an active exception", torch's C++ threads torn down) in about one
-            # suite run in three, after its rows were out. The world is closed and the rows are complete.
-            sys.stderr.flush()
-            os._exit(0)
         return 0
     cmd = [
         sys.executable,

@@ -3,12 +3,15 @@
     paramplane launch --standalone -n 8 examples/train_gpt_3d.py --steps 30
     paramplane launch --standalone -n 4 examples/train_gpt_3d.py --dp 1 --pp 2 --tp 2
     paramplane launch --standalone -n 8 examples/train_gpt_3d.py --dp 1 --pp 4 --tp 2 --resume
+    paramplane launch --standalone -n 8 examples/train_gpt_3d.py --dp-wrapper fsdp
 
 One ``pp.Mesh(world, dp=, pp=, tp=)`` gives every group: the model (``transformers`` GPT-2 at a tiny
 config, built the same on every rank) is cut into ``pp`` stages by ``pp.pipeline_split`` (the embedding with
 the first, the final norm and the tied head with the last); this rank's stage is split over ``tp`` by
 ``pp.parallelize`` with ``pp.tp_plan_for`` (attention heads, MLP, vocabulary-parallel embedding and head);
-``pp.DDP`` over ``dp`` averages the stage's gradients once per step; ``pp.Pipeline`` runs the 1F1B schedule
+``pp.DDP`` over ``dp`` averages the stage's gradients once per step (``--dp-wrapper fsdp``: ``pp.FSDP`` shards
+the stage's parameters, gradients and AdamW state over ``dp`` and reduce-scatters the gradients once per step,
+after the last microbatch); ``pp.Pipeline`` runs the 1F1B schedule
 over ``pp`` (``--schedule``), one optimizer step per global batch, with the global gradient norm clipped
 (``Pipeline.clip_grad_norm_``). Any factorisation of the world works where ``pp`` divides the layers
 (``--layers``, default 4) and ``tp`` divides the heads (4) and the vocabulary (64); with ``--model tinygpt``
@@ -16,14 +19,15 @@ over ``pp`` (``--schedule``), one optimizer step per global batch, with the glob
 
 The data is the synthetic counting task of ``train_gpt.py``: the loss falls from ln(64) towards zero. The
 model is saved under ``--checkpoint-dir`` every ``--checkpoint-every`` steps as the dense model (each stage's
-tensor-parallel pieces, under the full model's parameter names); ``--resume`` loads it into the dense model on
-every rank before cutting and splitting it, so it continues at any other factorisation. The optimizer state is
-not saved: a resumed run starts AdamW afresh.
+tensor-parallel pieces, under the full model's parameter names); ``--resume`` loads it straight into this
+rank's stages after cutting and splitting the model (each rank reads only its own parameters), so it continues
+at any other factorisation. The optimizer state is not saved: a resumed run starts AdamW afresh.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import warnings
@@ -35,23 +39,41 @@ import torch
 from train_gpt import SEQ, VOCAB, TinyGPT, batch
 
 import paramplane as pp
+from paramplane.parallel.sharding import ShardedArray
 
 
 class Stages:
     """This rank's stage modules as one model to save: their (tensor-parallel) states under the full model's
-    parameter names; the ranks together save the dense model, which loads at any dp x pp x tp."""
+    parameter names; the ranks together save the dense model, which loads at any dp x pp x tp. FSDP-wrapped
+    stages are gathered for it (``summon_full_params``) and their values copied."""
 
-    def __init__(self, stages: list[Any]) -> None:
+    def __init__(self, stages: list[Any], wrapped: list[Any]) -> None:
         self.stages = stages
+        self.wrapped = wrapped
 
     def sharded_state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for s in self.stages:
-            out.update(s.sharded_state_dict() if hasattr(s, "sharded_state_dict") else s.state_dict())
+        for s, w in zip(self.stages, self.wrapped):
+            fsdp = isinstance(w, pp.FSDP)
+            with w.summon_full_params() if fsdp else contextlib.nullcontext():
+                state = s.sharded_state_dict() if hasattr(s, "sharded_state_dict") else s.state_dict()
+                out.update({k: _copy(v) for k, v in state.items()} if fsdp else state)
         return out
 
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
-        raise NotImplementedError("load the checkpoint into the dense model before cutting it (see train)")
+        """The stages' plain tensors were filled in place; tensor-parallel pieces finish loading here."""
+        if any(w is not s for s, w in zip(self.stages, self.wrapped)):
+            raise ValueError("load the checkpoint into the stages before wrapping them in pp.DDP / pp.FSDP")
+        for s in self.stages:
+            if hasattr(s, "load_sharded_state_dict"):
+                s.load_sharded_state_dict(state)
+
+
+def _copy(value: Any) -> Any:
+    """A state value that outlives ``summon_full_params`` (which reshards the gathered parameters after it)."""
+    if isinstance(value, ShardedArray):
+        return ShardedArray(value.global_shape, value.start, value.local.copy())
+    return value.detach().clone()
 
 
 def build_model(name: str, layers: int) -> Any:
@@ -77,14 +99,15 @@ def train(world: pp.World, args: argparse.Namespace) -> list[float]:
     total = sum(p.numel() for p in model.parameters())
     start = 0
     resume = pp.checkpoint.latest(args.checkpoint_dir) if args.resume else None
-    if resume is not None:  # the checkpoint holds the dense model: load it whole, then cut and split it
-        start = pp.checkpoint.load({"model": model, "step": 0}, resume, world.group)["step"]
     stages = pp.pipeline_split(model, [args.layers * s // num_stages for s in range(1, num_stages)])
     mine = stages[mesh.coordinate("pp") :: args.pp]
     for stage in mine:
         if args.tp > 1:
             pp.parallelize(stage, mesh.group("tp"), pp.tp_plan_for(stage))
-    wrapped = [pp.DDP(s, mesh.group("dp")) if args.dp > 1 else s for s in mine]
+    if resume is not None:  # each rank reads its stages' parameters (its tensor-parallel pieces) only
+        start = pp.checkpoint.load({"model": Stages(mine, mine), "step": 0}, resume, world.group)["step"]
+    wrapper = pp.FSDP if args.dp_wrapper == "fsdp" else pp.DDP
+    wrapped = [wrapper(s, mesh.group("dp")) if args.dp > 1 else s for s in mine]
     pipe = pp.Pipeline(
         wrapped if chunks > 1 else wrapped[0],
         mesh.group("pp"),
@@ -92,9 +115,9 @@ def train(world: pp.World, args: argparse.Namespace) -> list[float]:
         args.microbatches,
         loss_fn=pp.causal_lm_loss,
     )
-    params = [p for s in mine for p in s.parameters()]
+    params = [p for w in wrapped for p in w.parameters()]  # FSDP: this rank's shards
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
-    state: dict[str, Any] = {"model": Stages(mine), "step": start}
+    state: dict[str, Any] = {"model": Stages(mine, wrapped), "step": start}
     if world.rank == 0:
         where = f"resumed from {resume} at step {start}" if resume else "from scratch"
         print(f"{args.model}: {total} parameters; {mesh}; {args.schedule}, {where}", flush=True)
@@ -116,7 +139,7 @@ def train(world: pp.World, args: argparse.Namespace) -> list[float]:
         losses.append(float(mean[0]) / args.dp)
         if world.rank == 0:
             print(
-                f"step {step + 1}/{args.steps}: loss {losses[-1]:.4f} grad norm {float(norm):.3f}", flush=True
+                f"step {step + 1}/{args.steps}: loss {losses[-1]:.6f} grad norm {float(norm):.6f}", flush=True
             )
         if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:
             state["step"] = step + 1
@@ -136,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="gpt2", choices=("gpt2", "tinygpt"))
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b"))
+    parser.add_argument("--dp-wrapper", default="ddp", choices=("ddp", "fsdp"), help="over the dp axis")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=16, help="global batch, split over dp replicas")

@@ -102,7 +102,10 @@ def sync(state: Mapping[str, Any], group: ProcessGroup, *, has_state: bool) -> d
     entries = _entries(state)
     manifest = _broadcast_json(group, _describe(entries) if group.rank == src else None, src)
     optim_tops = {top for top, obj in state.items() if isinstance(obj, Optimizer)}
-    problems, dropped = _problems(entries, manifest, optim_tops)
+    problems, dropped, extra = _problems(entries, manifest, optim_tops)
+    problems += [
+        f"unexpected key {k!r} (in the sender's state, not in this one: a different model?)" for k in extra
+    ]
     _agree(group, problems + _layout_problems(entries, manifest), f"cannot sync from group rank {src}")
     if group.rank == src:  # its state is the one sent: nothing to load
         _send(group, entries, manifest)

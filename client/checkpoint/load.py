@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from paramplane.checkpoint.agree import _agree
+from paramplane.checkpoint.agree import _agree, _gather_json
 from paramplane.checkpoint.files import CheckpointError
 from paramplane.checkpoint.flatten import Fill, _as_sharded, _entries, _fill_leaf, _is_array
 from paramplane.checkpoint.manifest import read_manifest
@@ -53,8 +53,10 @@ def _array_problem(key: str, piece: ShardedArray, saved: dict[str, Any]) -> str 
 
 def _problems(
     entries: dict[str, Any], manifest: dict[str, Any], optim_tops: set[str]
-) -> tuple[list[str], list[str]]:
-    """Problems that forbid loading (nothing modified yet), and optimizer-state keys absent from the checkpoint."""
+) -> tuple[list[str], list[str], list[str]]:
+    """Problems that forbid loading (nothing modified yet), optimizer-state keys absent from the checkpoint, and
+    the checkpoint's keys under this state's objects that this rank does not load (unexpected, unless another
+    rank loads them: each pipeline stage holds its own part of a model)."""
     problems: list[str] = []
     dropped: list[str] = []
     saved_arrays, saved_values = manifest["arrays"], manifest["values"]
@@ -76,10 +78,17 @@ def _problems(
         for k in [*saved_arrays, *saved_values]
         if "/" in k and k.split("/", 1)[0] in tops and k not in entries and not _is_optim_state(k, optim_tops)
     ]
-    problems += [
-        f"unexpected key {k!r} (in the checkpoint, not in this state: a different model?)" for k in extra
+    return problems, dropped, extra
+
+
+def _unloaded(group: ProcessGroup, extra: list[str]) -> list[str]:
+    """Problems for the checkpoint keys no rank of ``group`` loads (``extra``: those this rank does not)."""
+    every = _gather_json(group, sorted(extra)) if group.size > 1 else [extra]
+    nobody = set(every[0]).intersection(*every[1:])
+    return [
+        f"unexpected key {k!r} (in the checkpoint, loaded by no rank: a different model?)"
+        for k in sorted(nobody)
     ]
-    return problems, dropped
 
 
 def _materialize(opt: Optimizer, top: str, manifest: dict[str, Any]) -> None:
@@ -166,6 +175,9 @@ def _unreadable(reader: _Reader, entries: dict[str, Any], manifest: dict[str, An
 def load(state: Mapping[str, Any], path: str | os.PathLike[str], group: ProcessGroup) -> dict[str, Any]:
     """Load the checkpoint at ``path`` into ``state`` in place (any world size); returns the saved plain values.
 
+    The ranks' states together must hold every key the checkpoint has under their objects; each rank reads only
+    the keys its own state has (a pipeline stage loads its own parameters from a whole model's checkpoint).
+
     Every rank checks every key, and the files (checksums) and ranges it will read, first; a problem on any
     rank raises CheckpointError on every rank and nothing is modified.
     """
@@ -177,9 +189,10 @@ def load(state: Mapping[str, Any], path: str | os.PathLike[str], group: ProcessG
         manifest, local_error = None, str(exc)
     entries = _entries(state)
     optim_tops = {top for top, obj in state.items() if isinstance(obj, Optimizer)}
-    problems, dropped = (
-        _problems(entries, manifest, optim_tops) if manifest is not None else ([local_error], [])
+    problems, dropped, extra = (
+        _problems(entries, manifest, optim_tops) if manifest is not None else ([local_error], [], [])
     )
+    problems += _unloaded(group, extra)
     _agree(group, problems, f"cannot load {root}")
     assert manifest is not None
     optimizers = [obj for obj in state.values() if isinstance(obj, Optimizer)]

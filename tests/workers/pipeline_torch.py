@@ -152,10 +152,10 @@ def errors(world: Any, rep: Report) -> None:
     )
     sharded = pp.FSDP(build("gpt2", 2), g)
     rep.raises(
-        "an FSDP stage",
+        "an FSDP stage over the pipeline's group",
         ValueError,
         lambda: pp.Pipeline(sharded, g, "gpipe", 2, loss_fn=pp.causal_lm_loss),
-        "pp.DDP-wrapped",
+        "pipeline's own group",
     )
     rep.raises("boundaries out of order", ValueError, lambda: pp.pipeline_split(model, [2, 1]), "increase")
     rep.raises("boundary past the blocks", ValueError, lambda: pp.pipeline_split(model, [4]), "increase")

@@ -6,7 +6,7 @@ at a zero-stride placeholder of NaNs of its shape: a computation that reads a sh
 never plausible values, and a forward that did not call some unit's module raises naming the unit.
 
 Units (``units=``): by default every element of the outermost ``nn.ModuleList``s (a transformer's blocks,
-as torchtitan applies ``fully_shard`` per block), the root unit keeping the rest (embeddings, final norm,
+as torchtitan applies ``fully_shard`` per block; or ``nn.ModuleDict``s: a ``pipeline_split`` stage's blocks), the root unit keeping the rest (embeddings, final norm,
 a tied head); a model without a ModuleList gets one unit per child with parameters of an ``nn.Sequential``
 (or of a module with several). ``pp.units_by_class(Block)`` makes every module of those classes a unit
 (torch's ``ModuleWrapPolicy``); units may nest (the inner unit owns its parameters, the outer the rest).
@@ -116,7 +116,8 @@ class TorchPath:
         return named
 
     def _children(self) -> list[tuple[str, Any]]:
-        """The default units: the elements of the outermost ModuleLists, else the children of a Sequential."""
+        """The default units: the elements of the outermost ModuleLists (ModuleDicts), else the children of a
+        Sequential."""
         import torch
 
         module = self.module
@@ -125,13 +126,15 @@ class TorchPath:
 
         def find(m: Any) -> None:
             for child in m.children():
-                if isinstance(child, torch.nn.ModuleList):
+                if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
                     lists.append(child)
                 else:
                     find(child)
 
         find(module)
-        blocks = [(paths[id(b)], b) for lst in lists for b in lst if any(True for _ in b.parameters())]
+        blocks = [
+            (paths[id(b)], b) for lst in lists for b in lst.children() if any(True for _ in b.parameters())
+        ]
         if blocks:
             return blocks
         children = [(n, m) for n, m in module.named_children() if any(True for _ in m.parameters())]
@@ -233,6 +236,15 @@ class TorchPath:
             if self.fsdp.backward_prefetch == "pre":
                 gather.prefetch(gather.prev_in_forward(unit))
 
+    def _root_pre_backward(self, root: FlatUnit) -> None:
+        with self._stream():
+            self.fsdp._gather.ensure_gathered(root)
+
+    def reduce_accumulated(self) -> None:
+        """``FSDP.reduce_accumulated_gradients``: launch every unit's reduction now and finish the sync."""
+        self.fsdp._reducer.round_open = True
+        self._finish_sync()
+
     def _stream(self) -> contextlib.AbstractContextManager[None]:
         """Collectives issued inside run on torch's current stream (CUDA modules; see torch_params)."""
         return torch_stream(cast(TorchParam, self.fsdp.units[0].params[0]).tensor)
@@ -245,6 +257,7 @@ class TorchPath:
                 unit.extra["ready"] = count
                 return
             unit.extra["ready"] = 0
+            unit.extra["pre_backward"] = False  # another microbatch's backward (a pipeline) gathers it again
             fsdp, gather = self.fsdp, self.fsdp._gather
             if "backward_start" in unit.extra:
                 fsdp._mark(f"backward {unit.name}", unit.extra.pop("backward_start"))
@@ -277,6 +290,11 @@ class TorchPath:
                 "naming the modules the forward calls"
             )
         fsdp._forward_open = torch.is_grad_enabled()
+        root = fsdp._root
+        if root is not None and fsdp._forward_open:  # gathered again for the backward of this output (the
+            for t in _tensors(y):  # backward of an earlier forward, as a pipeline runs, released it)
+                if t.requires_grad:
+                    t.register_hook(lambda _g: self._root_pre_backward(root))
         if fsdp.output_dtype is not None and torch.is_tensor(y) and y.is_floating_point():
             y = y.to(_torch_dtype(fsdp.output_dtype))
         return y

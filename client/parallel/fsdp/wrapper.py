@@ -413,3 +413,10 @@ class TorchFSDP(FSDP):
     and computes in ``param_dtype`` (the forward's floating-point inputs are cast to it) and reduces in
     ``reduce_dtype``, with float32 (or float64) master shards.
     """
+
+    def reduce_accumulated_gradients(self) -> None:
+        """Reduce the gradients accumulated under ``no_sync`` now, as the next synchronised backward would
+        (each unit's full gradient reduce-scattered and averaged over the group into its shard's ``grad``),
+        without running one: how a pipeline (``pp.Pipeline``) reduces once per global batch after the last
+        microbatch's backward, the role of torch FSDP2's ``set_requires_gradient_sync`` there."""
+        cast(TorchPath, self._path).reduce_accumulated()

@@ -33,7 +33,10 @@ arguments reach every stage (tensors split into the microbatches, ``shared=`` va
 ``loss_fn(output, target)`` is a torch scalar; gradients match torch's schedules with ``scale_grads=True``.
 Parameters tied across stages by ``pipeline_split`` get their gradients summed over the stages after the step.
 A ``pp.DDP``-wrapped stage runs without a sync per backward and has its gradients averaged over its group
-once per step (as ``dp_group`` does).
+once per step (as ``dp_group`` does). A ``pp.FSDP``-wrapped stage (every chunk of the rank wrapped, over the
+dp group) likewise accumulates whole gradients over the microbatches under ``no_sync`` and reduce-scatters
+them once, after the last backward (``FSDP.reduce_accumulated_gradients``); the optimizer steps
+``fsdp.parameters()``, its shards.
 The training thread only computes: transfers run on threads of their own (``transfers.py``), which
 receive each neighbour's messages in the order it sends them and file them by name. Sends never wait
 for the receiver (what the socket does not take, the sender's event loop finishes in order), so a
@@ -102,6 +105,7 @@ class Pipeline:
         if not isinstance(group, ProcessGroup):
             raise ValueError(f"Pipeline needs a ProcessGroup, got {type(group).__name__}")
         self._ddps: list[Any] = []
+        self._fsdps: list[Any] = []
         self._torch = bool(modules) and all(is_torch_stage(m) for m in modules)
         if self._torch:
             modules, dp_group = self._torch_stages(modules, group, dp_group)
@@ -146,23 +150,34 @@ class Pipeline:
         """torch stage modules as ``TorchStage``s (a ``pp.DDP``-wrapped stage: its group becomes the data-parallel
         group, its gradients averaged once per step); checks ``pipeline_split``'s stage indices."""
         from paramplane.parallel.ddp import DDP
-        from paramplane.parallel.fsdp import FSDP
+        from paramplane.parallel.fsdp import FSDP, TorchFSDP
         from paramplane.parallel.torch_params import is_torch_module
 
         p, v = group.size, len(modules)
         stages = []
         for chunk, m in enumerate(modules):
             stage_id = chunk * p + group.rank
-            if isinstance(m, DDP):
+            fsdp = None
+            if isinstance(m, (DDP, TorchFSDP)):
                 if dp_group is not None and dp_group is not m.group:
-                    raise ValueError("a pp.DDP-wrapped stage averages over its own group: leave out dp_group")
+                    raise ValueError(
+                        f"a pp.{'DDP' if isinstance(m, DDP) else 'FSDP'}-wrapped stage reduces over its own group: "
+                        "leave out dp_group"
+                    )
+                if group.size > 1 and m.group.ranks == group.ranks:
+                    raise ValueError(
+                        "the stage's data-parallel wrapper is over the pipeline's own group: wrap it over the dp "
+                        "group (mesh.group('dp'))"
+                    )
                 dp_group = m.group
-                self._ddps.append(m)
+                (self._ddps if isinstance(m, DDP) else self._fsdps).append(m)
                 inner, call = m.module, m
+                fsdp = m if isinstance(m, TorchFSDP) else None
             elif isinstance(m, FSDP) or not is_torch_module(m):
                 raise ValueError(
-                    f"Pipeline takes torch stage modules or pp.DDP-wrapped ones, not {type(m).__name__}: average "
-                    "the stages over data-parallel replicas with dp_group=mesh.group('dp')"
+                    f"Pipeline takes torch stage modules or pp.DDP- or pp.FSDP-wrapped ones, not "
+                    f"{type(m).__name__}: average the stages over data-parallel replicas with "
+                    "dp_group=mesh.group('dp')"
                 )
             else:
                 inner, call = m, m
@@ -172,7 +187,9 @@ class Pipeline:
                     f"group rank {group.rank} chunk {chunk} runs stage {stage_id} of {p * v}, but was given stage "
                     f"{info.index} of {info.num_stages} from pipeline_split (rank r takes stages r, r + p, ...)"
                 )
-            stages.append(TorchStage(inner, call, first=stage_id == 0))
+            stages.append(TorchStage(inner, call, first=stage_id == 0, fsdp=fsdp))
+        if self._fsdps and len(self._fsdps) != len(stages):
+            raise ValueError("wrap every chunk of this rank in pp.FSDP, or none")
         return stages, dp_group
 
     # -- inspection ---------------------------------------------------------------------------------
@@ -243,12 +260,14 @@ class Pipeline:
         like = self._like(x, target)
         losses: dict[int, float] = {}
         with contextlib.ExitStack() as stack:
-            for ddp in self._ddps:  # no sync per backward: the gradients are averaged once, below
-                stack.enter_context(ddp.no_sync())
+            for wrapper in self._ddps + self._fsdps:  # no sync per backward: the gradients are reduced once
+                stack.enter_context(wrapper.no_sync())
             self._run(self._plan, inputs, targets, like, losses, train=True)
-        if self._tied is not None:
+        if self._tied is not None:  # on the whole accumulated gradients, before FSDP shards them
             self._tied.sync()
-        if self.dp_group is not None and self.dp_group.size > 1:
+        for fsdp in self._fsdps:
+            fsdp.reduce_accumulated_gradients()
+        if not self._fsdps and self.dp_group is not None and self.dp_group.size > 1:
             self._sync_data_parallel(self.dp_group)
         return [losses[i] for i in range(self.num_microbatches)] if self.is_last else None
 

@@ -31,10 +31,12 @@ class TorchStage:
     ``first``: its input is the batch (no gradient is sent back for it); ``kwargs[mb]`` are the keyword
     arguments of microbatch ``mb`` (set by the pipeline before each step)."""
 
-    def __init__(self, module: Any, call: Callable[..., Any], first: bool) -> None:
+    def __init__(self, module: Any, call: Callable[..., Any], first: bool, fsdp: Any = None) -> None:
         self.module = module
         self.call = call
         self.first = first
+        self.fsdp = fsdp
+        """The ``pp.FSDP`` around ``module`` (``call``), if any: the optimizer steps its shards."""
         self.kwargs: Sequence[Mapping[str, Any]] = ()
         self.train = True
         self._state: tuple[Any, Any] | None = None
@@ -128,11 +130,13 @@ def split_kwargs(kwargs: Mapping[str, Any], shared: Mapping[str, Any] | None, m:
 
 
 def params_of(stages: Sequence[TorchStage]) -> list[TorchParam]:
-    """The stages' trainable parameters as DLPack views (for the pipeline's data-parallel sync)."""
+    """The stages' trainable parameters as DLPack views (for the pipeline's data-parallel sync); an FSDP
+    stage's: its flat shards."""
     seen: set[int] = set()
     out = []
     for stage in stages:
-        for name, p in stage.module.named_parameters():
+        named = stage.fsdp.named_parameters() if stage.fsdp is not None else stage.module.named_parameters()
+        for name, p in named:
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 out.append(TorchParam(name, p))
@@ -180,42 +184,61 @@ class TiedWeights:
                 start += g.numel()
 
 
+def _grad_pieces(stage: TorchStage) -> list[tuple[str, Any, Any]]:
+    """(parameter name, gradient, the parameter's tensor) for each gradient this rank holds of ``stage``: a
+    whole ``.grad``, or for an FSDP stage each parameter's piece of its units' sharded gradients."""
+    if stage.fsdp is None:
+        return [(n, p.grad, p) for n, p in stage.module.named_parameters() if p.grad is not None]
+    tensors = dict(stage.module.named_parameters())
+    out = []
+    for unit in stage.fsdp.units:
+        grad = unit.shard.grad
+        if grad is None:
+            continue
+        g = to_tensor(grad)
+        for e in unit.shard.layout.entries:
+            out.append((e.key, g[e.offset : e.offset + e.size], tensors[e.key]))
+    return out
+
+
 def clip_grad_norm_(stages: Sequence[TorchStage], group: ProcessGroup, max_norm: float) -> Any:
     """Scale the stages' gradients so that the whole model's gradient norm (2-norm) is at most ``max_norm``, as
     ``torch.nn.utils.clip_grad_norm_`` on the unsplit model; returns that norm (a float64 tensor, the same on
-    every rank). Tensor-parallel pieces (parameters with a ``tp_shard``) are summed over their group, a tied
-    parameter counts once (on its first stage), the pipeline's stages are summed over ``group``; gradients
-    already averaged over data-parallel replicas are equal there and count once."""
+    every rank). Tensor-parallel pieces (parameters with a ``tp_shard``) are summed over their group, an FSDP
+    stage's pieces over its shard group, a tied parameter counts once (on its first stage), the pipeline's
+    stages are summed over ``group``; gradients already averaged over data-parallel replicas are equal there
+    and count once."""
     import torch
 
-    sharded = torch.zeros((), dtype=torch.float64)
-    plain = torch.zeros((), dtype=torch.float64)
+    # squares of [tp pieces, whole tensors], each of FSDP shards (summed over the shard group) and of the rest
+    squares = {True: torch.zeros(2, dtype=torch.float64), False: torch.zeros(2, dtype=torch.float64)}
     tp_groups: dict[int, ProcessGroup] = {}
+    shard_groups: dict[int, ProcessGroup] = {}
     grads = []
     for stage in stages:
         info = getattr(stage.module, STAGE_ATTR, None)
         skip = set()
         if info is not None:
             skip = {name for name, ids in info.tied.values() if min(ids) != info.index}
-        for name, p in stage.module.named_parameters():
-            if p.grad is None:
-                continue
-            grads.append(p.grad)
+        if stage.fsdp is not None:
+            shard_groups[id(stage.fsdp.shard_group)] = stage.fsdp.shard_group
+        for name, g, p in _grad_pieces(stage):
+            grads.append(g)
             if name in skip:
                 continue
-            square = p.grad.detach().double().pow(2).sum()
             shard = getattr(p, "tp_shard", None)
             if shard is not None:
                 tp_groups[id(shard.group)] = shard.group
-                sharded += square
-            else:
-                plain += square
-    if len(tp_groups) > 1:
-        raise ValueError("the stages' tensor-parallel parameters belong to different groups")
-    total = sharded.reshape(1).clone()
+            squares[stage.fsdp is not None][0 if shard is not None else 1] += g.detach().double().pow(2).sum()
+    if len(tp_groups) > 1 or len(shard_groups) > 1:
+        raise ValueError("the stages' tensor-parallel (or FSDP) parameters belong to different groups")
+    sharded = squares[True]
+    for dp in shard_groups.values():
+        dp.all_reduce(to_array(sharded, "a squared gradient norm"), "sum")
+    total = (squares[False][:1] + sharded[:1]).clone()
     for tp in tp_groups.values():
         tp.all_reduce(to_array(total, "a squared gradient norm"), "sum")
-    total += plain
+    total += squares[False][1] + sharded[1]
     group.all_reduce(to_array(total, "a squared gradient norm"), "sum")
     norm = total.sqrt()[0]
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

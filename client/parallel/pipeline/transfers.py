@@ -8,7 +8,9 @@ what receiver threads (one per sending rank) received while it computed: each re
 sender's messages of the step in the order that rank sends them and files them by name, so a
 stage may take them in another order than they were sent. Every thread uses the group's own
 ``send`` and ``recv``: headers, ordering and failures are the group's. The threads hold no
-reference to the pipeline and end when it is garbage collected.
+reference to the pipeline and end when it is garbage collected; between transfers they hold no message
+either, and they are not woken at interpreter exit (a torch tensor released by one of them while the
+interpreter tears down aborts the process in torch's C++ deleter).
 
 With ``poll_s`` the sender and receiver threads wait in slices of that length while a step runs (between
 ``begin`` and ``finish``) instead of sleeping until woken: on a shared host, code that has not run for a few
@@ -104,7 +106,8 @@ class Transfers:
         # Each receive waits at most the group's timeout, so a receiver files something within that.
         self._bound = group.timeout + 5.0
         _start(_send_loop, "send", group, self._outbox, self._sent, self._box, poll_s, self._stepping)
-        weakref.finalize(self, _stop, self._outbox, self._plans)
+        # Not at interpreter exit: the threads (daemons, holding nothing) stay asleep while it tears down.
+        weakref.finalize(self, _stop, self._outbox, self._plans).atexit = False
 
     def begin(self, incoming: Mapping[int, Sequence[Message]], like: Any) -> None:
         """Start receiving a step's messages: ``incoming`` lists them per sending rank, in the order it sends
@@ -220,11 +223,20 @@ def _send_loop(
             works, failure = [], None
         elif failure is None:
             try:
-                x = item[0] if item[0].flags.c_contiguous else np.ascontiguousarray(item[0])
-                works.append(group.send(x, item[1], async_op=True))
+                works.append(_send(group, item))
             except BaseException as exc:  # raised by the training thread's next take, or at the step's end
                 failure = _Failed(exc)
                 box.items.put(failure)
+        item = None  # hold no message while waiting (see _send)
+
+
+def _send(group: ProcessGroup, item: tuple[Array, int]) -> Work[Any]:
+    """Start sending ``item``'s array; no reference to it stays on this thread (its frame ends here). A torch
+    tensor seen through DLPack held by a thread blocked here would be released by this thread at interpreter
+    exit, when torch's C++ deleter cannot take the interpreter's lock: the process aborted ("terminate called
+    without an active exception")."""
+    x = item[0] if item[0].flags.c_contiguous else np.ascontiguousarray(item[0])
+    return group.send(x, item[1], async_op=True)
 
 
 def _receive_loop(group: ProcessGroup, plans: queue.SimpleQueue[Any], box: _Mailbox, poll_s: float) -> None:
@@ -250,3 +262,4 @@ def _receive_plans(group: ProcessGroup, plans: queue.SimpleQueue[Any], box: _Mai
                 box.items.put(_Failed(exc))
                 break  # the group has failed: no later receive of this step can succeed
             box.file(message, got)
+            got = None  # hold no message while waiting for the next plan (see _send)

@@ -1,0 +1,124 @@
+"""Pipeline stages loading their own part of a checkpoint (2 ranks), against one process.
+
+GPT-2 (4 blocks, float64, tied embedding/head) trained two SGD steps as a pp 2 pipeline cut at block 1 is saved
+with ``pp.checkpoint`` (each stage its own parameters, under the whole model's names); one process trains the
+same steps and saves the dense model. Then fresh models (other weights) are cut again and each stage loads the
+checkpoint directly (``pp.checkpoint.load({"model": stage}, ...)``: only its own keys): at pp 1 (the whole model
+as one stage, ``pp.FSDP`` over dp 2), at pp 2 cut at block 3, and from the dense save at pp 2 cut at block 2.
+Each takes the third step, whose loss and parameters equal one process's (1e-9); what a stage does not hold
+keeps the fresh model's values (it was not read).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _torch_models as tm
+from _common import Report, run_rank
+
+import paramplane as pp
+
+LAYERS, ROWS, MICROBATCHES, LR, RTOL = 4, 8, 2, 0.1, 1e-9
+
+
+def batch(step: int) -> dict[str, Any]:
+    import torch
+
+    rng = np.random.default_rng(7 + step)
+    ids = torch.from_numpy(rng.integers(0, tm.VOCAB, (ROWS, tm.SEQ)))
+    mask = torch.ones(ROWS, tm.SEQ, dtype=torch.long)
+    mask[::2, :2] = 0
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _close(rep: Report, what: str, got: Any, want: Any) -> None:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    err = float(np.abs(got - want).max()) / max(float(np.abs(want).max()), 1e-300)
+    rep.check(what, err <= RTOL, f"relative error {err:.3g} > {RTOL:g}")
+
+
+def pipeline_step(mesh: pp.Mesh, pipe: Any, step: int) -> float:
+    """One step of the pipeline on this replica's rows; the mean loss over the last stage's replicas."""
+    dp = mesh.size("dp") if "dp" in mesh.names else 1
+    d = mesh.coordinate("dp") if dp > 1 else 0
+    b = {k: v[d * ROWS // dp : (d + 1) * ROWS // dp] for k, v in batch(step).items()}
+    losses = pipe.step(
+        b["input_ids"] if pipe.is_first else None,
+        target=b["labels"] if pipe.is_last else None,
+        attention_mask=b["attention_mask"],
+    )
+    total = np.array([np.mean(losses) if losses is not None else 0.0])
+    if dp > 1:
+        mesh.group(("pp", "dp")).all_reduce(total, "sum")
+    else:
+        mesh.group("pp").all_reduce(total, "sum")
+    return float(total[0]) / dp
+
+
+def scenario(world: Any, rep: Report, out: Path) -> None:
+    import torch
+
+    # One process: three SGD steps (the unbroken run), the dense model saved after two.
+    ref = tm.build("gpt2", layers=LAYERS)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    ref_losses = []
+    for step in range(3):
+        b = batch(step)
+        loss = pp.causal_lm_loss(
+            ref(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"]
+        )
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        ref_losses.append(float(loss))
+        if step == 1:
+            pp.checkpoint.save({"model": ref, "step": 2}, out / "dense", world.group)
+    ref_state = {k: v.detach().numpy().copy() for k, v in ref.state_dict().items()}
+
+    # pp 2 cut at block 1: two steps, each stage saves its own parameters.
+    mesh = pp.Mesh(world, pp=2)
+    stage = pp.pipeline_split(tm.build("gpt2", layers=LAYERS), [1])[mesh.coordinate("pp")]
+    pipe = pp.Pipeline(stage, mesh.group("pp"), "1f1b", MICROBATCHES, loss_fn=pp.causal_lm_loss)
+    opt = torch.optim.SGD(stage.parameters(), lr=LR)
+    for step in range(2):
+        _close(rep, f"trained loss {step}", pipeline_step(mesh, pipe, step), ref_losses[step])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    pp.checkpoint.save({"model": stage, "step": 2}, out / "pp2", world.group)
+
+    cases = (
+        ("pp2 -> pp1 fsdp dp2", "pp2", 1, []),
+        ("pp2 -> pp2 at 3", "pp2", 2, [3]),
+        ("dense -> pp2 at 2", "dense", 2, [2]),
+    )
+    for name, saved, p, cuts in cases:
+        mesh = pp.Mesh(world, dp=world.world_size // p, pp=p)
+        fresh = tm.build("gpt2", seed=1, layers=LAYERS)
+        before = {k: v.detach().numpy().copy() for k, v in fresh.state_dict().items()}
+        stage = pp.pipeline_split(fresh, cuts)[mesh.coordinate("pp")]
+        mine = set(stage.state_dict())
+        module = pp.FSDP(stage, mesh.group("dp")) if p == 1 else stage
+        got = pp.checkpoint.load({"model": module, "step": 0}, out / saved, world.group)
+        rep.check(f"{name} step", got["step"] == 2, str(got["step"]))
+        for k, v in fresh.state_dict().items():  # the whole model: what the stage does not hold was not read
+            if k not in mine and not any(v.data_ptr() == stage.state_dict()[m].data_ptr() for m in mine):
+                rep.check(f"{name} untouched {k}", np.array_equal(v.detach().numpy(), before[k]), "changed")
+        pipe = pp.Pipeline(module, mesh.group("pp"), "1f1b", MICROBATCHES, loss_fn=pp.causal_lm_loss)
+        opt = torch.optim.SGD(module.parameters(), lr=LR)
+        _close(rep, f"{name} loss", pipeline_step(mesh, pipe, 2), ref_losses[2])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        state = module.state_dict()
+        for k in sorted(mine):
+            _close(rep, f"{name} final {k}", state[k].detach().numpy(), ref_state[k])
+
+
+if __name__ == "__main__":
+    run_rank(lambda world, rep: scenario(world, rep, Path(sys.argv[1])))
