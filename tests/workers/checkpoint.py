@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -170,14 +171,27 @@ def plain(world: Any, rep: Report, root: Path) -> None:
     # save_async: training (collectives) goes on while the files are written; the result is the same.
     blob = np.arange(4 << 20, dtype=np.float32)  # 16 MB more to write: the write outlasts a training step
     staged = {k: np.array(v, copy=True) for k, v in model.state_dict().items()}
-    handle = pp.checkpoint.save_async({"model": model, "step": 3, "blob": blob}, root / "async", g)
-    returned = time.monotonic()
-    for _ in range(2):
-        y = model.forward(x)
-        model.backward(np.ones_like(y))
-        opt.step()
-        opt.zero_grad()
-    handle.wait(60)
+    # The data file's write waits (bounded) for a training step: the overlap checked below is then certain on a
+    # busy machine, not a race with a fast disk; a save_async that blocked would wait it out and fail the check.
+    stepped, write_data_file = threading.Event(), commit._write_data_file
+
+    def write_after_a_step(path: Path, arrays: Any) -> Any:
+        stepped.wait(30)
+        return write_data_file(path, arrays)
+
+    commit._write_data_file = write_after_a_step  # type: ignore[assignment]
+    try:
+        handle = pp.checkpoint.save_async({"model": model, "step": 3, "blob": blob}, root / "async", g)
+        returned = time.monotonic()
+        for _ in range(2):
+            y = model.forward(x)
+            model.backward(np.ones_like(y))
+            opt.step()
+            opt.zero_grad()
+            stepped.set()
+        handle.wait(60)
+    finally:
+        commit._write_data_file = write_data_file  # type: ignore[assignment]
     if (
         g.tracer is not None
     ):  # the trace shows the write in the background, overlapping training's collectives
