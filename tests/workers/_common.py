@@ -91,6 +91,15 @@ class Report:
         worst = float(err.max()) if err.size else 0.0
         return self.check(name, worst <= rtol, f"relative error {worst:.3g} > {rtol:g}")
 
+    def close(self, name: str, got: Any, want: Any, rtol: float) -> bool:
+        """``max|got - want| <= rtol * max|want|`` with ``want``'s shape (elementwise relative error means nothing
+        for entries that are zero in exact arithmetic, such as attention key biases AdamW moves by rounding)."""
+        g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        if g.shape != w.shape:
+            return self.check(name, False, f"shape {g.shape}, want {w.shape}")
+        err = float(np.abs(g - w).max(initial=0.0)) / max(float(np.abs(w).max(initial=0.0)), 1e-300)
+        return self.check(name, err <= rtol, f"relative error {err:.3g} > {rtol:g}")
+
     def raises(self, name: str, exc_type: type[BaseException], fn: Callable[[], Any], *needles: str) -> Any:
         """``fn()`` raises ``exc_type`` whose text contains every needle; returns the exception."""
         try:

@@ -104,6 +104,20 @@ def batch(name: str, step: int, rank: int, size: int = 2) -> dict[str, Any]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def left_padded_batch(seed: int, rows: int, pad_every: int = 2) -> dict[str, Any]:
+    """A causal-LM batch of ``rows`` sequences with two left-padded positions in every ``pad_every``-th row
+    (labels -100 there): a pipeline's microbatches of ``pad_every`` rows each count as many tokens."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    ids = torch.from_numpy(rng.integers(0, VOCAB, (rows, SEQ)))
+    mask = torch.ones(rows, SEQ, dtype=torch.long)
+    mask[::pad_every, :2] = 0
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
 def global_batch(name: str, step: int, num_ranks: int, size: int = 2) -> dict[str, Any]:
     """Every rank's batch of ``step`` concatenated: what one process trains on."""
     import torch

@@ -36,13 +36,6 @@ ONE_PROCESS_RTOL = {"gpt2": 1e-9, "llama": 1e-5, "resnet": 1e-9}
 BUCKET_MB = 0.002  # several buckets, so all-reduces start while backward runs
 
 
-def _close(rep: Report, name: str, got: np.ndarray, want: np.ndarray, rtol: float) -> None:
-    """``max|got - want| <= rtol * max|want|`` (elementwise relative error is meaningless for entries that
-    are zero in exact arithmetic, such as attention key biases, which AdamW moves by rounding noise)."""
-    err = float(np.abs(got - want).max()) / max(float(np.abs(want).max()), 1e-300)
-    rep.check(name, err <= rtol, f"relative error {err:.3g} > {rtol:g}")
-
-
 def _grads(params: Any) -> np.ndarray:
     return np.concatenate(
         [p.grad.detach().double().reshape(-1).numpy() for p in params if p.grad is not None]
@@ -164,9 +157,7 @@ def _extras(world: Any, rep: Report) -> None:
         for opt in opts:
             opt.step()
             opt.zero_grad(set_to_none=True)
-        _close(
-            rep, f"{what}: parameters equal one process", tm.flat_params(model), tm.flat_params(ref), 1e-12
-        )
+        rep.close(f"{what}: parameters equal one process", tm.flat_params(model), tm.flat_params(ref), 1e-12)
     rep.check("extra's grad stays None when no rank used it", model.extra.weight.grad is None)  # after step 1
     rep.digests["extras"] = digest(tm.flat_params(model))
     ddp.remove_hooks()
@@ -191,12 +182,8 @@ def _autocast(world: Any, rep: Report) -> None:
     losses, _ = _loop(model, ddp.parameters(), loss_of(ddp), steps=2)
     t_losses, _ = _loop(theirs.module, list(theirs.parameters()), loss_of(theirs), steps=2)
     rep.equal("autocast: losses equal torch DDP", losses, t_losses, rtol=1e-2)
-    _close(
-        rep,
-        "autocast: parameters equal torch DDP",
-        tm.flat_params(model),
-        tm.flat_params(theirs.module),
-        1e-3,
+    rep.close(
+        "autocast: parameters equal torch DDP", tm.flat_params(model), tm.flat_params(theirs.module), 1e-3
     )
     rep.values["autocast error"] = float(np.abs(tm.flat_params(model) - tm.flat_params(theirs.module)).max())
     ddp.remove_hooks()
@@ -289,8 +276,8 @@ def _standard_loop(world: Any, rep: Report, name: str) -> None:
     rep.equal(f"{name}: losses equal torch DDP", losses, t_losses, rtol=1e-12)
     rep.equal(f"{name}: grad norms equal torch DDP", norms, t_norms, rtol=1e-12)
     mine = tm.flat_params(model)
-    _close(rep, f"{name}: parameters equal one process", mine, tm.flat_params(ref), rtol)
-    _close(rep, f"{name}: parameters equal torch DDP", mine, tm.flat_params(theirs.module), 1e-12)
+    rep.close(f"{name}: parameters equal one process", mine, tm.flat_params(ref), rtol)
+    rep.close(f"{name}: parameters equal torch DDP", mine, tm.flat_params(theirs.module), 1e-12)
     keys_same = list(ddp.state_dict()) == list(theirs.module.state_dict())
     rep.check(f"{name}: state_dict keys are the module's", keys_same)
     for (key, b), t in zip(model.named_buffers(), theirs.module.buffers(), strict=True):

@@ -29,17 +29,9 @@ LAYERS = 4  # every factorisation cuts the same model
 
 
 def batch(step: int, rows: int = ROWS) -> dict[str, Any]:
-    """The global batch of ``step``: left padding in every other row (every microbatch of an even number of
-    rows counts as many tokens, whatever the factorisation)."""
-    import torch
-
-    rng = np.random.default_rng(step)
-    ids = torch.from_numpy(rng.integers(0, tm.VOCAB, (rows, tm.SEQ)))
-    mask = torch.ones(rows, tm.SEQ, dtype=torch.long)
-    mask[::2, :2] = 0
-    labels = ids.clone()
-    labels[mask == 0] = -100
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    """The global batch of ``step`` (every microbatch of an even number of rows counts as many tokens,
+    whatever the factorisation)."""
+    return tm.left_padded_batch(step, rows)
 
 
 def build_pipeline(mesh: pp.Mesh, schedule: str = "1f1b", model: Any = None) -> tuple[Any, list[Any]]:
@@ -60,11 +52,6 @@ def build_pipeline(mesh: pp.Mesh, schedule: str = "1f1b", model: Any = None) -> 
 def dense(stage: Any) -> dict[str, np.ndarray]:
     state = stage.full_state_dict() if hasattr(stage, "full_state_dict") else stage.state_dict()
     return {k: v.detach().numpy() for k, v in state.items()}
-
-
-def _close(rep: Report, what: str, got: np.ndarray, want: np.ndarray) -> None:
-    err = float(np.abs(got - want).max()) / max(float(np.abs(want).max()), 1e-300)
-    rep.check(what, err <= RTOL, f"relative error {err:.3g} > {RTOL:g}")
 
 
 def train(
@@ -99,15 +86,15 @@ def train(
         want_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP))
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
-        _close(rep, f"grad norm {step}", np.array(norm), np.array(want_norm))
+        rep.close(f"grad norm {step}", np.array(norm), np.array(want_norm), RTOL)
         rep.check(f"clipped {step}", want_norm > CLIP, f"norm {want_norm} does not clip")
         loss_sum[0] = np.mean(losses) if losses is not None else 0.0
         mesh.group(("pp", "dp")).all_reduce(loss_sum, "sum")  # the last stage's replicas: their mean
-        _close(rep, f"loss {step}", loss_sum / dp, np.array(float(want)))
+        rep.close(f"loss {step}", loss_sum[0] / dp, float(want), RTOL)
     ref_state = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
     for s in mine:
         for k, v in dense(s).items():
-            _close(rep, f"final {k}", v, ref_state[k])
+            rep.close(f"final {k}", v, ref_state[k], RTOL)
     pp.checkpoint.save({"model": mine[0], "step": STEPS}, out, world.group)
     if load is not None:
         # The checkpoint holds the dense model under its own names: every rank loads it into a fresh dense
@@ -118,7 +105,7 @@ def train(
         other = pp.Mesh(world, dp=load_dims[0], pp=load_dims[1], tp=load_dims[2])
         _, fresh_mine = build_pipeline(other, "gpipe", fresh)  # 1f1b needs as many microbatches as stages
         for k, v in dense(fresh_mine[0]).items():
-            _close(rep, f"loaded {k}", v, ref_state[k])
+            rep.close(f"loaded {k}", v, ref_state[k], RTOL)
 
 
 def main() -> None:

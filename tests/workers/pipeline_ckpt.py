@@ -27,21 +27,7 @@ LAYERS, ROWS, MICROBATCHES, LR, RTOL = 4, 8, 2, 0.1, 1e-9
 
 
 def batch(step: int) -> dict[str, Any]:
-    import torch
-
-    rng = np.random.default_rng(7 + step)
-    ids = torch.from_numpy(rng.integers(0, tm.VOCAB, (ROWS, tm.SEQ)))
-    mask = torch.ones(ROWS, tm.SEQ, dtype=torch.long)
-    mask[::2, :2] = 0
-    labels = ids.clone()
-    labels[mask == 0] = -100
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
-def _close(rep: Report, what: str, got: Any, want: Any) -> None:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    err = float(np.abs(got - want).max()) / max(float(np.abs(want).max()), 1e-300)
-    rep.check(what, err <= RTOL, f"relative error {err:.3g} > {RTOL:g}")
+    return tm.left_padded_batch(7 + step, ROWS)
 
 
 def pipeline_step(mesh: pp.Mesh, pipe: Any, step: int) -> float:
@@ -88,7 +74,7 @@ def scenario(world: Any, rep: Report, out: Path) -> None:
     pipe = pp.Pipeline(stage, mesh.group("pp"), "1f1b", MICROBATCHES, loss_fn=pp.causal_lm_loss)
     opt = torch.optim.SGD(stage.parameters(), lr=LR)
     for step in range(2):
-        _close(rep, f"trained loss {step}", pipeline_step(mesh, pipe, step), ref_losses[step])
+        rep.close(f"trained loss {step}", pipeline_step(mesh, pipe, step), ref_losses[step], RTOL)
         opt.step()
         opt.zero_grad(set_to_none=True)
     pp.checkpoint.save({"model": stage, "step": 2}, out / "pp2", world.group)
@@ -112,12 +98,12 @@ def scenario(world: Any, rep: Report, out: Path) -> None:
                 rep.check(f"{name} untouched {k}", np.array_equal(v.detach().numpy(), before[k]), "changed")
         pipe = pp.Pipeline(module, mesh.group("pp"), "1f1b", MICROBATCHES, loss_fn=pp.causal_lm_loss)
         opt = torch.optim.SGD(module.parameters(), lr=LR)
-        _close(rep, f"{name} loss", pipeline_step(mesh, pipe, 2), ref_losses[2])
+        rep.close(f"{name} loss", pipeline_step(mesh, pipe, 2), ref_losses[2], RTOL)
         opt.step()
         opt.zero_grad(set_to_none=True)
         state = module.state_dict()
         for k in sorted(mine):
-            _close(rep, f"{name} final {k}", state[k].detach().numpy(), ref_state[k])
+            rep.close(f"{name} final {k}", state[k].detach().numpy(), ref_state[k], RTOL)
 
 
 if __name__ == "__main__":

@@ -34,21 +34,7 @@ CASES = (
 
 def batch(step: int) -> dict[str, Any]:
     """Left padding in every other row: each microbatch of two rows counts as many tokens as any other."""
-    import torch
-
-    rng = np.random.default_rng(100 + step)
-    ids = torch.from_numpy(rng.integers(0, tm.VOCAB, (ROWS, tm.SEQ)))
-    mask = torch.ones(ROWS, tm.SEQ, dtype=torch.long)
-    mask[::2, :2] = 0
-    labels = ids.clone()
-    labels[mask == 0] = -100
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
-def _close(rep: Report, what: str, got: Any, want: Any) -> None:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    err = float(np.abs(got - want).max()) / max(float(np.abs(want).max()), 1e-300)
-    rep.check(what, err <= RTOL, f"relative error {err:.3g} > {RTOL:g}")
+    return tm.left_padded_batch(100 + step, ROWS)
 
 
 class Counting:
@@ -113,14 +99,14 @@ def run_case(world: Any, rep: Report, schedule: str, layers: int, per_block: boo
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
         rep.check(f"{schedule} clipped {step}", want_norm > CLIP, f"norm {want_norm} does not clip")
-        _close(rep, f"{schedule} grad norm {step}", norm, want_norm)
+        rep.close(f"{schedule} grad norm {step}", norm, want_norm, RTOL)
         loss_sum[0] = np.mean(losses) if losses is not None else 0.0
         mesh.group(("pp", "dp")).all_reduce(loss_sum, "sum")  # the last stage's replicas: their mean
-        _close(rep, f"{schedule} loss {step}", loss_sum[0] / dp.size, float(want))
+        rep.close(f"{schedule} loss {step}", loss_sum[0] / dp.size, float(want), RTOL)
     ref_state = ref.state_dict()
     for w in wrapped:
         for k, v in w.state_dict().items():
-            _close(rep, f"{schedule} final {k}", v.detach().numpy(), ref_state[k].detach().numpy())
+            rep.close(f"{schedule} final {k}", v.detach().numpy(), ref_state[k].detach().numpy(), RTOL)
 
 
 def scenario(world: Any, rep: Report) -> None:

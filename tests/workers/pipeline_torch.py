@@ -47,27 +47,13 @@ def build(name: str, layers: int) -> Any:
 def batch(step: int) -> dict[str, Any]:
     """The global batch of ``step``: left padding in the first row of every microbatch (so the mask changes
     every later position's attention, and every microbatch has as many counted tokens)."""
-    import torch
-
-    rng = np.random.default_rng(step)
-    n = MICROBATCHES * PER_MB
-    ids = torch.from_numpy(rng.integers(0, tm.VOCAB, (n, tm.SEQ)))
-    mask = torch.ones(n, tm.SEQ, dtype=torch.long)
-    mask[::PER_MB, :2] = 0
-    labels = ids.clone()
-    labels[mask == 0] = -100
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    return tm.left_padded_batch(step, MICROBATCHES * PER_MB, PER_MB)
 
 
 def reference_logits(model: Any, name: str, ids: Any, mask: Any) -> Any:
     if name == "tinygpt":
         return model(ids)
     return model(input_ids=ids, attention_mask=mask).logits
-
-
-def _close(rep: Report, what: str, got: np.ndarray, want: np.ndarray, rtol: float) -> None:
-    err = float(np.abs(got - want).max()) / max(float(np.abs(want).max()), 1e-300)
-    rep.check(what, err <= rtol, f"relative error {err:.3g} > {rtol:g}")
 
 
 def equivalence(world: Any, rep: Report, schedule: str, name: str) -> None:
@@ -102,15 +88,15 @@ def equivalence(world: Any, rep: Report, schedule: str, name: str) -> None:
             rep.check(f"{name} mask matters", abs(float(unmasked) - float(want)) > 1e-6)
         if pipe.is_last:
             assert losses is not None and len(losses) == MICROBATCHES
-            _close(
-                rep, f"{name} {schedule} loss {step}", np.array(np.mean(losses)), np.array(float(want)), rtol
+            rep.close(
+                f"{name} {schedule} loss {step}", np.array(np.mean(losses)), np.array(float(want)), rtol
             )
         mine_grads = {n: q.grad for s in mine for n, q in s.named_parameters()}
         ref_grads = dict(ref.named_parameters(remove_duplicate=False))
         for n, grad in sorted(mine_grads.items()):
             assert grad is not None, n
             want_grad = ref_grads[n].grad
-            _close(rep, f"{name} {schedule} grad {n} {step}", grad.numpy(), want_grad.numpy(), rtol * 10)
+            rep.close(f"{name} {schedule} grad {n} {step}", grad.numpy(), want_grad.numpy(), rtol * 10)
         opt.step()
         opt.zero_grad(set_to_none=True)
         ref_opt.step()
@@ -118,7 +104,7 @@ def equivalence(world: Any, rep: Report, schedule: str, name: str) -> None:
     ref_state = ref.state_dict()
     for s in mine:
         for n, t in s.state_dict().items():
-            _close(rep, f"{name} {schedule} final {n}", t.numpy(), ref_state[n].numpy(), rtol * 10)
+            rep.close(f"{name} {schedule} final {n}", t.numpy(), ref_state[n].numpy(), rtol * 10)
     tied = [
         t
         for s in mine

@@ -101,15 +101,6 @@ def shifted(logits: Any, labels: Any) -> tuple[Any, Any]:
     return logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)
 
 
-def _close(rep: Report, name: str, got: Any, want: Any, rtol: float = RTOL) -> None:
-    g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    if g.shape != w.shape:
-        rep.check(name, False, f"shape {g.shape}, want {w.shape}")
-        return
-    err = float(np.abs(g - w).max()) / max(float(np.abs(w).max()), 1e-300)
-    rep.check(name, err <= rtol, f"relative error {err:.3g} > {rtol:g}")
-
-
 def _counting(group: Any) -> list[int]:
     calls = [0]
     inner = group.all_reduce
@@ -161,23 +152,23 @@ def train_one(rep: Report, name: str, tp: Any, sequence: bool = False) -> None:
         if not sequence:
             want_calls = (7 if cross else 4) * num_layers + 4
             rep.check(f"{tag} all-reduces per step", calls[0] == want_calls, f"{calls[0]} != {want_calls}")
-        _close(rep, f"{tag} loss step {step}", got.item(), want.item())
+        rep.close(f"{tag} loss step {step}", got.item(), want.item(), RTOL)
         if cross:
             states = "encoder_hidden_states"
-            _close(rep, f"{tag} encoder states grad {step}", mine[states].grad, enc[states].grad)
+            rep.close(f"{tag} encoder states grad {step}", mine[states].grad, enc[states].grad, RTOL)
         if step == 0:
             dense_params = dict(dense.named_parameters())
             for pname, p in model.named_parameters():
                 g = dense_params[pname].grad
                 spec = getattr(p, "tp_shard", None)
-                _close(rep, f"{tag} grad {pname}", p.grad, spec.local_of(g) if spec else g)
+                rep.close(f"{tag} grad {pname}", p.grad, spec.local_of(g) if spec else g, RTOL)
         for opt in opts:
             opt.step()
             opt.zero_grad(set_to_none=True)
     full, plain = model.full_state_dict(), dense.state_dict()
     rep.check(f"{tag} full_state_dict keys", list(full) == list(plain), f"{list(full)[:3]}")
     for key, t in plain.items():
-        _close(rep, f"{tag} final {key}", full[key], t)
+        rep.close(f"{tag} final {key}", full[key], t, RTOL)
 
 
 def gathered(rep: Report, name: str, tp: Any) -> None:
@@ -186,8 +177,8 @@ def gathered(rep: Report, name: str, tp: Any) -> None:
     pp.parallelize(model, tp, pp.tp_plan_for(model))
     b = batch(7)
     want, got = dense(**b), model(**b)
-    _close(rep, f"{name} tp{tp.size} gathered logits", got.logits.detach(), want.logits.detach())
-    _close(rep, f"{name} tp{tp.size} model's own loss", got.loss.item(), want.loss.item(), 1e-6)
+    rep.close(f"{name} tp{tp.size} gathered logits", got.logits.detach(), want.logits.detach(), RTOL)
+    rep.close(f"{name} tp{tp.size} model's own loss", got.loss.item(), want.loss.item(), 1e-6)
 
 
 def sequential(rep: Report, tp: Any) -> None:
@@ -204,13 +195,13 @@ def sequential(rep: Report, tp: Any) -> None:
     x = torch.from_numpy(np.random.default_rng(4).standard_normal((5, 6))).requires_grad_()
     x2 = x.detach().clone().requires_grad_()
     y, y2 = dense(x), model(x2)
-    _close(rep, f"seq tp{tp.size} output", y2.detach(), y.detach())
+    rep.close(f"seq tp{tp.size} output", y2.detach(), y.detach(), RTOL)
     (y**2).sum().backward()
     (y2**2).sum().backward()
-    _close(rep, f"seq tp{tp.size} input grad", x2.grad, x.grad)
+    rep.close(f"seq tp{tp.size} input grad", x2.grad, x.grad, RTOL)
     for (pname, p), q in zip(model.named_parameters(), dense.parameters()):
         spec = getattr(p, "tp_shard", None)
-        _close(rep, f"seq tp{tp.size} grad {pname}", p.grad, spec.local_of(q.grad) if spec else q.grad)
+        rep.close(f"seq tp{tp.size} grad {pname}", p.grad, spec.local_of(q.grad) if spec else q.grad, RTOL)
 
 
 def train(world: Any, rep: Report) -> None:
@@ -295,12 +286,11 @@ def cross_entropy(rep: Report, tp: Any) -> None:
         shard = full[..., tp.rank * k : (tp.rank + 1) * k].clone().requires_grad_()
         want = F.cross_entropy(a.reshape(-1, 12), target.reshape(-1), reduction=reduction)
         got = pp.vocab_parallel_cross_entropy(shard, target, tp, reduction=reduction)
-        _close(rep, f"ce tp{tp.size} {reduction}", got.detach().reshape(-1), want.detach().reshape(-1), 1e-12)
+        rep.close(f"ce tp{tp.size} {reduction}", got.detach().reshape(-1), want.detach().reshape(-1), 1e-12)
         weights = torch.arange(want.numel(), dtype=want.dtype).reshape(want.shape) + 1
         (want * weights).sum().backward()
         (got.reshape(want.shape) * weights).sum().backward()
-        _close(
-            rep,
+        rep.close(
             f"ce tp{tp.size} {reduction} grad",
             shard.grad,
             a.grad[..., tp.rank * k : (tp.rank + 1) * k],
@@ -339,7 +329,7 @@ def checkpoint(rep: Report, world: Any, root: Path) -> None:
     for k, v in ref.items():
         rep.check(f"tp3 loaded {k}", bool(torch.equal(full[k], v)))
     b = batch(1)
-    _close(rep, "tp3 loaded model computes", at3(**b).logits.detach(), plain(**b).logits.detach(), 1e-12)
+    rep.close("tp3 loaded model computes", at3(**b).logits.detach(), plain(**b).logits.detach(), 1e-12)
 
 
 def misc(world: Any, rep: Report) -> None:

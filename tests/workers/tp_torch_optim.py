@@ -22,7 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Report, run_rank
-from tp_torch import _close, batch, build
+from tp_torch import batch, build
 
 import paramplane as pp
 
@@ -76,24 +76,24 @@ def resume(rep: Report, tag: str, path: Path, tp: Any, group: Any, want: Any) ->
         spec = getattr(p, "tp_shard", None)
         for k in ("exp_avg", "exp_avg_sq"):
             dense = moments[name][k]
-            _close(
-                rep, f"{tag} loaded {name} {k}", opt.state[p][k], spec.local_of(dense) if spec else dense, TOL
+            rep.close(
+                f"{tag} loaded {name} {k}", opt.state[p][k], spec.local_of(dense) if spec else dense, TOL
             )
         got_step = float(opt.state[p]["step"])
         rep.check(f"{tag} {name} step", got_step == SAVED, f"step {got_step}")
     for i in range(SAVED, STEPS):
-        _close(rep, f"{tag} loss step {i}", step(model, opt, i), losses[i], TOL)
+        rep.close(f"{tag} loss step {i}", step(model, opt, i), losses[i], TOL)
     full = model.full_state_dict() if tp is not None else model.state_dict()
     rep.check(f"{tag} keys", list(full) == list(final), str(list(full)[:3]))
     for key, t in final.items():
-        _close(rep, f"{tag} final {key}", full[key], t, TOL)
+        rep.close(f"{tag} final {key}", full[key], t, TOL)
 
 
 def train_and_save(rep: Report, tag: str, path: Path, tp: Any, group: Any, want: Any) -> None:
     model = model_at(tp, 5)
     opt = opt_for(model)
     for i in range(SAVED):
-        _close(rep, f"{tag} loss step {i}", step(model, opt, i), want[0][i], TOL)
+        rep.close(f"{tag} loss step {i}", step(model, opt, i), want[0][i], TOL)
     state = pp.tp_optim_state(model, opt) if tp is None else model.optim_state(opt)
     pp.checkpoint.save({"model": model, "optim": state}, path, group)
 

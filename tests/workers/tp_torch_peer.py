@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Report, run_rank
-from tp_torch import _close, batch, build, shifted
+from tp_torch import batch, build, shifted
 
 import paramplane as pp
 
@@ -134,16 +134,16 @@ def compare(rep: Report, tp: Any, mesh: Any, loss_parallel: bool, sequence: bool
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for k, m in models.items()}
     for step in range(STEPS):
         losses = {k: loss_of(k, m, step, tp, loss_parallel) for k, m in models.items()}
-        _close(rep, f"{tag} step {step} loss pp = torch", losses["pp"], losses["torch"], TOL)
-        _close(rep, f"{tag} step {step} loss torch = dense", losses["torch"], losses["dense"], TOL)
+        rep.close(f"{tag} step {step} loss pp = torch", losses["pp"], losses["torch"], TOL)
+        rep.close(f"{tag} step {step} loss torch = dense", losses["torch"], losses["dense"], TOL)
         if step == 0:
             grads = {k: dense_grads(m) for k, m in models.items()}
             rep.check(
                 f"{tag} same parameters", list(grads["pp"]) == list(grads["torch"]), str(list(grads["pp"]))
             )
             for name, g in grads["torch"].items():
-                _close(rep, f"{tag} grad {name} pp = torch", grads["pp"][name], g, TOL)
-                _close(rep, f"{tag} grad {name} torch = dense", g, grads["dense"][name], TOL)
+                rep.close(f"{tag} grad {name} pp = torch", grads["pp"][name], g, TOL)
+                rep.close(f"{tag} grad {name} torch = dense", g, grads["dense"][name], TOL)
         for opt in opts.values():
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -154,8 +154,8 @@ def compare(rep: Report, tp: Any, mesh: Any, loss_parallel: bool, sequence: bool
     dense = models["dense"].state_dict()
     rep.check(f"{tag} state keys", list(mine) == list(theirs_state) == list(dense), str(list(mine)[:3]))
     for key, t in theirs_state.items():
-        _close(rep, f"{tag} final {key} pp = torch", mine[key], t, TOL)
-        _close(rep, f"{tag} final {key} torch = dense", t, dense[key], TOL)
+        rep.close(f"{tag} final {key} pp = torch", mine[key], t, TOL)
+        rep.close(f"{tag} final {key} torch = dense", t, dense[key], TOL)
 
 
 def torch_refuses_conv1d(rep: Report, mesh: Any) -> None:
