@@ -110,7 +110,7 @@ class DirectLane:
         self, timeout: float, head: bytes, tail: bytes, nbytes: int
     ) -> tuple[int, memoryview] | peer_pb2.FrameHeader | memoryview:
         """``next_item``, but a frame that is ``head``, a varint, ``tail`` and ``nbytes`` more bytes (a small
-        message of a known kind: ``p2p._Template``) comes as (the varint, those bytes), unparsed; the bytes are
+        message of a known kind: ``node/frame_template.py``) comes as (the varint, those bytes), unparsed; the bytes are
         a view valid until the next call."""
         deadline = time.monotonic() + timeout
         with self._reading:

@@ -33,6 +33,15 @@ class LoopThread:
             raise RuntimeError("LoopThread.submit called from the loop itself: await the coroutine instead")
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
+    def call_soon(self, fn: Callable[..., object], *args: Any) -> bool:
+        """Run ``fn(*args)`` on the loop soon, from any thread; False when the loop has stopped (nothing is
+        left there to tell)."""
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            return False
+        return True
+
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the loop and wait for its result (at most ``timeout`` seconds)."""
         fut = self.submit(coro)

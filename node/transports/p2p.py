@@ -32,7 +32,8 @@ import numpy as np
 from paramplane.node.algorithms import ring
 from paramplane.node.arrays import DTYPES, dtype_name
 from paramplane.node.errors import PeerLost, PlaneClosed, PlaneError
-from paramplane.node.lane import FRAME_LENGTH, LaneStream
+from paramplane.node.frame_template import frame_bytes, template_bytes
+from paramplane.node.lane import LaneStream
 from paramplane.node.loop import on_daemon_thread
 from paramplane.node.spec import OpSpec
 from paramplane.node.transports.grpc import INLINE_BYTES, GrpcTransport
@@ -44,28 +45,17 @@ T = TypeVar("T")
 MAX_TEMPLATES = 64
 Begin = Callable[[int], OpSpec]  # the spec of message number ``seq``, called when the message's turn comes
 Spec = Callable[[Any, int, int, int], OpSpec]  # (array, src, dst, seq) -> spec, as GroupEngine.p2p_spec
-_SEQ_TAG = bytes([peer_pb2.FrameHeader.SEQ_FIELD_NUMBER << 3])  # varint
-_PAYLOAD_TAG = bytes([peer_pb2.FrameHeader.INLINE_PAYLOAD_FIELD_NUMBER << 3 | 2])  # length-delimited
 
 
 class _Template(NamedTuple):
-    """The frame of a message of one dtype and shape on a line but for its sequence number and payload: the
-    frame is ``head``, the number as a varint, ``tail``, then the payload's ``header.nbytes`` bytes."""
+    """The frame of a message of one dtype and shape on a line but for its sequence number and payload
+    (``node/frame_template.py``)."""
 
     header: peer_pb2.FrameHeader  # seq and inline_payload unset
     head: bytes  # ``header`` serialized, then the tag of its seq field
     tail: bytes  # the tag and the length of the inline payload
     dtype: np.dtype[Any]
     shape: tuple[int, ...]
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 class _Line:
@@ -102,9 +92,7 @@ class _Line:
         if len(self.templates) >= MAX_TEMPLATES:
             self.templates.clear()
         shape = tuple(header.shape)
-        template = _Template(
-            header, header.SerializeToString() + _SEQ_TAG, _PAYLOAD_TAG + _varint(header.nbytes), dtype, shape
-        )
+        template = _Template(header, *template_bytes(header), dtype, shape)
         self.templates[(dtype, shape)] = self.recent = template
         return template
 
@@ -135,9 +123,7 @@ class GrpcPointToPoint(GrpcTransport):
             self._tails[line] = task
             task.add_done_callback(functools.partial(_cancelled, out))
 
-        try:
-            self.loop.loop.call_soon_threadsafe(start)
-        except RuntimeError:  # the loop has stopped
+        if not self.loop.call_soon(start):
             out.set_exception(PlaneClosed("the plane was shut down"))
         return out
 
@@ -216,11 +202,7 @@ class GrpcPointToPoint(GrpcTransport):
     ) -> concurrent.futures.Future[None] | None:
         """Write message ``seq`` (``x`` in ``template``'s frame) from this thread (``line.lock`` held): None when
         the socket took it whole, else the future of its rest, which the loop writes before anything later."""
-        number = _varint(seq)
-        size = len(template.head) + len(number) + len(template.tail) + x.nbytes
-        rest = lane.send_now(
-            b"".join((FRAME_LENGTH.pack(size), template.head, number, template.tail, x.tobytes()))
-        )
+        rest = lane.send_now(frame_bytes(template.head, template.tail, seq, x.tobytes()))
         if not rest:
             return None
         return line.track(self.submit_in_order(("send", dst), functools.partial(self._send_rest, lane, rest)))
@@ -376,15 +358,12 @@ class GrpcPointToPoint(GrpcTransport):
     def _timed_out(self) -> PlaneError:
         """A receive on a caller's thread ran out of time: fail the key everywhere (from the loop)."""
         exc = self._expired()
-        self.loop.loop.call_soon_threadsafe(self.plane.fail_key, self.key, exc)
+        self.loop.call_soon(self.plane.fail_key, self.key, exc)
         return exc
 
     def fail_soon(self, exc: PlaneError) -> None:
         """Fail the key with ``exc`` here and on the other members, from a thread other than the loop's."""
-        try:
-            self.loop.loop.call_soon_threadsafe(self.channel.fail, exc)
-        except RuntimeError:  # the loop has stopped: nothing left to tell
-            pass
+        self.loop.call_soon(self.channel.fail, exc)
 
 
 def _write(out: np.ndarray, payload: bytes | memoryview) -> None:

@@ -22,7 +22,8 @@ import numpy as np
 
 from paramplane.node.algorithms.ring import Sink
 from paramplane.node.errors import PeerLost, PlaneClosed, PlaneError
-from paramplane.node.lane import FRAME_LENGTH, LaneStream
+from paramplane.node.frame_template import frame_bytes, template_bytes
+from paramplane.node.lane import LaneStream
 from paramplane.node.loop import LoopThread
 from paramplane.node.spec import OpSpec
 from paramplane.protos import peer_pb2
@@ -30,27 +31,15 @@ from paramplane.protos import peer_pb2
 # Payloads up to this size ride inside the frame header (such a frame is written from the op's thread first).
 INLINE_BYTES = 64 << 10
 MAX_TEMPLATES = 64  # frame templates kept per direction; a group that used more starts again from none
-_SEQ_TAG = bytes([peer_pb2.FrameHeader.SEQ_FIELD_NUMBER << 3])  # varint
-_PAYLOAD_TAG = bytes([peer_pb2.FrameHeader.INLINE_PAYLOAD_FIELD_NUMBER << 3 | 2])  # length-delimited
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 class _Template(NamedTuple):
     """A small frame of one kind (peer, op, dtype, shape, arg, step, size) but for its sequence number and
-    payload: ``head``, the number as a varint, ``tail``, then the payload (protobuf fields may come in any
-    order). A received frame that is byte for byte that is taken without parsing it."""
+    payload (``node/frame_template.py``)."""
 
     header: peer_pb2.FrameHeader  # seq and inline_payload unset
-    head: bytes  # ``header`` serialized, then the tag of its seq field
-    tail: bytes  # the tag and the length of the inline payload (none when empty)
+    head: bytes
+    tail: bytes
 
 
 class ThreadChannel:
@@ -92,10 +81,8 @@ class ThreadChannel:
             )
         else:
             t = self._template(0, idx, spec, step, nbytes)
-            number = _varint(spec.seq)
             data = payload.reshape(-1).view(np.uint8).data if payload is not None and nbytes else b""
-            size = len(t.head) + len(number) + len(t.tail) + nbytes
-            rest = lane.send_now(b"".join((FRAME_LENGTH.pack(size), t.head, number, t.tail, data)))
+            rest = lane.send_now(frame_bytes(t.head, t.tail, spec.seq, data))
             if rest:
                 queued.append(self._sending_on_loop(self._send_rest(lane, rest)))
         self._sending[idx] = queued
@@ -136,10 +123,7 @@ class ThreadChannel:
     def _send_done(self, fut: concurrent.futures.Future[None]) -> None:
         exc = None if fut.cancelled() else fut.exception()
         if isinstance(exc, PlaneError):
-            try:
-                self.loop.loop.call_soon_threadsafe(self.plane.fail_key, self.key, exc)
-            except RuntimeError:
-                pass
+            self.loop.call_soon(self.plane.fail_key, self.key, exc)
 
     @staticmethod
     def _closed() -> PlaneError:
@@ -173,8 +157,7 @@ class ThreadChannel:
                 kinds.clear()
             header = self.channel.template(idx, spec, nbytes, incoming=bool(incoming))
             header.step = step
-            tail = _PAYLOAD_TAG + _varint(nbytes) if nbytes else b""
-            t = kinds[key] = _Template(header, header.SerializeToString() + _SEQ_TAG, tail)
+            t = kinds[key] = _Template(header, *template_bytes(header))
         return t
 
     def recv(self, idx: int, spec: OpSpec, step: int, nbytes: int, sink: Sink) -> None:
@@ -240,18 +223,12 @@ class ThreadChannel:
     def _timed_out(self) -> PlaneError:
         """The op ran out of time: fail the key here (on the loop) and raise."""
         exc = self._expired()
-        try:
-            self.loop.loop.call_soon_threadsafe(self.plane.fail_key, self.key, exc)
-        except RuntimeError:
-            pass
+        self.loop.call_soon(self.plane.fail_key, self.key, exc)
         return exc
 
     def _fail_soon(self, exc: PlaneError) -> None:
         """Fail the key with ``exc`` here and on the other members (from the loop)."""
-        try:
-            self.loop.loop.call_soon_threadsafe(self.channel.fail, exc)
-        except RuntimeError:  # the loop has stopped: nothing left to tell
-            pass
+        self.loop.call_soon(self.channel.fail, exc)
 
 
 async def _make_inbox(plane: Any, rank: int, key: str) -> Any:

@@ -18,11 +18,12 @@ import pytest
 from paramplane.node.algorithms.ring import copy_into
 from paramplane.node.direct_lane import DirectLane, polling
 from paramplane.node.errors import PeerLost, TransportError
+from paramplane.node.frame_template import varint
 from paramplane.node.lane import ABSTRACT_SOCKETS, LaneReader, LaneServer, LaneStream, opening_mac
 from paramplane.node.peer import PeerPlane
 from paramplane.node.spec import OpSpec
 from paramplane.node.transports.grpc import GrpcChannel
-from paramplane.node.transports.p2p import _Line, _varint
+from paramplane.node.transports.p2p import _Line
 from paramplane.protos import peer_pb2
 from paramplane.protos.auth import token_metadata
 
@@ -335,7 +336,7 @@ def test_a_small_message_frame_is_valid_protobuf_and_read_without_parsing_when_i
         np.dtype(np.float32), peer_pb2.FrameHeader(group="g", op="send", shape=[2], nbytes=8)
     )
     payload = np.arange(2, dtype=np.float32).tobytes()
-    body = template.head + _varint(300) + template.tail + payload
+    body = template.head + varint(300) + template.tail + payload
     assert peer_pb2.FrameHeader.FromString(body) == peer_pb2.FrameHeader(
         group="g", op="send", shape=[2], nbytes=8, seq=300, inline_payload=payload
     )
@@ -343,7 +344,7 @@ def test_a_small_message_frame_is_valid_protobuf_and_read_without_parsing_when_i
     other = peer_pb2.FrameHeader(
         group="g", op="send", shape=[3], nbytes=12, seq=301, inline_payload=bytes(12)
     )
-    huge = template.head + _varint(1 << 63) + template.tail + payload  # past int64: protobuf's to read
+    huge = template.head + varint(1 << 63) + template.tail + payload  # past int64: protobuf's to read
     # seq 1 written in 11 bytes: protobuf refuses a varint that long, and so must the lane.
     overlong = template.head + b"\x81" + b"\x80" * 9 + b"\x00" + template.tail + payload
     ended = peer_pb2.FrameHeader(group="g", end_of_stream=True)
