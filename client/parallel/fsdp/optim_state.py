@@ -19,7 +19,7 @@ from typing import Any
 from paramplane.parallel.sharding import ShardedArray
 from paramplane.parallel.torch_params import to_array
 
-__all__ = ["STATE_ARRAYS", "TorchOptimState"]
+__all__ = ["STATE_ARRAYS", "TorchOptimState", "state_arrays_of", "zero_state"]
 
 STATE_ARRAYS: dict[str, tuple[str, ...]] = {
     "Adam": ("exp_avg", "exp_avg_sq"),
@@ -29,6 +29,37 @@ STATE_ARRAYS: dict[str, tuple[str, ...]] = {
     "Adagrad": ("sum",),
 }
 """Per-parameter state tensors of torch optimizers by class name (Adam's ``max_exp_avg_sq`` with amsgrad)."""
+
+
+def state_arrays_of(optimizer: Any, given: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """The per-parameter state tensors of ``optimizer``: ``given``, else ``STATE_ARRAYS``' for its class (with
+    ``max_exp_avg_sq`` under amsgrad), else None (unknown)."""
+    if given is not None:
+        return given
+    known = STATE_ARRAYS.get(type(optimizer).__name__)
+    if known is not None and any(g.get("amsgrad") for g in optimizer.param_groups):
+        return (*known, "max_exp_avg_sq")
+    return known
+
+
+def zero_state(optimizer: Any, tensors: list[Any], state_arrays: tuple[str, ...] | None, call: str) -> None:
+    """Zero state for the ``tensors`` the optimizer has not stepped yet (a fresh optimizer a checkpoint fills);
+    ``call`` names the user's call in the error when the state tensors are unknown."""
+    import torch
+
+    missing = [t for t in tensors if not optimizer.state.get(t)]
+    if not missing:
+        return
+    if state_arrays is None:
+        raise ValueError(
+            f"{type(optimizer).__name__} has no state yet and paramplane does not know its state "
+            f"tensors: pass state_arrays=(...) to {call}, or take one step before loading"
+        )
+    for t in missing:
+        optimizer.state[t] = {
+            "step": torch.tensor(0.0),
+            **{name: torch.zeros_like(t, memory_format=torch.contiguous_format) for name in state_arrays},
+        }
 
 
 class TorchOptimState:
@@ -53,30 +84,10 @@ class TorchOptimState:
                 "the optimizer steps none of this FSDP's parameters: build it over fsdp.parameters()"
             )
         self.optimizer = optimizer
-        if state_arrays is None:
-            state_arrays = STATE_ARRAYS.get(type(optimizer).__name__)
-            amsgrad = any(g.get("amsgrad") for g in optimizer.param_groups)
-            if state_arrays is not None and amsgrad:
-                state_arrays = (*state_arrays, "max_exp_avg_sq")
-        self.state_arrays = state_arrays
+        self.state_arrays = state_arrays_of(optimizer, state_arrays)
 
     def _ensure_state(self) -> None:
-        """Zero state for shards the optimizer has not stepped yet (a fresh optimizer a checkpoint fills)."""
-        import torch
-
-        missing = [t for t, _ in self._slots if not self.optimizer.state.get(t)]
-        if not missing:
-            return
-        if self.state_arrays is None:
-            raise ValueError(
-                f"{type(self.optimizer).__name__} has no state yet and paramplane does not know its state "
-                "arrays: pass state_arrays=(...) to fsdp.optim_state(), or take one step before loading"
-            )
-        for t in missing:
-            self.optimizer.state[t] = {
-                "step": torch.tensor(0.0),
-                **{name: torch.zeros_like(t) for name in self.state_arrays},
-            }
+        zero_state(self.optimizer, [t for t, _ in self._slots], self.state_arrays, "fsdp.optim_state()")
 
     def sharded_state_dict(self) -> dict[str, ShardedArray | Any]:
         self._ensure_state()

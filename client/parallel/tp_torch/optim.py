@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from paramplane.parallel.fsdp.optim_state import STATE_ARRAYS
+from paramplane.parallel.fsdp.optim_state import state_arrays_of, zero_state
 
 __all__ = ["TPOptimState", "tp_optim_state"]
 
@@ -41,32 +41,10 @@ class TPOptimState:
                 "model.parameters() after pp.parallelize"
             )
         self.optimizer = optimizer
-        if state_arrays is None:
-            state_arrays = STATE_ARRAYS.get(type(optimizer).__name__)
-            if state_arrays is not None and any(g.get("amsgrad") for g in optimizer.param_groups):
-                state_arrays = (*state_arrays, "max_exp_avg_sq")
-        self.state_arrays = state_arrays
+        self.state_arrays = state_arrays_of(optimizer, state_arrays)
 
     def _ensure_state(self) -> None:
-        """Zero state for parameters not stepped yet (a fresh optimizer that a checkpoint fills)."""
-        import torch
-
-        missing = [p for _, p in self._params if not self.optimizer.state.get(p)]
-        if not missing:
-            return
-        if self.state_arrays is None:
-            raise ValueError(
-                f"{type(self.optimizer).__name__} has no state yet and paramplane does not know its state "
-                "tensors: pass state_arrays=(...) to optim_state(), or take one step before loading"
-            )
-        for p in missing:
-            self.optimizer.state[p] = {
-                "step": torch.tensor(0.0),
-                **{
-                    name: torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    for name in self.state_arrays
-                },
-            }
+        zero_state(self.optimizer, [p for _, p in self._params], self.state_arrays, "optim_state()")
 
     def _arrays(self, p: Any) -> list[tuple[str, Any]]:
         """The parameter's state tensors shaped like it, in name order (the same order on every rank)."""
