@@ -161,7 +161,14 @@ def rejoin(d: DiLoCo, group: ProcessGroup | None, *, has_state: bool) -> int:
     if failed is not None and failed.snap:
         snaps[failed.number] = failed.snap
     if has_state and d.num_applied > lo:
-        snaps[d.num_applied] = roll_back(d).snap
+        idx = d.fragment_indices[(d.num_applied - 1) % d.fragments]
+        held = [d._values(i).copy() for i in idx]
+        undo = roll_back(d)  # (not ``snaps[d.num_applied] = ...``: roll_back lowers num_applied first)
+        snaps[undo.number] = undo.snap
+        later = snaps.get(undo.number + d.fragments)  # this fragment's failed next sync, snapped before
+        if later is not None:  # the rollback moved the values it was taken from
+            for k, i in enumerate(idx):
+                later[k] = later[k] + (d._values(i) - held[k])
     step = d.step
     checkpoint.sync({"diloco": d}, d.group, has_state=has_state)  # CheckpointError when no rank has state
     d._undo, d.num_applied = None, lo

@@ -122,3 +122,36 @@ def test_a_replica_killed_inside_a_sync_leaves_survivors_that_agree() -> None:
     assert [res["values"]["applied_before_rejoin"] for res in results[:2]] == [2, 1]  # the split happened
     assert all(res["values"]["applied"] == 3 for res in results)
     _agree_everywhere(results, 4)
+
+
+@pytest.mark.timeout(200)  # its own bounds (150 s), not the global 120 s
+def test_a_one_rank_survivor_that_trained_past_a_sync_its_peer_died_in_rolls_it_back() -> None:
+    """3 replicas of one rank (gRPC between 3 emulated hosts). Rank 2 dies inside sync 2's all-reduce having
+    sent its share to rank 0 only: rank 0 applies sync 2 and trains on to step 12 (no collective between
+    syncs), where sync 3 fails; rank 1 fails in sync 2 at step 8. rejoin rolls rank 0's sync 2 back keeping
+    its 4 steps of progress, redoes syncs 2 and 3 with the replacement, and every rank then equals the
+    simulation (tests/workers/diloco_rollback.py) at every step and ends bitwise equal."""
+    hosts = {0: "hostA", 1: "hostB", 2: "hostC"}
+    outcome = run_world(
+        3,
+        "diloco_rollback.py",
+        env={
+            "H": "4",
+            "STEPS": "16",
+            "KILL_SYNC": "2",
+            "PARAMPLANE_TIMEOUT": "60",
+            "PARAMPLANE_TRANSPORT": "grpc",
+        },
+        rank_env={r: {"PARAMPLANE_HOST_ID": h} for r, h in hosts.items()},
+        replace={2: {"PARAMPLANE_HOST_ID": hosts[2]}},
+        timeout=150,
+        heartbeat_timeout_s=5,
+    )
+    assert [r.returncode for r in outcome.replaced] == [-9], outcome.describe()
+    results = outcome.check_ok()
+    survivors = [res["values"] for res in results[:2]]
+    assert [v["applied_before_rejoin"] for v in survivors] == [2, 1], survivors  # the split happened
+    assert [v["failed_at"] for v in survivors] == [12, 8], survivors  # rank 0 trained on past sync 2
+    assert [res["values"]["resumed_at"] for res in results] == [12, 8, 12], results
+    assert all(res["values"]["applied"] == 4 for res in results), results
+    assert len({res["digests"]["end"] for res in results}) == 1, results
