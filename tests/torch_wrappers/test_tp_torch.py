@@ -42,10 +42,11 @@ def test_tp2_llama_equals_torch_parallelize_module() -> None:
 
 @pytest.mark.timeout(240)  # its own bounds (180 s), not the global 120 s
 def test_adamw_state_saved_at_one_tp_size_resumes_at_another(tmp_path: Path) -> None:
-    """AdamW's moments saved at tp 2 load at tp 1 and 3 (and tp 1's at 2 and 3), resharded like their
-    parameters; the resumed steps equal the uninterrupted run's."""
+    """AdamW's moments and hyperparameters saved at tp 2 load at tp 4 and 3, tp 4's at 2 and 1, tp 1's at 2,
+    resharded like their parameters (column splits written as one range per tp rank); the resumed steps equal
+    the uninterrupted run's."""
     world = run_world(
-        3, "tp_torch_optim.py", args=[str(tmp_path)], env={"PARAMPLANE_TIMEOUT": "60"}, timeout=180
+        4, "tp_torch_optim.py", args=[str(tmp_path)], env={"PARAMPLANE_TIMEOUT": "60"}, timeout=180
     )
     counts = [r["num_checks"] for r in world.check_ok()]
     assert min(counts) >= 100, counts

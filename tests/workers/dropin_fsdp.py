@@ -310,9 +310,16 @@ def focused(world: Any, rep: Report) -> None:
     ckpt_dir = Path(tempfile.gettempdir()) / f"pp-dropin-optim-{world.job_id}"
     saved = pp.checkpoint.save({"model": fsdp, "optim": fsdp.optim_state(opt)}, ckpt_dir, g)
     fresh = pp.FSDP(tm.build("gpt2", seed=9), g, "full_shard")
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01, weight_decay=0.0)
+    # built with other hyperparameters: the checkpoint's (param_groups) replace them
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5, betas=(0.5, 0.6), eps=1e-3, weight_decay=0.2)
     pp.checkpoint.load({"model": fresh, "optim": fresh.optim_state(fresh_opt)}, saved, g)
     _same_adamw_state(rep, "optimizer state loads into a fresh optimizer", (fsdp, opt), (fresh, fresh_opt))
+    groups = [opt.state_dict()["param_groups"], fresh_opt.state_dict()["param_groups"]]
+    rep.check(
+        "optimizer hyperparameters load with the state",
+        groups[0] == groups[1] and groups[1][0]["betas"] == (0.9, 0.999),
+        str(groups[1][0]),
+    )
     if world.rank == 0:
         out_npz = ckpt_dir.with_suffix(".npz")
         consolidate(Path(saved), out_npz)

@@ -9,6 +9,12 @@ once as ``scalar.<name>`` (every shard holds the same count) and set on every sh
 
 torch optimizers create their state at the first ``step()``; to load into a fresh one, the state arrays are
 created as zeros first: those named in ``STATE_ARRAYS`` for the optimizer's class, or ``state_arrays=``.
+
+The hyperparameters of every param group (learning rate, betas, weight decay, ...: what torch's
+``optimizer.state_dict()["param_groups"]`` holds, less the parameter ids) are saved as the plain (JSON)
+value ``param_groups`` and set on the optimizer's groups at load (``param_groups_of`` /
+``load_param_groups``, which tensor parallel's optimizer state uses too), so a resumed run continues at
+the saved schedule's values.
 """
 
 from __future__ import annotations
@@ -19,7 +25,14 @@ from typing import Any
 from paramplane.parallel.sharding import ShardedArray
 from paramplane.parallel.torch_params import to_array
 
-__all__ = ["STATE_ARRAYS", "TorchOptimState", "state_arrays_of", "zero_state"]
+__all__ = [
+    "STATE_ARRAYS",
+    "TorchOptimState",
+    "load_param_groups",
+    "param_groups_of",
+    "state_arrays_of",
+    "zero_state",
+]
 
 STATE_ARRAYS: dict[str, tuple[str, ...]] = {
     "Adam": ("exp_avg", "exp_avg_sq"),
@@ -62,6 +75,59 @@ def zero_state(optimizer: Any, tensors: list[Any], state_arrays: tuple[str, ...]
         }
 
 
+def _plain_value(value: Any, where: str) -> Any:
+    """A hyperparameter as JSON: tensors as numbers (or lists), tuples as lists."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if hasattr(value, "tolist") and hasattr(value, "shape"):  # a tensor (a capturable lr)
+        return value.detach().cpu().tolist()
+    if isinstance(value, (tuple, list)):
+        return [_plain_value(v, where) for v in value]
+    raise ValueError(
+        f"optimizer hyperparameter {where} is a {type(value).__name__}: only numbers, strings, None, "
+        "tensors and tuples of them can be saved"
+    )
+
+
+def param_groups_of(optimizer: Any) -> list[dict[str, Any]]:
+    """The hyperparameters of every param group of ``optimizer`` as JSON values (``param_groups`` of torch's
+    ``state_dict()`` without ``params``)."""
+    return [
+        {k: _plain_value(v, f"{k!r} of param group {i}") for k, v in sorted(group.items()) if k != "params"}
+        for i, group in enumerate(optimizer.param_groups)
+    ]
+
+
+def _restored(current: Any, saved: Any) -> Any:
+    """``saved`` (JSON) in the form of ``current``: a tensor filled in place, a tuple again."""
+    import torch
+
+    if isinstance(current, torch.Tensor):
+        with torch.no_grad():
+            current.copy_(torch.as_tensor(saved, dtype=current.dtype))
+        return current
+    if isinstance(current, tuple) and isinstance(saved, list) and len(saved) == len(current):
+        return tuple(_restored(c, s) for c, s in zip(current, saved, strict=True))
+    if isinstance(saved, list):
+        return tuple(saved)  # torch keeps sequences of hyperparameters (betas) as tuples
+    return saved
+
+
+def load_param_groups(optimizer: Any, saved: Any) -> None:
+    """Set the hyperparameters ``param_groups_of`` saved on ``optimizer``'s groups (ValueError when the
+    number of groups differs)."""
+    groups = optimizer.param_groups
+    if not isinstance(saved, list) or len(saved) != len(groups):
+        num = len(saved) if isinstance(saved, list) else "no list of"
+        raise ValueError(
+            f"the checkpoint holds {num} optimizer param groups, {type(optimizer).__name__} has {len(groups)}"
+        )
+    for group, values in zip(groups, saved, strict=True):
+        for key, value in values.items():
+            if key != "params":
+                group[key] = _restored(group.get(key), value)
+
+
 class TorchOptimState:
     """Checkpoint state (``sharded_state_dict`` / ``load_sharded_state_dict``) of ``optimizer`` over an FSDP's
     ``slots``: each parameter it steps (a shard, or a piece of one) with the cut of an array shaped like it into
@@ -102,10 +168,14 @@ class TorchOptimState:
                         out[f"state.{key}.{name}"] = piece
                 else:  # the same on every shard (a step count): saved once
                     out[f"scalar.{name}"] = float(value)
+        out["param_groups"] = param_groups_of(self.optimizer)
         return out
 
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
-        """The state arrays were written in place by the loader; scalar state is set on every shard."""
+        """The state arrays were written in place by the loader; scalar state is set on every shard and the
+        saved hyperparameters on the param groups."""
+        if "param_groups" in state:
+            load_param_groups(self.optimizer, state["param_groups"])
         for tensor, _ in self._slots:
             for name, value in self.optimizer.state[tensor].items():
                 key = f"scalar.{name}"

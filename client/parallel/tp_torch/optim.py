@@ -4,22 +4,27 @@
 The optimizer steps this rank's pieces, so its per-parameter tensors (Adam's ``exp_avg`` / ``exp_avg_sq``,
 SGD's ``momentum_buffer``, ...) are pieces split like their parameters. Each is offered to the checkpoint as
 the dense array it is a piece of, exactly as the parameter is (``TPShard.entry``: in place for a row split,
-gathered on tensor-parallel rank 0 otherwise), keyed ``state.<parameter name>.<state name>``; a replicated
+each rank's equal range of the gathered dense array otherwise), keyed ``state.<parameter name>.<state name>``; a replicated
 parameter's state is offered whole. The checkpoint thus holds the dense optimizer state: it loads at any
 tensor-parallel size and into the plain model's optimizer (``pp.tp_optim_state(plain_model, opt)``), and its
 keys are those of ``fsdp.optim_state(opt)`` and of ``paramplane.optim`` optimizers. Scalar state (Adam's
-``step``) is saved once as ``scalar.<name>`` and set on every parameter's state at load.
+``step``) is saved once as ``scalar.<name>`` and set on every parameter's state at load; the param groups'
+hyperparameters (learning rate, betas, ...) are saved as ``param_groups`` and set at load, as FSDP's are.
 
 torch optimizers create their state at the first ``step()``; to load into a fresh one, the state tensors are
-created as zeros first: those named in ``STATE_ARRAYS`` for the optimizer's class, or ``state_arrays=``. The
-hyperparameters (``param_groups``: learning rate, betas, ...) are not saved: build the optimizer as before.
+created as zeros first: those named in ``STATE_ARRAYS`` for the optimizer's class, or ``state_arrays=``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from paramplane.parallel.fsdp.optim_state import state_arrays_of, zero_state
+from paramplane.parallel.fsdp.optim_state import (
+    load_param_groups,
+    param_groups_of,
+    state_arrays_of,
+    zero_state,
+)
 
 __all__ = ["TPOptimState", "tp_optim_state"]
 
@@ -70,10 +75,14 @@ class TPOptimState:
             for name, value in self.optimizer.state[p].items():
                 if name not in shaped and value is not None:  # the same for every parameter (a step count)
                     out[f"scalar.{name}"] = float(value)
+        out["param_groups"] = param_groups_of(self.optimizer)
         return out
 
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
-        """Finish what the loader filled: split pieces read whole on tp rank 0 are scattered; scalars set."""
+        """Finish what the loader filled: split pieces' ranges are gathered and cut again; scalars and the
+        param groups' hyperparameters set."""
+        if "param_groups" in state:
+            load_param_groups(self.optimizer, state["param_groups"])
         for pname, p in self._params:
             spec = getattr(p, "tp_shard", None)
             for name, value in self._arrays(p):

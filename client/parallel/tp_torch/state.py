@@ -7,17 +7,17 @@ pieces; a rank holds its piece of every block, concatenated. Everything else in 
 ``tp_full_state_dict(module)`` gives the dense state under the plain model's keys (a collective over each
 sharded parameter's group). ``tp_sharded_state_dict`` / ``tp_load_sharded_state_dict`` are what
 ``pp.checkpoint`` reads: a parameter split along rows (``dim`` 0, one block) is a contiguous range of the
-dense array and is described in place; any other sharded parameter is gathered, and tensor-parallel rank 0
-describes it whole (on load: reads it whole and broadcasts it over the group). The checkpoint holds the dense
-model, so it loads at any tensor-parallel size and into the plain model.
+dense array and is described in place; any other sharded parameter (a column split, a fused q/k/v block) is
+gathered over the group and each rank describes its equal range of the dense flat array (on load: each
+rank reads its range, and the ranges are gathered and cut into pieces again), so no rank writes or reads
+the whole array. The checkpoint holds the dense model, so it loads at any tensor-parallel size and into the
+plain model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from paramplane.group import ProcessGroup
 from paramplane.parallel.sharding import ShardedArray
@@ -86,12 +86,16 @@ class TPShard:
         return self.dim == 0 and self.parts == 1
 
     def entry(self, local: Any) -> ShardedArray:
-        """The piece of the dense array this rank offers a checkpoint (a view of ``local`` when in place)."""
+        """The piece of the dense array this rank offers a checkpoint: a view of ``local`` when in place,
+        else this rank's equal range of the dense flat array (a collective over ``group``)."""
         if self.in_place:
             flat = to_array(local.detach(), "a tensor-parallel parameter").reshape(-1)
             return ShardedArray(self.global_shape, self.group.rank * int(local.numel()), flat)
-        full = to_array(self.dense_of(local), "a tensor-parallel parameter").reshape(-1)
-        return ShardedArray(self.global_shape, 0, full if self.group.rank == 0 else full[:0])
+        n = int(local.numel())  # the dense numel over group.size, as every piece
+        mine = self.dense_of(local).reshape(-1)[self.group.rank * n : (self.group.rank + 1) * n].clone()
+        return ShardedArray(
+            self.global_shape, self.group.rank * n, to_array(mine, "a tensor-parallel parameter")
+        )
 
     def load(self, local: Any, entry: ShardedArray) -> None:
         """Set ``local`` from ``entry`` (what ``entry`` gave, filled by a loader)."""
@@ -99,16 +103,12 @@ class TPShard:
             return  # filled in place through the view
         import torch
 
-        if self.group.rank == 0:
-            full = torch.as_tensor(np.asarray(entry.local)).reshape(self.global_shape).to(local.device)
-            full = full.to(local.dtype).contiguous()
-        else:
-            full = torch.empty(self.global_shape, dtype=local.dtype, device=local.device)
+        mine = to_tensor(entry.local).to(device=local.device, dtype=local.dtype).contiguous()
         if self.group.size > 1:
-            with torch_stream(full):
-                self.group.broadcast(to_array(full, "a tensor-parallel parameter"), 0)
+            with torch_stream(mine):
+                mine = to_tensor(self.group.all_gather(to_array(mine, "a tensor-parallel parameter")))
         with torch.no_grad():
-            local.copy_(self.local_of(full))
+            local.copy_(self.local_of(mine.reshape(self.global_shape)))
 
 
 def _shard_of(t: Any) -> TPShard | None:
