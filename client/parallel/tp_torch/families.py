@@ -11,6 +11,12 @@ the ranks' parts. What each family needs, as torchtitan's ``parallelize_llama`` 
   the forward reshapes with ``-1`` heads, so nothing but the projections changes; grouped-query attention
   keeps its ratio (``num_key_value_groups``) when both head counts divide by tp. ``num_heads`` /
   ``num_key_value_heads`` attributes, where a version has them, are divided too.
+- transformers BART (``BartAttention``: q/k/v projections and ``out_proj``, the forward reshapes with ``-1``
+  heads): the encoder's and the decoder's self-attention and the decoder's cross-attention (``encoder_attn``:
+  queries from the decoder, keys and values from the encoder's output, which reaches every rank whole) are
+  split like Llama's; ``fc1``/``fc2`` column/row; the shared embedding (and its tied head) over the
+  vocabulary, its ``embed_scale`` kept. ``num_heads`` and ``embed_dim`` are divided by tp. No sequence
+  parallel plan for this family.
 
 - transformers GPT-2 with cross-attention (``GPT2Config(add_cross_attention=True)``: each block's
   ``crossattention`` attends from the decoder's states to ``encoder_hidden_states``): its ``q_attn`` (queries)
@@ -47,7 +53,7 @@ def _family(module: Any) -> str | None:
     names = {n for n, _ in module.named_children()}
     if type(module).__name__.startswith("GPT2Attention") and "c_attn" in names:
         return "gpt2"
-    if set(_QKV) | {"o_proj"} <= names and hasattr(module, "head_dim"):
+    if set(_QKV) <= names and names & {"o_proj", "out_proj"} and hasattr(module, "head_dim"):
         return "qkvo"
     return None
 
@@ -99,9 +105,10 @@ def check_attention(root: Any, styles: dict[str, Style], tp: int) -> None:
             split = [p for p in _QKV if _style_of(styles, prefix + p) is not None]
             if not split:
                 continue
-            if len(split) < 3 or not isinstance(styles.get(prefix + "o_proj"), RowwiseParallel):
+            out = "o_proj" if hasattr(module, "o_proj") else "out_proj"
+            if len(split) < 3 or not isinstance(styles.get(prefix + out), RowwiseParallel):
                 raise ValueError(
-                    f"{name!r}: split q_proj, k_proj and v_proj column-wise and o_proj row-wise together"
+                    f"{name!r}: split q_proj, k_proj and v_proj column-wise and {out} row-wise together"
                 )
             hd = int(module.head_dim)
             heads, kv = module.q_proj.out_features // hd, module.k_proj.out_features // hd
@@ -121,7 +128,7 @@ def adjust_attention(root: Any, styles: dict[str, Style], tp: int) -> None:
             module.embed_dim //= tp
             module.split_size //= tp
         elif family == "qkvo" and prefix + "q_proj" in styles:
-            for attr in ("num_heads", "num_key_value_heads"):
+            for attr in ("num_heads", "num_key_value_heads", "embed_dim"):
                 if isinstance(getattr(module, attr, None), int):
                     setattr(module, attr, getattr(module, attr) // tp)
 
@@ -147,6 +154,16 @@ _PLANS: dict[str, dict[str, Style]] = {
         "*mlp.gate_proj": ColwiseParallel(),
         "*mlp.up_proj": ColwiseParallel(),
         "*mlp.down_proj": RowwiseParallel(),
+        "lm_head": ColwiseParallel(),
+    },
+    "bart": {
+        "*shared": VocabParallel(),
+        "*embed_tokens": VocabParallel(),
+        **{f"*{attn}.{p}": ColwiseParallel() for attn in ("self_attn", "encoder_attn") for p in _QKV},
+        "*self_attn.out_proj": RowwiseParallel(),
+        "*encoder_attn.out_proj": RowwiseParallel(),
+        "*fc1": ColwiseParallel(),
+        "*fc2": RowwiseParallel(),
         "lm_head": ColwiseParallel(),
     },
 }
@@ -192,8 +209,8 @@ def _sequence_plan(model: Any, family: str, plan: dict[str, Style]) -> dict[str,
 def tp_plan_for(
     model: Any, *, loss_parallel: bool = False, vocab: bool = True, sequence_parallel: bool = False
 ) -> dict[str, Style]:
-    """The tensor-parallel plan for a transformers GPT-2 or Llama-family model (or a part of one: a pipeline
-    stage holding some blocks), with only the entries that match a module of ``model``.
+    """The tensor-parallel plan for a transformers GPT-2, Llama-family or BART model (or a part of one: a
+    pipeline stage holding some blocks), with only the entries that match a module of ``model``.
 
     ``loss_parallel``: the head's logits stay split over the vocabulary (for ``pp.vocab_parallel_cross_entropy``);
     by default they are gathered, so the model's own loss (``labels=``) works unchanged. ``vocab=False``
@@ -204,10 +221,16 @@ def tp_plan_for(
     families = {_family(m) for _, m in model.named_modules()} - {None}
     if not families:
         raise ValueError(
-            f"tp_plan_for knows transformers GPT-2 and Llama-family attention; {type(model).__name__} has "
-            "neither: write the plan (module name globs -> 'colwise' / 'rowwise' / 'vocab')"
+            f"tp_plan_for knows transformers GPT-2, Llama-family and BART attention; {type(model).__name__} "
+            "has none: write the plan (module name globs -> 'colwise' / 'rowwise' / 'vocab')"
         )
-    family = "gpt2" if "gpt2" in families else "llama"
+    bart = any(n.endswith("attn.out_proj") for n in names)
+    family = "gpt2" if "gpt2" in families else "bart" if bart else "llama"
+    if family == "bart" and (sequence_parallel or loss_parallel):
+        raise ValueError(
+            "tp_plan_for has no sequence-parallel or loss-parallel plan for BART (it adds final_logits_bias to "
+            "the whole logits): use the defaults"
+        )
     plan: dict[str, Style] = {}
     for pattern, style in _PLANS[family].items():
         if isinstance(style, VocabParallel) or pattern == "lm_head":

@@ -294,6 +294,8 @@ def _vocab_forward(group: ProcessGroup, lo: int, sequence: bool) -> Any:
             local, self.weight, self.padding_idx, None, self.norm_type, self.scale_grad_by_freq, self.sparse
         )
         out = out.masked_fill(outside.unsqueeze(-1), 0)
+        scale = getattr(self, "embed_scale", None)  # transformers' scaled embeddings (BART, T5-like)
+        out = out * scale if scale is not None else out
         return reduce_scatter_seq(out, group) if sequence else reduce_from(out, group)
 
     return forward
