@@ -41,6 +41,7 @@ BARRIER_WINDOW_S = 0.02
 
 
 _F = TypeVar("_F", bound="asyncio.Future[Any]")
+_BarrierKey = tuple[int, str, tuple[int, ...]]  # epoch, name, the ranks the arrival passed
 
 
 def _quiet(fut: _F) -> _F:
@@ -115,8 +116,8 @@ class HostAgent(pb_grpc.CoordinatorServicer):
         self._refused: dict[tuple[int, int], Relayed] = {}
         self._upstream_error: Relayed | None = None
         self._hubs: dict[int, _Hub] = {}
-        self._barriers: dict[tuple[int, str], list[tuple[pb.BarrierRequest, asyncio.Future[None]]]] = {}
-        self._barrier_flush: dict[tuple[int, str], asyncio.TimerHandle] = {}
+        self._barriers: dict[_BarrierKey, list[tuple[pb.BarrierRequest, asyncio.Future[Relayed | None]]]] = {}
+        self._barrier_flush: dict[_BarrierKey, asyncio.TimerHandle] = {}
         self._kv_waits: dict[tuple[int, str], tuple[float, asyncio.Task[Any]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._beating: asyncio.Task[None] | None = None
@@ -324,8 +325,11 @@ class HostAgent(pb_grpc.CoordinatorServicer):
         if epoch is None:  # not a world of ours: the coordinator says what is wrong
             await self._answer(context, self._up.relay("Barrier", request, timeout_s=self._left_s(context)))
             return pb.BarrierResponse()
-        key = (request.epoch, request.name)
-        fut: asyncio.Future[None] = _quiet(asyncio.get_running_loop().create_future())
+        # Arrivals passing different ranks go up apart: the coordinator names the mismatch, as for direct ranks.
+        key = (request.epoch, request.name, tuple(request.ranks))
+        # The arrival's own future, answered with its error or None: no shield, no exception to retrieve (a
+        # rank that went away cancels only its own), one wake-up per rank on release.
+        fut: asyncio.Future[Relayed | None] = asyncio.get_running_loop().create_future()
         arrivals = self._barriers.setdefault(key, [])
         arrivals.append((request, fut))
         everyone = set(request.ranks) if request.ranks else range(epoch.world_size)
@@ -336,10 +340,12 @@ class HostAgent(pb_grpc.CoordinatorServicer):
             self._barrier_flush[key] = asyncio.get_running_loop().call_later(
                 BARRIER_WINDOW_S, self._flush_barrier, key
             )
-        await self._answer(context, asyncio.shield(fut))
+        error = await fut
+        if error is not None:
+            await context.abort(error.code, error.details, trailing_metadata=error.trailers)
         return pb.BarrierResponse()
 
-    def _flush_barrier(self, key: tuple[int, str]) -> None:
+    def _flush_barrier(self, key: _BarrierKey) -> None:
         timer = self._barrier_flush.pop(key, None)
         if timer is not None:
             timer.cancel()
@@ -347,7 +353,9 @@ class HostAgent(pb_grpc.CoordinatorServicer):
         if arrivals:
             self._spawn(self._barrier_batch(arrivals))
 
-    async def _barrier_batch(self, arrivals: list[tuple[pb.BarrierRequest, asyncio.Future[None]]]) -> None:
+    async def _barrier_batch(
+        self, arrivals: list[tuple[pb.BarrierRequest, asyncio.Future[Relayed | None]]]
+    ) -> None:
         first = arrivals[0][0]
         request = pb.BarrierHostRequest(
             epoch=first.epoch,
@@ -359,17 +367,14 @@ class HostAgent(pb_grpc.CoordinatorServicer):
         try:
             response = await self._up.barrier_host(request)
         except grpc.aio.AioRpcError as e:
+            failed = Relayed.of(e)
             for _, fut in arrivals:
                 if not fut.done():
-                    fut.set_exception(Relayed.of(e))
+                    fut.set_result(failed)
             return
         for (_, fut), error in zip(arrivals, response.errors, strict=True):
-            if fut.done():
-                continue
-            if error.code:
-                fut.set_exception(Relayed.of_call(error))
-            else:
-                fut.set_result(None)
+            if not fut.done():
+                fut.set_result(Relayed.of_call(error) if error.code else None)
 
     async def KVGet(self, request: pb.KVGetRequest, context: grpc.aio.ServicerContext) -> pb.KVGetResponse:
         if not request.wait:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from paramplane.coordinator.model import Assignment, ErrorKind, Joiner, StateError
 from paramplane.coordinator.state import CoordinatorState
@@ -17,7 +18,36 @@ from paramplane.protos import coordinator_pb2 as pb
 from paramplane.protos.records import RankInfo
 from paramplane.protos.stats import stats_of
 
-Block = Callable[[Callable[[int], None], float], Awaitable[object]]
+UNSETTLED = object()
+"""The outcome of a waiter not answered yet."""
+
+
+class WaiterGroup:
+    """The waiters of one host call (a host's joins or barrier arrivals): one future for all of them, set once
+    every waiter has its outcome (or at the first error when ``fail_fast``), so that releasing thousands of
+    ranks wakes one task per host instead of one per rank."""
+
+    def __init__(self, size: int, fut: asyncio.Future[None], fail_fast: bool) -> None:
+        self.outcomes: list[object] = [UNSETTLED] * size
+        self._left = size
+        self.fut = fut
+        self._fail_fast = fail_fast
+
+    def settle(self, slot: int, outcome: object) -> None:
+        if self.outcomes[slot] is not UNSETTLED:
+            return
+        self.outcomes[slot] = outcome
+        self._left -= 1
+        if not self.fut.done() and (self._left == 0 or (self._fail_fast and isinstance(outcome, StateError))):
+            self.fut.set_result(None)
+
+
+class BlockMany(Protocol):
+    """The service's ``_block_many``: registers waiters, answers each one's value or ``StateError`` in order."""
+
+    def __call__(
+        self, registers: list[Callable[[int], None]], limit_s: float, *, fail_fast: bool = False
+    ) -> Awaitable[list[object]]: ...
 
 
 def call_error(e: StateError) -> pb.CallError:
@@ -29,18 +59,6 @@ def call_error(e: StateError) -> pb.CallError:
         left_rank=e.left,
         mismatch=e.mismatch,
     )
-
-
-async def _all_or_none(works: list[Awaitable[object]]) -> list[object]:
-    """Every result, or the first failure with the others withdrawn (their waiters cancelled)."""
-    tasks = [asyncio.ensure_future(w) for w in works]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
 
 
 def join_response(a: Assignment, interval_s: float, timeout_s: float) -> pb.JoinResponse:
@@ -61,7 +79,7 @@ def join_response(a: Assignment, interval_s: float, timeout_s: float) -> pb.Join
 
 async def join_host(
     state: CoordinatorState,
-    block: Block,
+    block: BlockMany,
     request: pb.JoinHostRequest,
     interval_s: float,
     timeout_s: float,
@@ -72,11 +90,15 @@ async def join_host(
     if not request.joiners:
         raise StateError(ErrorKind.INVALID_ARGUMENT, "a host join needs at least one joiner")
 
-    def joining(j: pb.JoinRequest) -> Awaitable[object]:
+    def joining(j: pb.JoinRequest) -> Callable[[int], None]:
         joiner = Joiner(j.instance_id, j.host_id, j.peer_address, j.rank_hint, j.world_size, j.pid)
-        return block(lambda w: state.join(joiner, w, time.monotonic()), state.join_timeout_s)
+        return lambda w: state.join(joiner, w, time.monotonic())
 
-    assignments = await _all_or_none([joining(j) for j in request.joiners])
+    # Every joiner or none: the first failure answers the call and withdraws the others' joins.
+    assignments = await block([joining(j) for j in request.joiners], state.join_timeout_s, fail_fast=True)
+    failed = next((a for a in assignments if isinstance(a, StateError)), None)
+    if failed is not None:
+        raise failed
     members = []
     for a in assignments:
         assert isinstance(a, Assignment)
@@ -111,11 +133,11 @@ def heartbeat_host(state: CoordinatorState, request: pb.HeartbeatHostRequest) ->
 
 
 async def barrier_host(
-    state: CoordinatorState, block: Block, request: pb.BarrierHostRequest
+    state: CoordinatorState, block: BlockMany, request: pb.BarrierHostRequest
 ) -> pb.BarrierHostResponse:
     """Every arriving rank of the request arrives at the barrier; answers each arrival's outcome."""
 
-    def arriving(rank: int) -> Awaitable[object]:
+    def arriving(rank: int) -> Callable[[int], None]:
         def register(waiter: int) -> None:
             state.barrier(
                 request.epoch,
@@ -127,15 +149,10 @@ async def barrier_host(
                 time.monotonic(),
             )
 
-        return block(register, request.timeout_s)
+        return register
 
-    outcomes = await asyncio.gather(*(arriving(r) for r in request.arriving), return_exceptions=True)
-    errors = []
-    for outcome in outcomes:
-        if isinstance(outcome, StateError):
-            errors.append(call_error(outcome))
-        elif isinstance(outcome, BaseException):
-            raise outcome
-        else:
-            errors.append(pb.CallError())
-    return pb.BarrierHostResponse(errors=errors)
+    outcomes = await block([arriving(r) for r in request.arriving], request.timeout_s)
+    ok = pb.CallError()
+    return pb.BarrierHostResponse(
+        errors=[call_error(o) if isinstance(o, StateError) else ok for o in outcomes]
+    )

@@ -17,7 +17,14 @@ from typing import TypeVar
 
 import grpc
 
-from paramplane.coordinator.hosts import barrier_host, heartbeat_host, join_host, join_response
+from paramplane.coordinator.hosts import (
+    UNSETTLED,
+    WaiterGroup,
+    barrier_host,
+    heartbeat_host,
+    join_host,
+    join_response,
+)
 from paramplane.coordinator.model import (
     Assignment,
     Effects,
@@ -77,7 +84,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._state = state
         self._heartbeat_interval_s = heartbeat_interval_s
         self._heartbeat_timeout_s = heartbeat_timeout_s
-        self._waiters: dict[int, asyncio.Future[object]] = {}
+        self._waiters: dict[int, tuple[WaiterGroup, int]] = {}  # waiter -> its call's group and slot
         self._ids = itertools.count()
         self._watchers: set[asyncio.Queue[Event]] = set()
         self._wake = asyncio.Event()
@@ -85,21 +92,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._host_peers: tuple[tuple[RankInfo, ...], bytes] | None = None
         self.num_calls: collections.Counter[str] = collections.Counter()
         """Calls answered, by method name (counted by the server's handlers)."""
-        self._peers_wire: tuple[tuple[RankInfo, ...], bytes] | None = (
-            None  # the last world's table, serialized
-        )
+        self._peers_wire: tuple[tuple[RankInfo, ...], bytes] | None = None  # the last table, serialized
 
     # -- effects ----------------------------------------------------------------------------------
     def _flush(self) -> None:
         effects: Effects = self._state.take_effects()
         for res in effects.resolved:
-            fut = self._waiters.get(res.waiter)
-            if fut is None or fut.done():
-                continue
-            if res.error is not None:
-                fut.set_exception(res.error)
-            else:
-                fut.set_result(res.value)
+            slot = self._waiters.get(res.waiter)
+            if slot is not None:
+                slot[0].settle(slot[1], res.value if res.error is None else res.error)
         if effects.formed:
             hosts = sorted({p.host_id for p in effects.formed[0].peers})
             log.info(
@@ -119,22 +120,45 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     async def _block(self, register: Callable[[int], None], limit_s: float) -> object:
         """Register a waiter with the state and wait for its resolution (or withdraw it if the caller leaves)."""
-        waiter = next(self._ids)
-        fut: asyncio.Future[object] = asyncio.get_running_loop().create_future()
-        self._waiters[waiter] = fut
+        (outcome,) = await self._block_many([register], limit_s)
+        if isinstance(outcome, StateError):
+            raise outcome
+        return outcome
+
+    async def _block_many(
+        self, registers: list[Callable[[int], None]], limit_s: float, *, fail_fast: bool = False
+    ) -> list[object]:
+        """``_block`` for several waiters at once (a host call): each one's value or ``StateError``, in order.
+        With ``fail_fast``, the first error answers at once and the others are withdrawn."""
+        group = WaiterGroup(len(registers), asyncio.get_running_loop().create_future(), fail_fast)
+        waiters = []
         try:
-            register(waiter)
+            for slot, register in enumerate(registers):
+                if group.fut.done():
+                    break  # failed fast: the rest never arrive
+                waiter = next(self._ids)
+                self._waiters[waiter] = (group, slot)
+                waiters.append(waiter)
+                try:
+                    register(waiter)
+                except StateError as e:
+                    group.settle(slot, e)
             self._flush()
             self._wake.set()  # the ticker recomputes its next deadline
-            return await asyncio.wait_for(fut, limit_s + _BACKSTOP_S)
+            await asyncio.wait_for(group.fut, limit_s + _BACKSTOP_S)
+            return group.outcomes
         except asyncio.TimeoutError:
             raise StateError(
                 ErrorKind.DEADLINE_EXCEEDED, "the coordinator missed its own deadline (internal error)"
             ) from None
         finally:
-            del self._waiters[waiter]
-            if not fut.done() or fut.cancelled():
-                self._state.cancel(waiter)
+            withdrawn = False
+            for slot, waiter in enumerate(waiters):
+                del self._waiters[waiter]
+                if group.outcomes[slot] is UNSETTLED:
+                    self._state.cancel(waiter)
+                    withdrawn = True
+            if withdrawn:
                 self._flush()
 
     async def _guard(self, context: grpc.aio.ServicerContext, work: Awaitable[_T]) -> _T:
@@ -169,19 +193,24 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 await self._ticker
 
     async def _tick_forever(self) -> None:
+        # A full tick (O(ranks)) every period or at a deadline; a new waiter (_wake) only moves the next wake-up.
         period = self._heartbeat_interval_s / 4
+        next_tick = 0.0
         while True:
             now = time.monotonic()
-            try:
-                self._state.tick(now)
-                self._flush()
-            except Exception:
-                log.exception("coordinator tick failed")
             deadline = self._state.next_deadline()
-            delay = period if deadline is None else min(period, max(0.0, deadline - now))
+            if now >= next_tick or (deadline is not None and deadline <= now):
+                try:
+                    self._state.tick(now)
+                    self._flush()
+                except Exception:
+                    log.exception("coordinator tick failed")
+                next_tick = now + period
+                deadline = self._state.next_deadline()
+            due = next_tick if deadline is None else min(next_tick, deadline)
             self._wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), delay)
+                await asyncio.wait_for(self._wake.wait(), max(0.0, due - now))
 
     def shutdown(self) -> None:
         self._state.shutdown()
@@ -347,7 +376,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     ) -> bytes:
         work = join_host(
             self._state,
-            self._block,
+            self._block_many,
             request,
             self._heartbeat_interval_s,
             self._heartbeat_timeout_s,
@@ -370,4 +399,4 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def BarrierHost(
         self, request: pb.BarrierHostRequest, context: grpc.aio.ServicerContext
     ) -> pb.BarrierHostResponse:
-        return await self._guard(context, barrier_host(self._state, self._block, request))
+        return await self._guard(context, barrier_host(self._state, self._block_many, request))

@@ -9,6 +9,7 @@ consequences in a buffer that ``take_effects()`` hands over: waiters to resolve
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 import secrets
 from collections.abc import Callable, Mapping, Sequence
@@ -119,6 +120,7 @@ class CoordinatorState:
         self._progress_timeout_s = progress_timeout_s
         self._new_job_id = new_job_id
         self._pending: dict[str, _Pending] = {}  # instance id -> joiner, in arrival order
+        self._hinted: dict[int, str] = {}  # rank hint -> pending instance id
         self.world: _World | None = None
         self._kv: dict[str, bytes] = {}
         self._kv_bytes = 0
@@ -143,7 +145,7 @@ class CoordinatorState:
         """The earliest time at which ``tick`` would time out a waiter (None when nothing waits)."""
         deadlines = [w.deadline for w in self._waits.values()]
         if self._pending:
-            deadlines.append(min(p.arrived for p in self._pending.values()) + self.join_timeout_s)
+            deadlines.append(next(iter(self._pending.values())).arrived + self.join_timeout_s)
         return min(deadlines, default=None)
 
     @property
@@ -232,14 +234,16 @@ class CoordinatorState:
                 ErrorKind.INVALID_ARGUMENT,
                 f"rank hint {joiner.rank_hint} is outside 0..{n - 1} (or -1 for none)",
             )
-        for p in self._pending.values():
-            if joiner.rank_hint >= 0 and p.joiner.rank_hint == joiner.rank_hint:
-                raise StateError(
-                    ErrorKind.ALREADY_EXISTS,
-                    f"rank hint {joiner.rank_hint} is already taken by instance {p.joiner.instance_id} "
-                    f"(host {p.joiner.host_id}, pid {p.joiner.pid}): give every rank a different hint",
-                )
+        if (taken := self._hinted.get(joiner.rank_hint)) is not None:
+            p = self._pending[taken]
+            raise StateError(
+                ErrorKind.ALREADY_EXISTS,
+                f"rank hint {joiner.rank_hint} is already taken by instance {p.joiner.instance_id} "
+                f"(host {p.joiner.host_id}, pid {p.joiner.pid}): give every rank a different hint",
+            )
         self._pending[joiner.instance_id] = _Pending(joiner, waiter, now)
+        if joiner.rank_hint >= 0:
+            self._hinted[joiner.rank_hint] = joiner.instance_id
         if len(self._pending) == n:
             self._form(now)
 
@@ -265,6 +269,7 @@ class CoordinatorState:
     def _form(self, now: float) -> None:
         pending = list(self._pending.values())
         self._pending.clear()
+        self._hinted.clear()
         members = assign_ranks([p.joiner for p in pending], self.epoch, self._new_job_id())
         joiners = sorted((p.joiner for p in pending), key=lambda j: members[j.instance_id].rank)
         self.world = _World(members, tuple(joiners), now, [None] * self.world_size)
@@ -283,6 +288,7 @@ class CoordinatorState:
         for instance_id, p in list(self._pending.items()):
             if p.waiter == waiter:
                 del self._pending[instance_id]
+                self._hinted.pop(p.joiner.rank_hint, None)
         wait = self._waits.pop(waiter, None)
         if wait is not None and wait.kind == "barrier":
             barrier = self._barriers.get(wait.key)
@@ -560,6 +566,7 @@ class CoordinatorState:
         for waiter in [p.waiter for p in self._pending.values()] + list(self._waits):
             self._resolve(waiter, error=error)
         self._pending.clear()
+        self._hinted.clear()
         self._waits.clear()
         self._barriers.clear()
         self._effects.events.append(
@@ -583,7 +590,7 @@ class CoordinatorState:
     def _tick_join(self, now: float) -> None:
         if not self._pending:
             return
-        started = min(p.arrived for p in self._pending.values())
+        started = next(iter(self._pending.values())).arrived  # in arrival order
         if now < started + self.join_timeout_s:
             return
         k, n = len(self._pending), self.world_size
@@ -596,6 +603,7 @@ class CoordinatorState:
         for p in self._pending.values():
             self._resolve(p.waiter, error=error)
         self._pending.clear()
+        self._hinted.clear()
 
     def _timeout_error(self, wait: _Wait) -> StateError:
         if wait.kind == "kv":
@@ -654,10 +662,10 @@ class CoordinatorState:
             del marks[: max(bisect.bisect_right(marks, (done, math.inf)) - 1, 0)]
             stuck: dict[int, float] = {}
             # The most any other rank issued, for every rank at once: the top two (O(ranks) per tick, not O(ranks²)).
-            top = sorted(((q.issued, r) for r, q in per_rank.items()), reverse=True)[:2]
+            top = heapq.nlargest(2, ((q.issued, r) for r, q in per_rank.items()))
+            (most, leader), second = top[0], (top[1][0] if len(top) > 1 else -1)
             for rank, p in per_rank.items():
-                ahead = next((issued for issued, r in top if r != rank), -1)
-                if rank in world.left or p.completed >= ahead:
+                if p.completed >= (second if rank == leader else most) or rank in world.left:
                     continue
                 # Waited on since its last move or since another rank first issued its next op, whichever is
                 # later: a group idle for long is not stuck the moment one rank issues the next op.

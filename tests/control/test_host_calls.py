@@ -1,0 +1,124 @@
+"""The host calls a host agent makes (JoinHost, BarrierHost) against a real coordinator on 127.0.0.1 port 0,
+and a real agent (on its Unix socket) in front of it: one call answers each of its ranks on its own."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import grpc
+import pytest
+
+from paramplane import CollectiveMismatch
+from paramplane.agent_server import AgentThread
+from paramplane.coordinator.server import CoordinatorConfig, CoordinatorServer
+from paramplane.node.coord_client import CoordinatorClient
+from paramplane.protos import coordinator_pb2 as pb
+
+
+@asynccontextmanager
+async def coordinator(world_size: int) -> AsyncIterator[CoordinatorServer]:
+    server = await CoordinatorServer.start(CoordinatorConfig(port=0, world_size=world_size))
+    try:
+        yield server
+    finally:
+        await server.stop(grace=0.1)
+
+
+@asynccontextmanager
+async def clients(address: str, n: int) -> AsyncIterator[list[CoordinatorClient]]:
+    made = [CoordinatorClient(address, call_timeout_s=10.0) for _ in range(n)]
+    try:
+        yield made
+    finally:
+        for c in made:
+            await c.close()
+
+
+def joiners(host: str, ranks: list[int], world_size: int = 4) -> list[pb.JoinRequest]:
+    return [
+        pb.JoinRequest(
+            host_id=host,
+            peer_address=f"127.0.0.1:{7000 + r}",
+            instance_id=f"inst-{r}",
+            rank_hint=r,
+            world_size=world_size,
+            pid=1000 + r,
+        )
+        for r in ranks
+    ]
+
+
+async def test_a_host_barrier_waits_for_every_host_and_refuses_a_bad_arrival_alone() -> None:
+    async with coordinator(4) as server, clients(server.address, 2) as (a, b):
+        joined = await asyncio.wait_for(
+            asyncio.gather(
+                a.join_host(joiners("host-a", [0, 1]), timeout_s=20),
+                b.join_host(joiners("host-b", [2, 3]), timeout_s=20),
+            ),
+            30,
+        )
+        assert sorted(m.rank for r in joined for m in r.members) == [0, 1, 2, 3]
+        epoch = joined[0].members[0].epoch
+
+        def arriving(ranks: list[int]) -> pb.BarrierHostRequest:
+            return pb.BarrierHostRequest(epoch=epoch, name="b", arriving=ranks, timeout_s=20)
+
+        first = asyncio.ensure_future(a.barrier_host(arriving([0, 1])))
+        await a.relay("Status", pb.StatusRequest(), timeout_s=10)
+        assert not first.done(), "host a's ranks were released before host b's arrived"
+        second = await asyncio.wait_for(b.barrier_host(arriving([2, 9, 3])), 30)
+        assert [e.code for e in second.errors][::2] == ["", ""]
+        assert second.errors[1].code and "9" in second.errors[1].details, second.errors[1]
+        assert [e.code for e in (await asyncio.wait_for(first, 30)).errors] == ["", ""]
+
+
+async def test_a_failed_host_join_withdraws_its_other_joiners() -> None:
+    async with coordinator(4) as server, clients(server.address, 2) as (a, b):
+        bad = joiners("host-a", [0, 1])
+        bad[1].world_size = 5
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await asyncio.wait_for(a.join_host(bad, timeout_s=20), 30)
+        assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        # Rank 0's join went with the failed call: it joins again, and the world is these four ranks.
+        joined = await asyncio.wait_for(
+            asyncio.gather(
+                a.join_host(joiners("host-a", [0, 1]), timeout_s=20),
+                b.join_host(joiners("host-b", [2, 3]), timeout_s=20),
+            ),
+            30,
+        )
+        peers = [p.address for p in joined[0].peers]
+        assert peers == [f"127.0.0.1:{7000 + r}" for r in range(4)]
+
+
+async def test_ranks_passing_different_barrier_ranks_through_one_agent_get_the_mismatch() -> None:
+    async with coordinator(3) as server:
+        agent = AgentThread(server.address, host_id="host-a", num_local=3, token=None)
+        address = agent.start()
+        try:
+            async with clients(address, 3) as cs:
+                joins = [
+                    c.join(
+                        host_id="host-a",
+                        peer_address=f"127.0.0.1:{7000 + i}",
+                        instance_id=f"i{i}",
+                        timeout_s=20,
+                    )
+                    for i, c in enumerate(cs)
+                ]
+                await asyncio.wait_for(asyncio.gather(*joins), 30)
+                await asyncio.wait_for(asyncio.gather(*(c.barrier("ok", timeout_s=20) for c in cs)), 30)
+                by_rank = sorted(cs, key=lambda c: c.membership.rank if c.membership else -1)
+                outcomes = await asyncio.wait_for(
+                    asyncio.gather(
+                        by_rank[0].barrier("b", ranks=[0, 1], timeout_s=20),
+                        by_rank[1].barrier("b", ranks=[0, 1, 2], timeout_s=20),
+                        return_exceptions=True,
+                    ),
+                    30,
+                )
+                assert all(isinstance(o, CollectiveMismatch) for o in outcomes), outcomes
+        finally:
+            agent.stop()
