@@ -54,3 +54,14 @@ def test_torch_stage_pipeline_ranks_exit_cleanly_with_pipelines_alive() -> None:
         out.check_ok(min_checks=30)
         for r in out.ranks:
             assert "terminate called" not in r.output, out.describe()
+
+
+@pytest.mark.timeout(240)  # its own bound (180 s): one world of 2 ranks, three schedules on each side
+def test_torch_stages_equal_torch_pipelining_under_every_schedule() -> None:
+    """The same GPT-2 stages (float64, tied head, attention mask) under ``pp.Pipeline`` and under torch's own
+    ``torch.distributed.pipelining`` (``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` over
+    gloo, its defaults), same microbatches: every step's per-microbatch losses, every gradient and the final
+    AdamW parameters agree within 1e-12 relative."""
+    env = {**ENV, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    out = run_world(2, "pipeline_peer.py", env=env, timeout=180).check_ok(min_checks=100)
+    assert len(out) == 2
