@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from paramplane.parallel.diloco import DiLoCo
     from paramplane.parallel.fsdp import FSDP, CPUOffload, MixedPrecision, units_by_class
     from paramplane.parallel.mesh import Mesh
-    from paramplane.parallel.pipeline import Pipeline, causal_lm_loss, pipeline_split
+    from paramplane.parallel.pipeline import Pipeline, causal_lm_loss, pipeline_optim_state, pipeline_split
     from paramplane.parallel.tensor import ColumnParallelLinear, RowParallelLinear
     from paramplane.parallel.tensor_attention import TensorParallelAttention
     from paramplane.parallel.tp_torch import (
@@ -58,6 +58,7 @@ _LAZY = {
     "ColumnParallelLinear": "paramplane.parallel.tensor",
     "Pipeline": "paramplane.parallel.pipeline",
     "pipeline_split": "paramplane.parallel.pipeline",
+    "pipeline_optim_state": "paramplane.parallel.pipeline",
     "causal_lm_loss": "paramplane.parallel.pipeline",
     "RowParallelLinear": "paramplane.parallel.tensor",
     "TensorParallelAttention": "paramplane.parallel.tensor_attention",
@@ -134,6 +135,7 @@ __all__ = [
     "nn",
     "optim",
     "parallelize",
+    "pipeline_optim_state",
     "pipeline_split",
     "shard_range",
     "tp_full_state_dict",

@@ -16,8 +16,11 @@ ENV = {"PARAMPLANE_TIMEOUT": "60"}
 
 @pytest.mark.timeout(300)  # its own bound (240 s): one world of 2 ranks
 def test_stages_load_their_part_at_another_split_and_continue_as_one_process(tmp_path: Path) -> None:
-    """GPT-2 saved by a pp 2 pipeline (cut at block 1) after two SGD steps, and a dense save of one process,
-    load straight into the stages of other splits: pp 1 (FSDP over dp 2), pp 2 cut at block 3, and the dense
-    save at pp 2 cut at block 2. The third step's loss and parameters equal the unbroken one-process run
-    (float64 1e-9), and each stage read only its own keys (the rest of the model kept its fresh values)."""
+    """GPT-2 saved by a pp 2 pipeline (cut at block 1) after two AdamW steps, with its optimizer state
+    (``pipe.optim_state``: the dense model's keys, the tied embedding/head once), and a dense save of one
+    process (``pp.tp_optim_state``), load straight into the stages of other splits and fresh AdamWs
+    (``pp.pipeline_optim_state``): pp 1 (FSDP over dp 2), pp 2 cut at block 3, and the dense save at pp 2 cut at
+    block 2. Steps three and four (losses, final parameters) equal the unbroken one-process run (float64 1e-9),
+    the step count is restored, and each stage read only its own keys (the rest of the model kept its fresh
+    values)."""
     run_world(2, "pipeline_ckpt.py", args=[str(tmp_path)], env=ENV, timeout=240).check_ok(min_checks=60)

@@ -1,12 +1,14 @@
 """Pipeline stages loading their own part of a checkpoint (2 ranks), against one process.
 
-GPT-2 (4 blocks, float64, tied embedding/head) trained two SGD steps as a pp 2 pipeline cut at block 1 is saved
-with ``pp.checkpoint`` (each stage its own parameters, under the whole model's names); one process trains the
-same steps and saves the dense model. Then fresh models (other weights) are cut again and each stage loads the
-checkpoint directly (``pp.checkpoint.load({"model": stage}, ...)``: only its own keys): at pp 1 (the whole model
-as one stage, ``pp.FSDP`` over dp 2), at pp 2 cut at block 3, and from the dense save at pp 2 cut at block 2.
-Each takes the third step, whose loss and parameters equal one process's (1e-9); what a stage does not hold
-keeps the fresh model's values (it was not read).
+GPT-2 (4 blocks, float64, tied embedding/head) trained two AdamW steps as a pp 2 pipeline cut at block 1 is saved
+with ``pp.checkpoint`` (each stage its own parameters, under the whole model's names, and its AdamW state through
+``pp.pipeline_optim_state``: the dense model's keys, the tied weight's under ``transformer.wte.weight``); one
+process trains the same steps and saves the dense model and ``pp.tp_optim_state(model, opt)``. Then fresh models
+(other weights) are cut again, each stage loads the checkpoint directly (``pp.checkpoint.load({"model": stage,
+"optim": pp.pipeline_optim_state(stage, opt)}, ...)`` into a fresh AdamW: only its own keys): at pp 1 (the whole
+model as one stage, ``pp.FSDP`` over dp 2), at pp 2 cut at block 3, and from the dense save at pp 2 cut at block
+2. Each takes steps three and four, whose losses and parameters equal one process's (1e-9); what a stage does
+not hold keeps the fresh model's values (it was not read).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from _common import Report, run_rank
 
 import paramplane as pp
 
-LAYERS, ROWS, MICROBATCHES, LR, RTOL = 4, 8, 2, 0.1, 1e-9
+LAYERS, ROWS, MICROBATCHES, LR, RTOL, STEPS = 4, 8, 2, 1e-2, 1e-9, 4
 
 
 def batch(step: int) -> dict[str, Any]:
@@ -48,14 +50,19 @@ def pipeline_step(mesh: pp.Mesh, pipe: Any, step: int) -> float:
     return float(total[0]) / dp
 
 
-def scenario(world: Any, rep: Report, out: Path) -> None:
+def adamw(params: Any) -> Any:
     import torch
 
-    # One process: three SGD steps (the unbroken run), the dense model saved after two.
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
+
+
+def scenario(world: Any, rep: Report, out: Path) -> None:
+
+    # One process: four AdamW steps (the unbroken run), the dense model and its optimizer saved after two.
     ref = tm.build("gpt2", layers=LAYERS)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    ref_opt = adamw(ref.parameters())
     ref_losses = []
-    for step in range(3):
+    for step in range(STEPS):
         b = batch(step)
         loss = pp.causal_lm_loss(
             ref(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"]
@@ -65,19 +72,26 @@ def scenario(world: Any, rep: Report, out: Path) -> None:
         ref_opt.zero_grad(set_to_none=True)
         ref_losses.append(float(loss))
         if step == 1:
-            pp.checkpoint.save({"model": ref, "step": 2}, out / "dense", world.group)
+            optim = pp.tp_optim_state(ref, ref_opt)
+            pp.checkpoint.save({"model": ref, "optim": optim, "step": 2}, out / "dense", world.group)
     ref_state = {k: v.detach().numpy().copy() for k, v in ref.state_dict().items()}
 
     # pp 2 cut at block 1: two steps, each stage saves its own parameters.
     mesh = pp.Mesh(world, pp=2)
     stage = pp.pipeline_split(tm.build("gpt2", layers=LAYERS), [1])[mesh.coordinate("pp")]
     pipe = pp.Pipeline(stage, mesh.group("pp"), "1f1b", MICROBATCHES, loss_fn=pp.causal_lm_loss)
-    opt = torch.optim.SGD(stage.parameters(), lr=LR)
+    opt = adamw(stage.parameters())
     for step in range(2):
         rep.close(f"trained loss {step}", pipeline_step(mesh, pipe, step), ref_losses[step], RTOL)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    pp.checkpoint.save({"model": stage, "step": 2}, out / "pp2", world.group)
+    saved = {"model": stage, "optim": pipe.optim_state(opt), "step": 2}
+    pp.checkpoint.save(saved, out / "pp2", world.group)
+    keys = set(pp.pipeline_optim_state(stage, opt).sharded_state_dict())
+    rep.check(
+        "tied moment under the embedding's name", "state.transformer.wte.weight.exp_avg" in keys, str(keys)
+    )
+    rep.check("no key of the split", not any("lm_head" in k for k in keys), str(keys))
 
     cases = (
         ("pp2 -> pp1 fsdp dp2", "pp2", 1, []),
@@ -91,16 +105,20 @@ def scenario(world: Any, rep: Report, out: Path) -> None:
         stage = pp.pipeline_split(fresh, cuts)[mesh.coordinate("pp")]
         mine = set(stage.state_dict())
         module = pp.FSDP(stage, mesh.group("dp")) if p == 1 else stage
-        got = pp.checkpoint.load({"model": module, "step": 0}, out / saved, world.group)
+        opt = adamw(module.parameters())
+        optim = pp.pipeline_optim_state(module, opt)
+        got = pp.checkpoint.load({"model": module, "optim": optim, "step": 0}, out / saved, world.group)
         rep.check(f"{name} step", got["step"] == 2, str(got["step"]))
+        counts = {float(s["step"]) for s in opt.state.values()}
+        rep.check(f"{name} AdamW step count", counts == {2.0}, str(counts))
         for k, v in fresh.state_dict().items():  # the whole model: what the stage does not hold was not read
             if k not in mine and not any(v.data_ptr() == stage.state_dict()[m].data_ptr() for m in mine):
                 rep.check(f"{name} untouched {k}", np.array_equal(v.detach().numpy(), before[k]), "changed")
         pipe = pp.Pipeline(module, mesh.group("pp"), "1f1b", MICROBATCHES, loss_fn=pp.causal_lm_loss)
-        opt = torch.optim.SGD(module.parameters(), lr=LR)
-        rep.close(f"{name} loss", pipeline_step(mesh, pipe, 2), ref_losses[2], RTOL)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for step in range(2, STEPS):
+            rep.close(f"{name} loss {step}", pipeline_step(mesh, pipe, step), ref_losses[step], RTOL)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         state = module.state_dict()
         for k in sorted(mine):
             rep.close(f"{name} final {k}", state[k].detach().numpy(), ref_state[k], RTOL)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from paramplane.parallel.pipeline.optim_state import PipelineOptimState, pipeline_optim_state
 from paramplane.parallel.pipeline.runtime import Pipeline
 from paramplane.parallel.pipeline.schedules import (
     SCHEDULES,
@@ -17,11 +18,13 @@ __all__ = [
     "SCHEDULES",
     "Action",
     "Pipeline",
+    "PipelineOptimState",
     "StageInfo",
     "build",
     "causal_lm_loss",
     "gpipe_peak_activations",
     "one_f_one_b_peak_activations",
+    "pipeline_optim_state",
     "pipeline_split",
     "validate",
 ]

@@ -271,6 +271,17 @@ class Pipeline:
             self._sync_data_parallel(self.dp_group)
         return [losses[i] for i in range(self.num_microbatches)] if self.is_last else None
 
+    def optim_state(self, optimizer: Any, *, state_arrays: tuple[str, ...] | None = None) -> Any:
+        """torch stages: ``optimizer``'s state over this rank's stages as checkpoint state under the dense
+        model's keys, which loads at another split or pipeline size (``pp.pipeline_optim_state``)."""
+        from paramplane.parallel.pipeline.optim_state import pipeline_optim_state
+
+        if not self._torch:
+            raise ValueError(
+                "optim_state is for torch stages: a paramplane.optim optimizer is checkpointable itself"
+            )
+        return pipeline_optim_state([s.call for s in self.modules], optimizer, state_arrays=state_arrays)
+
     def clip_grad_norm_(self, max_norm: float) -> Any:
         """torch stages: clip the gradients to a global 2-norm of ``max_norm`` over the whole model (every
         stage, tensor-parallel pieces, a tied weight once), as ``torch.nn.utils.clip_grad_norm_`` on the unsplit
