@@ -133,11 +133,28 @@ def worker_torch_stages(
             )
             x = torch.zeros(m, 8)
 
-            def step(pipe: Any = pipe, x: Any = x) -> None:
+            stage_busy: list[float] = []
+
+            def step(pipe: Any = pipe, x: Any = x, stage_busy: list[float] = stage_busy) -> None:
+                tracer = g.tracer
+                seen = tracer.num_events
                 pipe.step(x if pipe.is_first else None, x if pipe.is_last else None)
+                stage_busy.append(
+                    sum(e["dur"] / 1e6 for e in tracer.events_since(seen) if e["cat"] == "compute")
+                )
 
             times, cpu, busy = _run_steps(step, g.barrier, spans, args.steps, 2 * m * v)
             rows.append(
-                measured(schedule, m, v, times, cpu, split, busy_s=busy[1:], torch_version=torch.__version__)
+                measured(
+                    schedule,
+                    m,
+                    v,
+                    times,
+                    cpu,
+                    split,
+                    busy_s=busy[1:],
+                    stage_busy_s=stage_busy[1:],
+                    torch_version=torch.__version__,
+                )
             )
     return rows

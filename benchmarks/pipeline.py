@@ -282,16 +282,17 @@ def main(argv: list[str] | None = None) -> int:
             row = _torch_row(rows, args, "torch")
             peer[(row["schedule"], row["m"], row["split_rank_work"])] = row
         # torch stage modules under pp.Pipeline: the same stand-in stages as the peer, measured the same way.
-        stage_ranks = json_lines(
-            run_world(
-                P,
-                lambda _r: [*cmd, "--worker", "torch-stages"],
-                env=os.environ,
-                timeout_s=1800.0,
-                stderr="inherit",
-            ),
-            "torch stages",
-        )
+        with tempfile.TemporaryDirectory(prefix="paramplane-pipeline-trace-") as trace:
+            stage_ranks = json_lines(
+                run_world(
+                    P,
+                    lambda _r: [*cmd, "--worker", "torch-stages"],
+                    env=dict(os.environ, PARAMPLANE_TRACE=trace),
+                    timeout_s=1800.0,
+                    stderr="inherit",
+                ),
+                "torch stages",
+            )
         for rows in zip(*stage_ranks):
             row = _torch_row(rows, args, "paramplane-torch-stages")
             theirs = peer.get((row["schedule"], row["m"], row["split_rank_work"]))
@@ -360,6 +361,18 @@ def _torch_row(rows: Sequence[dict[str, Any]], args: argparse.Namespace, impl: s
     m, v = first["m"], first["v"]
     bubble = [max(1.0 - r["busy_s"][i] / r["step_s"][i] for r in rows) for i in range(len(first["step_s"]))]
     measured, theory = float(np.median(bubble)), _theory(m, v)
+    more: dict[str, Any] = {}
+    if (
+        "stage_busy_s" in first
+    ):  # torch stages under pp.Pipeline: also busy as the numpy stages' rows count it
+        steps = range(len(first["step_s"]))
+        spans = [max(1.0 - r["stage_busy_s"][i] / r["step_s"][i] for r in rows) for i in steps]
+        work = [max(r["stage_busy_s"][i] - r["busy_s"][i] for r in rows) for i in steps]
+        more = {
+            "bubble_stage_spans": float(np.median(spans)),
+            "stage_spans_over_theory": float(np.median(spans)) / theory,
+            "torch_work_ms_per_step": float(np.median(work)) * 1e3,
+        }
     return {
         "bench": "pipeline",
         "impl": impl,
@@ -378,6 +391,7 @@ def _torch_row(rows: Sequence[dict[str, Any]], args: argparse.Namespace, impl: s
         "bubble_theory": theory,
         "measured_over_theory": measured / theory,
         "cpu_ms_per_step": max(float(np.median(r["cpu_s"])) for r in rows) * 1e3,
+        **more,
     }
 
 
