@@ -3,8 +3,11 @@
     python benchmarks/_tp_torch.py --worker {dense,pp,torch} --model {gpt2,llama} ...   (started by rows())
 
 A step is zero_grad, forward of the block on (batch, seq, embd) float32 activations, backward of the mean of
-its output, AdamW step; one BLAS thread per process; the median of ``steps`` steps after one warm-up step
-(tp rows: the slowest rank's). ``pp``: ``pp.parallelize`` with ``pp.tp_plan_for`` (GPT-2's fused c_attn split
+its output, AdamW step; the median of ``steps`` steps after one warm-up step (tp rows: the slowest rank's).
+Threads (``--torch-threads``): ``default`` is each at torch's own defaults, the dense process with torch's
+default intra-op threads (one per core: both cores on a 2-core machine) and every tp rank with one, as
+``torchrun`` sets ``OMP_NUM_THREADS=1`` for several processes per host; ``1`` is one thread per process for
+all (tp 2 then has twice the dense row's cores). Each row names the threads every process ran with. ``pp``: ``pp.parallelize`` with ``pp.tp_plan_for`` (GPT-2's fused c_attn split
 by heads); ``torch``: torch's ``parallelize_module`` with ColwiseParallel / RowwiseParallel on the Llama
 layer's q/k/v/gate/up and o/down projections over a gloo device mesh (GPT-2's fused c_attn is not
 head-aligned under torch's plain ColwiseParallel, so torch's peer row is Llama only).
@@ -75,11 +78,13 @@ def _time(block: Any, kw: dict[str, Any], x: Any, steps: int, barrier: Any) -> f
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    torch.set_num_threads(1)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     block, kw = _block(args.model, args.embd, args.seq)
     x = torch.randn(args.batch, args.seq, args.embd, generator=torch.Generator().manual_seed(1))
     if args.worker == "dense":
-        print(json.dumps({"step_s": _time(block, kw, x, args.steps, lambda: None)}), flush=True)
+        step = _time(block, kw, x, args.steps, lambda: None)
+        print(json.dumps({"step_s": step, "threads": torch.get_num_threads()}), flush=True)
         return
     if args.worker == "torch":
         import torch.distributed as dist
@@ -94,7 +99,7 @@ def worker(args: argparse.Namespace) -> None:
         parallelize_module(block, mesh, plan)
         step = _time(block, kw, x, args.steps, dist.barrier)
         dist.destroy_process_group()
-        print(json.dumps({"step_s": step}), flush=True)
+        print(json.dumps({"step_s": step, "threads": torch.get_num_threads()}), flush=True)
         return
     import paramplane as pp
 
@@ -102,23 +107,28 @@ def worker(args: argparse.Namespace) -> None:
     try:
         tp = pp.Mesh(world, tp=TP).group("tp")
         pp.parallelize(block, tp, pp.tp_plan_for(block))
-        print(json.dumps({"step_s": _time(block, kw, x, args.steps, tp.barrier)}), flush=True)
+        step = _time(block, kw, x, args.steps, tp.barrier)
+        print(json.dumps({"step_s": step, "threads": torch.get_num_threads()}), flush=True)
         tp.barrier()
     finally:
         world.shutdown()
 
 
-def _run(kind: str, model: str, sizes: dict[str, int]) -> float:
+def _run(kind: str, model: str, sizes: dict[str, int], threads: str) -> tuple[float, int]:
+    """The step time (tp: the slowest rank's) and the threads each process ran with."""
     cmd = [sys.executable, __file__, "--worker", kind, "--model", model]
     for flag, value in sizes.items():
         cmd += [f"--{flag}", str(value)]
-    env = dict(os.environ, **THREADS)
+    own_default = threads == "default" and kind == "dense"
+    env = {k: v for k, v in os.environ.items() if k not in THREADS}
+    env.update({} if own_default else THREADS)
+    cmd += ["--threads", "0" if own_default else "1"]
     if kind == "dense":
         (row,) = json_lines(
             run_world(1, lambda _r: cmd, env=env, coordinator=False, timeout_s=1800.0, stderr="inherit"),
             "dense torch block",
         )
-        return float(row["step_s"])
+        return float(row["step_s"]), int(row["threads"])
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         ranks = json_lines(
@@ -132,11 +142,14 @@ def _run(kind: str, model: str, sizes: dict[str, int]) -> float:
             ),
             f"{kind} tensor-parallel torch block",
         )
-    return max(float(r["step_s"]) for r in ranks)
+    return max(float(r["step_s"]) for r in ranks), max(int(r["threads"]) for r in ranks)
 
 
-def rows(embd: int, seq: int, batch: int, steps: int, repeats: int) -> list[str]:
-    """One JSON line per model and repeat: dense, pp.parallelize and (Llama) torch's parallelize_module."""
+def rows(
+    embd: int, seq: int, batch: int, steps: int, repeats: int, threads: tuple[str, ...] = ("default", "1")
+) -> list[str]:
+    """One JSON line per model, thread setting and repeat (interleaved): dense, pp.parallelize and (Llama)
+    torch's parallelize_module."""
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
@@ -146,28 +159,34 @@ def rows(embd: int, seq: int, batch: int, steps: int, repeats: int) -> list[str]
     sizes = {"embd": embd, "seq": seq, "batch": batch, "steps": steps}
     lines = []
     for repeat in range(repeats):
-        for model in ("gpt2", "llama"):
-            dense = _run("dense", model, sizes)
-            mine = _run("pp", model, sizes)
-            row: dict[str, Any] = {
-                "bench": "tensor_parallel_torch",
-                "model": f"{model} block",
-                "repeat": repeat,
-                **{k: v for k, v in sizes.items() if k != "steps"},
-                "heads": embd // 64,
-                "dtype": "float32",
-                "tp": TP,
-                "dense_step_s": dense,
-                "pp_tp_step_s": mine,
-                "pp_over_dense": mine / dense,
-            }
-            if model == "llama":
-                theirs = _run("torch", model, sizes)
-                row.update(
-                    torch_tp_step_s=theirs, torch_over_dense=theirs / dense, pp_over_torch=mine / theirs
-                )
-            row["note"] = "2-core machine shared with other jobs: noisy; one BLAS thread per process"
-            lines.append(json.dumps(row))
+        for mode in threads:
+            for model in ("gpt2", "llama"):
+                load_before = os.getloadavg()[0]
+                dense, dense_threads = _run("dense", model, sizes, mode)
+                mine, tp_threads = _run("pp", model, sizes, mode)
+                row: dict[str, Any] = {
+                    "bench": "tensor_parallel_torch",
+                    "model": f"{model} block",
+                    "repeat": repeat,
+                    **{k: v for k, v in sizes.items() if k != "steps"},
+                    "heads": embd // 64,
+                    "dtype": "float32",
+                    "tp": TP,
+                    "threads": mode,
+                    "dense_threads": dense_threads,
+                    "tp_threads_per_rank": tp_threads,
+                    "cpus": os.cpu_count(),
+                    "dense_step_s": dense,
+                    "pp_tp_step_s": mine,
+                    "pp_over_dense": mine / dense,
+                }
+                if model == "llama":
+                    theirs, _ = _run("torch", model, sizes, mode)
+                    row.update(
+                        torch_tp_step_s=theirs, torch_over_dense=theirs / dense, pp_over_torch=mine / theirs
+                    )
+                row["loadavg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+                lines.append(json.dumps(row))
     return lines
 
 
@@ -179,4 +198,5 @@ if __name__ == "__main__":
         parser.add_argument(f"--{flag}", type=int, required=True)
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--store", default="")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads; 0: torch's default")
     worker(parser.parse_args())

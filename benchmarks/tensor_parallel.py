@@ -13,7 +13,9 @@ all-reduces of (batch, dim) activations against halved matmuls; it is noisy, say
 The torch rows (``--suite torch``, see ``_tp_torch.py``) time one transformer block of transformers GPT-2
 and of Llama (``--torch-embd`` 1024, 16 heads, MLP 4x, ``--torch-seq`` 256 tokens x ``--torch-batch`` 4,
 float32, AdamW) dense on one process, under ``pp.parallelize`` on tp = 2, and (Llama) under torch's own
-``parallelize_module`` (ColwiseParallel / RowwiseParallel over gloo DTensors) on tp = 2, each at its defaults.
+``parallelize_module`` (ColwiseParallel / RowwiseParallel over gloo DTensors) on tp = 2: ``--torch-threads
+default`` each at its defaults (dense torch: one intra-op thread per core; tp ranks: one, as torchrun sets),
+``1`` one thread per process, ``both`` (default) the two interleaved.
 """
 
 from __future__ import annotations
@@ -106,6 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-embd", type=int, default=1024)
     parser.add_argument("--torch-seq", type=int, default=256)
     parser.add_argument("--torch-batch", type=int, default=4)
+    parser.add_argument(
+        "--torch-threads",
+        choices=("default", "1", "both"),
+        default="both",
+        help="torch rows: each at its defaults (dense: torch's threads, tp ranks: 1 as torchrun), or 1 each",
+    )
     parser.add_argument("--out", type=Path)
     parser.add_argument("--worker", choices=("dense", "tp"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -116,7 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.suite in ("torch", "all"):
         from paramplane.benchmarks import _tp_torch
 
-        lines += _tp_torch.rows(args.torch_embd, args.torch_seq, args.torch_batch, args.steps, args.repeats)
+        modes = ("default", "1") if args.torch_threads == "both" else (args.torch_threads,)
+        lines += _tp_torch.rows(
+            args.torch_embd, args.torch_seq, args.torch_batch, args.steps, args.repeats, modes
+        )
     for repeat in range(args.repeats if args.suite != "torch" else 0):
         dense = _run("dense", args)
         tp = _run("tp", args)
