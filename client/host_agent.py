@@ -12,7 +12,8 @@ the agent makes one call per host where the ranks would make one each:
 - a rank process killed by a signal (the launcher's child) is reported at once as lost (``Abort``, ``lost``).
 
 A lost agent (the launcher killed) silences all its ranks: the coordinator names the host's agent.
-Every other call is relayed as it came, its answer or error (code, details, trailers) returned untouched.
+Every other call is relayed as it came, its answer or error (code, details, trailers) returned untouched
+(``agent_relay.py``).
 """
 
 from __future__ import annotations
@@ -23,14 +24,15 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 
-from paramplane.node.coord_client import WAIT_MARGIN_S, CoordinatorClient
+from paramplane.agent_relay import Relayed, RelayServicer, quiet
+from paramplane.node.coord_client import CoordinatorClient
 from paramplane.protos import coordinator_pb2 as pb
-from paramplane.protos import coordinator_pb2_grpc as pb_grpc
-from paramplane.protos.auth import ABORT_RANK_METADATA_KEY, LEFT_RANK_METADATA_KEY, MISMATCH_METADATA_KEY
+
+__all__ = ["BARRIER_WINDOW_S", "JOIN_WINDOW_S", "HostAgent", "Relayed"]
 
 log = logging.getLogger("paramplane.agent")
 
@@ -40,45 +42,7 @@ BARRIER_WINDOW_S = 0.02
 """Arrivals at one barrier within this long go out together (at once when every local participant arrived)."""
 
 
-_F = TypeVar("_F", bound="asyncio.Future[Any]")
 _BarrierKey = tuple[int, str, tuple[int, ...]]  # epoch, name, the ranks the arrival passed
-
-
-def _quiet(fut: _F) -> _F:
-    """``fut``, its exception marked retrieved: a rank that went away (its call cancelled) leaves no warning."""
-    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-    return fut
-
-
-KV_WAIT_SLACK_S = 1.0
-"""A waiting get joins another's upstream call for the same key when that call's deadline is at most this much
-earlier than its own."""
-
-
-class Relayed(Exception):
-    """A call's failure to hand back to the rank as its own gRPC error."""
-
-    def __init__(
-        self, code: grpc.StatusCode, details: str, trailers: tuple[tuple[str, str], ...] = ()
-    ) -> None:
-        super().__init__(details)
-        self.code, self.details, self.trailers = code, details, trailers
-
-    @classmethod
-    def of(cls, e: grpc.aio.AioRpcError) -> Relayed:
-        pairs = tuple((k, str(v)) for k, v in (e.trailing_metadata() or ()))
-        return cls(e.code(), e.details() or "", pairs)
-
-    @classmethod
-    def of_call(cls, error: pb.CallError) -> Relayed:
-        trailers: list[tuple[str, str]] = []
-        if error.code == "ABORTED":
-            trailers.append((ABORT_RANK_METADATA_KEY, str(error.abort_rank)))
-        elif error.mismatch:
-            trailers.append((MISMATCH_METADATA_KEY, "1"))
-        elif error.left_rank >= 0:
-            trailers.append((LEFT_RANK_METADATA_KEY, str(error.left_rank)))
-        return cls(grpc.StatusCode[error.code], error.details, tuple(trailers))
 
 
 @dataclass
@@ -101,11 +65,11 @@ class _Hub:
     task: asyncio.Task[None] | None = None
 
 
-class HostAgent(pb_grpc.CoordinatorServicer):
+class HostAgent(RelayServicer):
     """The Coordinator service of one host's ranks, in front of the real coordinator (on one event loop)."""
 
     def __init__(self, upstream: CoordinatorClient, *, host_id: str, num_local: int) -> None:
-        self._up = upstream
+        super().__init__(upstream)
         self.host_id = host_id
         self._num_local = num_local
         self.num_calls: collections.Counter[str] = collections.Counter()
@@ -118,8 +82,6 @@ class HostAgent(pb_grpc.CoordinatorServicer):
         self._hubs: dict[int, _Hub] = {}
         self._barriers: dict[_BarrierKey, list[tuple[pb.BarrierRequest, asyncio.Future[Relayed | None]]]] = {}
         self._barrier_flush: dict[_BarrierKey, asyncio.TimerHandle] = {}
-        self._kv_waits: dict[tuple[int, str], tuple[float, asyncio.Task[Any]]] = {}
-        self._tasks: set[asyncio.Task[Any]] = set()
         self._beating: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -133,27 +95,6 @@ class HostAgent(pb_grpc.CoordinatorServicer):
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._up.close()
 
-    def _spawn(self, work: Any) -> asyncio.Task[Any]:
-        task = asyncio.ensure_future(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return _quiet(task)
-
-    @staticmethod
-    async def _answer(context: grpc.aio.ServicerContext, work: Any) -> Any:
-        try:
-            return await work
-        except grpc.aio.AioRpcError as e:
-            error = Relayed.of(e)
-        except Relayed as e:
-            error = e
-        await context.abort(error.code, error.details, trailing_metadata=error.trailers)
-
-    @staticmethod
-    def _left_s(context: grpc.aio.ServicerContext, default: float = 30.0) -> float:
-        left = context.time_remaining()
-        return default if left is None else max(left, 0.001)
-
     # -- joins ------------------------------------------------------------------------------------
     async def Join(  # type: ignore[override]  # wire bytes, as the coordinator's Join
         self, request: pb.JoinRequest, context: grpc.aio.ServicerContext
@@ -164,9 +105,7 @@ class HostAgent(pb_grpc.CoordinatorServicer):
     async def join(self, request: pb.JoinRequest, timeout_s: float) -> tuple[pb.JoinResponse, bytes]:
         """One local rank's join, batched with the others: its place (without the peer table) and the peer table
         as the wire bytes of a JoinResponse holding only it (concatenated, they are the rank's answer)."""
-        fut: asyncio.Future[tuple[pb.JoinResponse, bytes]] = _quiet(
-            asyncio.get_running_loop().create_future()
-        )
+        fut: asyncio.Future[tuple[pb.JoinResponse, bytes]] = quiet(asyncio.get_running_loop().create_future())
         self._joins.append((request, time.monotonic() + timeout_s, fut))
         if len(self._joins) >= self._num_local:
             self._flush_joins()
@@ -376,63 +315,6 @@ class HostAgent(pb_grpc.CoordinatorServicer):
             if not fut.done():
                 fut.set_result(Relayed.of_call(error) if error.code else None)
 
-    async def KVGet(self, request: pb.KVGetRequest, context: grpc.aio.ServicerContext) -> pb.KVGetResponse:
-        if not request.wait:
-            return await self._answer(
-                context, self._up.relay("KVGet", request, timeout_s=self._left_s(context))
-            )
-        # Waiting gets of one key (a group's unique id on every local rank) share one upstream call.
-        key = (request.epoch, request.key)
-        deadline = time.monotonic() + request.timeout_s
-        shared = self._kv_waits.get(key)
-        if shared is None or shared[1].done() or shared[0] + KV_WAIT_SLACK_S < deadline:
-            task = self._spawn(self._up.relay("KVGet", request, timeout_s=request.timeout_s + WAIT_MARGIN_S))
-            shared = self._kv_waits[key] = (deadline, task)
-            task.add_done_callback(lambda done: self._forget_wait(key, done))
-        return await self._answer(context, asyncio.shield(shared[1]))
-
-    def _forget_wait(self, key: tuple[int, str], done: asyncio.Task[Any]) -> None:
-        shared = self._kv_waits.get(key)
-        if shared is not None and shared[1] is done:
-            del self._kv_waits[key]
-
-    # -- relayed as they came ---------------------------------------------------------------------
-    async def _relay(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._answer(context, self._up.relay(method, request, timeout_s=self._left_s(context)))
-
-    async def KVSet(self, request: pb.KVSetRequest, context: grpc.aio.ServicerContext) -> Any:
-        return await self._relay("KVSet", request, context)
-
-    async def KVAdd(self, request: pb.KVAddRequest, context: grpc.aio.ServicerContext) -> Any:
-        return await self._relay("KVAdd", request, context)
-
-    async def KVCompareSet(self, request: pb.KVCompareSetRequest, context: grpc.aio.ServicerContext) -> Any:
-        return await self._relay("KVCompareSet", request, context)
-
-    async def KVDelete(self, request: pb.KVDeleteRequest, context: grpc.aio.ServicerContext) -> Any:
-        return await self._relay("KVDelete", request, context)
-
-    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> Any:
-        return await self._relay("Abort", request, context)
-
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> Any:
         self._beats.pop((request.epoch, request.rank), None)
         return await self._relay("Leave", request, context)
-
-    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> Any:
-        return await self._relay("Status", request, context)
-
-    # -- host calls are the agent's own, upstream ------------------------------------------------------------
-    async def _refuse(self, method: str, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED, f"{method} goes to the coordinator, not to a host agent"
-        )
-
-    async def JoinHost(self, request: pb.JoinHostRequest, context: grpc.aio.ServicerContext) -> Any:
-        return await self._refuse("JoinHost", context)
-
-    async def HeartbeatHost(self, request: pb.HeartbeatHostRequest, context: grpc.aio.ServicerContext) -> Any:
-        return await self._refuse("HeartbeatHost", context)
-
-    async def BarrierHost(self, request: pb.BarrierHostRequest, context: grpc.aio.ServicerContext) -> Any:
-        return await self._refuse("BarrierHost", context)
