@@ -21,7 +21,8 @@ say ``paramplane-agent``.
 
 TCPStore (libuv server in its own process; one client per simulated rank, threads in P processes) runs the
 same rendezvous (``add`` + ``wait``, as torch's static rendezvous does), barrier and unique-id fan-outs.
-Output: JSON lines (``--out`` appends them); ``--plot`` draws the log-log figure.
+Output: JSON lines (``--out`` appends them), each with the host's 1-minute load average before and after its
+run (``load_avg_1m``: the simulators share the coordinator's cores); ``--plot`` draws the log-log figure.
 """
 
 from __future__ import annotations
@@ -337,6 +338,7 @@ def _summary(impl: str, n: int, hosts: int, procs: int, parts: list[dict[str, An
 def _measure(impl: str, n: int, heartbeat_timeout_s: float, steady_s: float = STEADY_S) -> dict[str, Any]:
     hosts = _hosts_for(n)
     procs = _procs_for(n, hosts)
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="pp-cp-") as tmp:
         port_file = Path(tmp) / "port"
         if impl != "tcpstore":
@@ -365,6 +367,7 @@ def _measure(impl: str, n: int, heartbeat_timeout_s: float, steady_s: float = ST
                 row["heartbeat_timeout_s"] = heartbeat_timeout_s
             else:
                 row["rss_mb"] = max(s[2] for s in sampler.samples)
+            row["load_avg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]  # before, after
         finally:
             server.kill()
             server.wait()

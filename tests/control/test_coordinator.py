@@ -242,3 +242,33 @@ async def test_stop_tells_watchers_and_fails_waiting_joiners() -> None:
             await events.aclose()
     finally:
         await server.stop(grace=0.1)
+
+
+async def test_a_silent_rank_is_named_while_blocking_calls_keep_waking_the_coordinator() -> None:
+    # Every waiting call wakes the coordinator's ticker to move its next deadline; those wake-ups (here every
+    # few milliseconds, the check's period is 0.25 s) must not postpone the periodic liveness check.
+    async with (
+        coordinator(2, heartbeat_interval_s=1.0, heartbeat_timeout_s=2.0) as server,
+        clients(server, 2) as cs,
+    ):
+        ms = await within(10, join_all(cs, ["h"] * 2))
+        formed = time.monotonic()
+        alive, silent = (cs[0], ms[1].rank) if ms[0].rank == 0 else (cs[1], ms[0].rank)
+        await alive.kv_set("k", b"v")
+
+        async def busy() -> None:
+            last_beat = 0.0
+            while True:
+                await alive.kv_get("k", wait=True, timeout_s=5.0)
+                if time.monotonic() - last_beat >= 0.5:  # within the heartbeat period, not synchronisation
+                    await alive.heartbeat({"world": (1, 1)})
+                    last_beat = time.monotonic()
+
+        working = asyncio.create_task(busy())
+        try:
+            with pytest.raises(WorldAborted) as err:
+                await within(30, working)
+        finally:
+            working.cancel()
+        assert time.monotonic() - formed < 2.0 + 14.0  # the heartbeat timeout, with slack for a busy machine
+        assert f"rank {silent} missed heartbeats for 2." in str(err.value)
