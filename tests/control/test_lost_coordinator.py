@@ -73,12 +73,19 @@ def test_ranks_fail_typed_when_the_coordinator_is_killed(tmp_path: Path) -> None
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait(10)
-    for r in range(2):
-        result = json.loads((tmp_path / f"rank-{r}.json").read_text())
-        assert result["failures"] == [], result
-        values = result["values"]
-        assert values["error"] == "CoordinatorUnavailable", values
-        assert "has not answered" in values["message"] and f"127.0.0.1:{port}" in values["message"], values
+    # The first rank to notice names the coordinator; a rank still inside a collective when that one exits may
+    # see its peer go first (PeerLost), which is also a typed failure within the bound.
+    reports = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
+    assert all(result["failures"] == [] for result in reports), reports
+    errors = [result["values"]["error"] for result in reports]
+    assert "CoordinatorUnavailable" in errors and set(errors) <= {"CoordinatorUnavailable", "PeerLost"}, (
+        reports
+    )
+    for values in (result["values"] for result in reports):
+        if values["error"] == "CoordinatorUnavailable":
+            assert "has not answered" in values["message"] and f"127.0.0.1:{port}" in values["message"], (
+                values
+            )
         assert values["at"] - killed_at < 2 + 15, (
             values
         )  # the heartbeat timeout, with slack for a busy machine
