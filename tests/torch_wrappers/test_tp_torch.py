@@ -56,6 +56,15 @@ def test_adamw_state_saved_at_one_tp_size_resumes_at_another(tmp_path: Path) -> 
 def test_tp2_bart_with_cross_attention_trains_like_one_process() -> None:
     """tp_plan_for on an encoder-decoder (BART: self- and cross-attention split by heads): losses, gradients and
     final parameters equal the dense model's."""
-    world = run_world(2, "tp_torch_bart.py", env={"PARAMPLANE_TIMEOUT": "60"}, timeout=180)
+    world = run_world(2, "tp_torch_encdec.py", args=["bart"], env={"PARAMPLANE_TIMEOUT": "60"}, timeout=180)
+    counts = [r["num_checks"] for r in world.check_ok()]
+    assert min(counts) >= 100, counts
+
+
+@pytest.mark.timeout(240)  # its own bounds (180 s), not the global 120 s
+def test_tp2_t5_with_cross_attention_trains_like_one_process() -> None:
+    """tp_plan_for on T5 (self- and cross-attention split by heads, the relative position bias by its head
+    columns, gated feed-forward): losses, gradients and final parameters equal the dense model's."""
+    world = run_world(2, "tp_torch_encdec.py", args=["t5"], env={"PARAMPLANE_TIMEOUT": "60"}, timeout=180)
     counts = [r["num_checks"] for r in world.check_ok()]
     assert min(counts) >= 100, counts

@@ -17,6 +17,12 @@ the ranks' parts. What each family needs, as torchtitan's ``parallelize_llama`` 
   split like Llama's; ``fc1``/``fc2`` column/row; the shared embedding (and its tied head) over the
   vocabulary, its ``embed_scale`` kept. ``num_heads`` and ``embed_dim`` are divided by tp. No sequence
   parallel plan for this family.
+- transformers T5 (``T5Attention``: ``q``/``k``/``v``/``o``, reshaped with ``-1`` heads): self-attention of the
+  encoder and decoder and the decoder's ``EncDecAttention`` split by heads, ``n_heads`` and ``inner_dim``
+  divided by tp; the first layer's ``relative_attention_bias`` (an embedding of one column per head) keeps
+  this rank's heads' columns (no communication: each rank's heads use only their own); the feed-forward
+  ``wi`` (or gated ``wi_0``/``wi_1``) column-wise and ``wo`` row-wise; the shared embedding and tied head over
+  the vocabulary. No sequence- or loss-parallel plan.
 
 - transformers GPT-2 with cross-attention (``GPT2Config(add_cross_attention=True)``: each block's
   ``crossattention`` attends from the decoder's states to ``encoder_hidden_states``): its ``q_attn`` (queries)
@@ -36,12 +42,15 @@ import dataclasses
 import fnmatch
 from typing import Any
 
+from paramplane.group import ProcessGroup
+from paramplane.parallel.tp_torch.state import TPShard
 from paramplane.parallel.tp_torch.styles import (
     ColwiseParallel,
     RowwiseParallel,
     SequenceParallel,
     Style,
     VocabParallel,
+    _swap,
 )
 
 __all__ = ["adjust_attention", "check_attention", "tp_plan_for"]
@@ -51,6 +60,8 @@ _QKV = ("q_proj", "k_proj", "v_proj")
 
 def _family(module: Any) -> str | None:
     names = {n for n, _ in module.named_children()}
+    if type(module).__name__.startswith("T5Attention") and {"q", "k", "v", "o"} <= names:
+        return "t5"
     if type(module).__name__.startswith("GPT2Attention") and "c_attn" in names:
         return "gpt2"
     if set(_QKV) <= names and names & {"o_proj", "out_proj"} and hasattr(module, "head_dim"):
@@ -101,6 +112,14 @@ def check_attention(root: Any, styles: dict[str, Style], tp: int) -> None:
                 )
             if module.num_heads % tp:
                 raise _heads_error(name, "attention heads", module.num_heads, tp)
+        elif family == "t5":
+            split = [p for p in "qkv" if _style_of(styles, prefix + p) is not None]
+            if not split:
+                continue
+            if len(split) < 3 or not isinstance(styles.get(prefix + "o"), RowwiseParallel):
+                raise ValueError(f"{name!r}: split q, k and v column-wise and o row-wise together")
+            if module.n_heads % tp:
+                raise _heads_error(name, "attention heads", module.n_heads, tp)
         elif family == "qkvo":
             split = [p for p in _QKV if _style_of(styles, prefix + p) is not None]
             if not split:
@@ -118,11 +137,20 @@ def check_attention(root: Any, styles: dict[str, Style], tp: int) -> None:
                 raise _heads_error(name, "key/value heads (grouped-query attention)", kv, tp)
 
 
-def adjust_attention(root: Any, styles: dict[str, Style], tp: int) -> None:
-    """Divide the head-count attributes the attention code reads by ``tp`` (after its projections were split)."""
-    for name, module in root.named_modules():
+def adjust_attention(root: Any, styles: dict[str, Style], group: ProcessGroup) -> None:
+    """Divide the head-count attributes the attention code reads by tp (after its projections were split);
+    T5's relative position bias keeps this rank's heads."""
+    tp = group.size
+    for name, module in list(root.named_modules()):
         family = _family(module)
         prefix = f"{name}." if name else ""
+        if family == "t5" and prefix + "q" in styles:
+            module.n_heads //= tp
+            module.inner_dim //= tp
+            bias = getattr(module, "relative_attention_bias", None)
+            if bias is not None:
+                _swap(bias, "weight", TPShard(tuple(bias.weight.shape), 1, 1, group), {})
+                bias.embedding_dim //= tp
         if family == "gpt2" and prefix + "c_attn" in styles:
             module.num_heads //= tp
             module.embed_dim //= tp
@@ -164,6 +192,16 @@ _PLANS: dict[str, dict[str, Style]] = {
         "*encoder_attn.out_proj": RowwiseParallel(),
         "*fc1": ColwiseParallel(),
         "*fc2": RowwiseParallel(),
+        "lm_head": ColwiseParallel(),
+    },
+    "t5": {
+        "*shared": VocabParallel(),
+        "*embed_tokens": VocabParallel(),
+        **{f"*{attn}.{p}": ColwiseParallel() for attn in ("SelfAttention", "EncDecAttention") for p in "qkv"},
+        "*SelfAttention.o": RowwiseParallel(),
+        "*EncDecAttention.o": RowwiseParallel(),
+        **{f"*DenseReluDense.{w}": ColwiseParallel() for w in ("wi", "wi_0", "wi_1")},
+        "*DenseReluDense.wo": RowwiseParallel(),
         "lm_head": ColwiseParallel(),
     },
 }
@@ -209,7 +247,7 @@ def _sequence_plan(model: Any, family: str, plan: dict[str, Style]) -> dict[str,
 def tp_plan_for(
     model: Any, *, loss_parallel: bool = False, vocab: bool = True, sequence_parallel: bool = False
 ) -> dict[str, Style]:
-    """The tensor-parallel plan for a transformers GPT-2, Llama-family or BART model (or a part of one: a
+    """The tensor-parallel plan for a transformers GPT-2, Llama-family, BART or T5 model (or a part of one: a
     pipeline stage holding some blocks), with only the entries that match a module of ``model``.
 
     ``loss_parallel``: the head's logits stay split over the vocabulary (for ``pp.vocab_parallel_cross_entropy``);
@@ -221,15 +259,15 @@ def tp_plan_for(
     families = {_family(m) for _, m in model.named_modules()} - {None}
     if not families:
         raise ValueError(
-            f"tp_plan_for knows transformers GPT-2, Llama-family and BART attention; {type(model).__name__} "
+            f"tp_plan_for knows transformers GPT-2, Llama-family, BART and T5 attention; {type(model).__name__} "
             "has none: write the plan (module name globs -> 'colwise' / 'rowwise' / 'vocab')"
         )
     bart = any(n.endswith("attn.out_proj") for n in names)
-    family = "gpt2" if "gpt2" in families else "bart" if bart else "llama"
-    if family == "bart" and (sequence_parallel or loss_parallel):
+    family = "gpt2" if "gpt2" in families else "t5" if "t5" in families else "bart" if bart else "llama"
+    if family in ("bart", "t5") and (sequence_parallel or loss_parallel):
         raise ValueError(
-            "tp_plan_for has no sequence-parallel or loss-parallel plan for BART (it adds final_logits_bias to "
-            "the whole logits): use the defaults"
+            f"tp_plan_for has no sequence-parallel or loss-parallel plan for {family.upper()} (BART adds "
+            "final_logits_bias to the whole logits): use the defaults"
         )
     plan: dict[str, Style] = {}
     for pattern, style in _PLANS[family].items():

@@ -100,7 +100,7 @@ def parallelize(module: Any, tp_group: ProcessGroup, plan: Mapping[str, Any]) ->
     done: dict[int, Any] = {}
     for name, style in chosen.items():
         styles.apply(subs[name], style, tp_group, copy, done)
-    families.adjust_attention(module, chosen, tp)
+    families.adjust_attention(module, chosen, tp_group)
     module.full_state_dict = types.MethodType(tp_full_state_dict, module)
     module.sharded_state_dict = types.MethodType(tp_sharded_state_dict, module)
     module.load_sharded_state_dict = types.MethodType(tp_load_sharded_state_dict, module)
