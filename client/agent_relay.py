@@ -100,7 +100,16 @@ class RelayServicer(pb_grpc.CoordinatorServicer):
             task = self._spawn(self._up.relay("KVGet", request, timeout_s=request.timeout_s + WAIT_MARGIN_S))
             shared = self._kv_waits[key] = (deadline, task)
             task.add_done_callback(lambda done: self._forget_wait(key, done))
-        return await self._answer(context, asyncio.shield(shared[1]))
+        # This rank's own future, told when the shared call ends (no shield: a rank that goes away cancels
+        # only its own); one wake-up per rank, then the finished call's value or error.
+        mine: asyncio.Future[asyncio.Task[Any]] = asyncio.get_running_loop().create_future()
+
+        def tell(done: asyncio.Task[Any]) -> None:
+            if not mine.done():
+                mine.set_result(done)
+
+        shared[1].add_done_callback(tell)
+        return await self._answer(context, await mine)
 
     def _forget_wait(self, key: tuple[int, str], done: asyncio.Task[Any]) -> None:
         shared = self._kv_waits.get(key)

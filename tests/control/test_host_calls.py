@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 import grpc
 import pytest
 
-from paramplane import CollectiveMismatch
+from paramplane import CollectiveMismatch, CollectiveTimeout
 from paramplane.agent_server import AgentThread
 from paramplane.coordinator.server import CoordinatorConfig, CoordinatorServer
 from paramplane.node.coord_client import CoordinatorClient
@@ -120,5 +120,36 @@ async def test_ranks_passing_different_barrier_ranks_through_one_agent_get_the_m
                     30,
                 )
                 assert all(isinstance(o, CollectiveMismatch) for o in outcomes), outcomes
+        finally:
+            agent.stop()
+
+
+async def test_waiting_gets_through_one_agent_each_get_the_value_or_the_timeout() -> None:
+    async with coordinator(3) as server:
+        agent = AgentThread(server.address, host_id="host-a", num_local=3, token=None)
+        address = agent.start()
+        try:
+            async with clients(address, 3) as cs:
+                joins = [
+                    c.join(
+                        host_id="host-a",
+                        peer_address=f"127.0.0.1:{7000 + i}",
+                        instance_id=f"i{i}",
+                        timeout_s=20,
+                    )
+                    for i, c in enumerate(cs)
+                ]
+                await asyncio.wait_for(asyncio.gather(*joins), 30)
+                missing = await asyncio.wait_for(
+                    asyncio.gather(
+                        *(c.kv_get("missing", wait=True, timeout_s=0.5) for c in cs[1:]),
+                        return_exceptions=True,
+                    ),
+                    30,
+                )
+                assert all(isinstance(m, CollectiveTimeout) for m in missing), missing
+                waiting = [asyncio.ensure_future(c.kv_get("uid", wait=True, timeout_s=20)) for c in cs[1:]]
+                await cs[0].kv_set("uid", b"unique id")
+                assert await asyncio.wait_for(asyncio.gather(*waiting), 30) == [b"unique id"] * 2
         finally:
             agent.stop()
