@@ -22,9 +22,8 @@ model is saved under ``--checkpoint-dir`` every ``--checkpoint-every`` steps as 
 tensor-parallel pieces, under the full model's parameter names); ``--resume`` loads it straight into this
 rank's stages after cutting and splitting the model (each rank reads only its own parameters), so it continues
 at any other factorisation. AdamW's state is saved beside it under the dense model's keys
-(``pipe.optim_state(opt)``, ``pp.pipeline_optim_state``) and restored on ``--resume`` at any factorisation,
-except FSDP over tensor-parallel stages (``--dp-wrapper fsdp`` with ``--tp`` > 1), where a resumed run starts
-AdamW afresh.
+(``pipe.optim_state(opt)``, ``pp.pipeline_optim_state``) and restored on ``--resume`` at any factorisation
+and with either ``--dp-wrapper``.
 """
 
 from __future__ import annotations
@@ -120,13 +119,11 @@ def train(world: pp.World, args: argparse.Namespace) -> list[float]:
     )
     params = [p for w in wrapped for p in w.parameters()]  # FSDP: this rank's shards
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
-    state: dict[str, Any] = {"model": Stages(mine, wrapped), "step": start}
-    if not (args.dp_wrapper == "fsdp" and args.dp > 1 and args.tp > 1):
-        state["optim"] = pipe.optim_state(opt)
-        if resume is not None and any(
-            k.startswith("optim/") for k in pp.checkpoint.read_manifest(resume)["arrays"]
-        ):
-            pp.checkpoint.load({"optim": state["optim"]}, resume, world.group)
+    state: dict[str, Any] = {"model": Stages(mine, wrapped), "optim": pipe.optim_state(opt), "step": start}
+    if resume is not None and any(
+        k.startswith("optim/") for k in pp.checkpoint.read_manifest(resume)["arrays"]
+    ):
+        pp.checkpoint.load({"optim": state["optim"]}, resume, world.group)
     if world.rank == 0:
         where = f"resumed from {resume} at step {start}" if resume else "from scratch"
         print(f"{args.model}: {total} parameters; {mesh}; {args.schedule}, {where}", flush=True)

@@ -24,3 +24,13 @@ def test_stages_load_their_part_at_another_split_and_continue_as_one_process(tmp
     the step count is restored, and each stage read only its own keys (the rest of the model kept its fresh
     values)."""
     run_world(2, "pipeline_ckpt.py", args=[str(tmp_path)], env=ENV, timeout=240).check_ok(min_checks=60)
+
+
+@pytest.mark.timeout(300)  # its own bound (240 s): one world of 4 ranks
+def test_fsdp_over_tensor_parallel_stages_saves_adamw_as_the_dense_model(tmp_path: Path) -> None:
+    """GPT-2 as one stage split over tp 2 and wrapped in ``pp.FSDP`` over dp 2 (3-D with FSDP, 4 ranks) saves
+    AdamW's state through ``pipe.optim_state`` as the dense model's arrays (the one-process save's keys and
+    shapes): it loads at dp 2 x pp 2 under ``pp.DDP``, a one-process save loads into FSDP over tp 2 stages, and
+    both continue (steps three and four, losses and final parameters) as the unbroken one-process run
+    (float64 1e-9) with the step count restored."""
+    run_world(4, "pipeline_ckpt_tp.py", args=[str(tmp_path)], env=ENV, timeout=240).check_ok(min_checks=60)

@@ -37,9 +37,9 @@ def test_example_fsdp_over_dp_trains_as_ddp(tmp_path: Path) -> None:
     pipeline stage) prints the same losses and clipped gradient norms, step by step, as the same run with
     ``pp.DDP`` over dp (float32: equal to 1e-4), and both learn. Their step-2 checkpoints (AdamW state saved
     under the dense model's keys, the tied embedding/head's once) resume across wrappers and splits as the
-    uninterrupted run: the FSDP one at dp 2 x pp 1 x tp 2 with ``pp.DDP``, the DDP one into FSDP stages at
-    dp 2 x pp 2 (the tied moments taken back into two different shardings); step 4's loss depends on the
-    restored AdamW moments and step count."""
+    uninterrupted run: the FSDP one at dp 2 x pp 1 x tp 2 into FSDP over tensor-parallel stages (the moments
+    loaded as pieces of the dense arrays), the DDP one into FSDP stages at dp 2 x pp 2 (the tied moments taken
+    back into two different shardings); step 4's loss depends on the restored AdamW moments and step count."""
     runs = {}
     for wrapper in ("ddp", "fsdp"):
         args = ["--dp", "2", "--pp", "2", "--tp", "1", "--steps", "4", "--dp-wrapper", wrapper]
@@ -58,7 +58,7 @@ def test_example_fsdp_over_dp_trains_as_ddp(tmp_path: Path) -> None:
     assert runs["fsdp"] == pytest.approx(runs["ddp"], rel=1e-4), runs
     assert runs["fsdp"][-2] < runs["fsdp"][0] - 0.1, runs
     for saved, split in (
-        ("fsdp", ["--pp", "1", "--tp", "2"]),
+        ("fsdp", ["--pp", "1", "--tp", "2", "--dp-wrapper", "fsdp"]),
         ("ddp", ["--pp", "2", "--dp-wrapper", "fsdp"]),
     ):
         shutil.rmtree(tmp_path / saved / "step_000004")

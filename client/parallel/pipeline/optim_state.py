@@ -11,18 +11,42 @@ its first name in the model (``transformer.wte.weight``) from every stage holdin
 summed gradient, so their moments are replicas, written once (the checkpoint checks they agree). Under FSDP the
 two stages cut the copies into different shards, so there each tied moment is offered whole (summed from the
 shards over the FSDP shard group when offered; its piece taken back into the shard at load).
+
+``pp.FSDP`` over a tensor-parallel stage (3-D with FSDP over dp) shards the tp pieces: FSDP's pieces of a piece
+are no part of the dense array. There each tensor-parallel parameter's moment is first made whole over the shard
+group (the tp-local array, as ``summon_full_params`` makes the parameter whole for the model's save) and then
+offered as ``pp.tp_optim_state`` offers it, as its piece of the dense array (``TPShard.entry``); at load the
+loaded piece is gathered over tp and cut into the tp-local array again (``TPShard.load``), whose FSDP piece goes
+back into the shard. So the optimizer state saved at dp x pp x tp under FSDP loads at any other factorisation
+and wrapper, and the reverse. The price: while saving or loading, each such rank holds its stage's tp-local
+moments whole, one copy per state tensor (FSDP's saving on the optimizer state is suspended for the save).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from paramplane.node.arrays import array_module
 from paramplane.parallel.pipeline.torch_stage import STAGE_ATTR
 from paramplane.parallel.sharding import ShardedArray
+from paramplane.parallel.torch_params import to_tensor
 
 __all__ = ["PipelineOptimState", "pipeline_optim_state"]
+
+
+@dataclass(frozen=True)
+class _Whole:
+    """An FSDP stage's parameters whose optimizer state is offered whole rather than as FSDP's pieces."""
+
+    group: Any
+    """The FSDP shard group (the pieces are summed over it)."""
+    names: set[str]
+    """The tied parameters (the stages shard their copies differently) and the tensor-parallel ones."""
+    specs: dict[str, Any]
+    """The ``TPShard`` of each tensor-parallel parameter: its whole (tp-local) array is offered as the dense
+    array's piece, as ``pp.tp_optim_state`` offers it."""
 
 
 def _renamer(names: dict[str, str]) -> Any:
@@ -65,17 +89,30 @@ class PipelineOptimState:
             tied = {name: first for first, (name, _) in (info.tied if info is not None else {}).items()}
             back = {first: name for name, first in tied.items()}
             if isinstance(stage, TorchFSDP):
-                if any(getattr(p, "tp_shard", None) is not None for p in inner.parameters()):
-                    raise ValueError(
-                        "pipeline_optim_state: optimizer state of pp.FSDP over a tensor-parallel stage is not "
-                        "supported (its shards cut tp pieces, which do not reshard): use pp.DDP over dp there"
-                    )
                 part = stage.optim_state(optimizer, state_arrays=state_arrays)
+                shards = {n: getattr(p, "tp_shard", None) for n, p in inner.named_parameters()}
+                specs = {n: spec for n, spec in shards.items() if spec is not None}
+                whole = _Whole(stage.shard_group, set(tied) | set(specs), specs) if tied or specs else None
             else:
-                part = tp_optim_state(inner, optimizer, state_arrays=state_arrays)
-            whole = (stage.shard_group, set(tied)) if isinstance(stage, TorchFSDP) and tied else None
+                part, whole = tp_optim_state(inner, optimizer, state_arrays=state_arrays), None
             self._parts.append((part, _renamer(tied), _renamer(back), whole))
-        self._whole: list[tuple[Any, Any]] = []  # (FSDP piece, the whole array offered for it)
+        self._whole: list[tuple[ShardedArray, Any, Any, Any]] = []
+        """Per FSDP piece offered whole: the piece, its whole array, and for a tensor-parallel piece its
+        ``TPShard`` and the dense array's piece offered for it (else None, None)."""
+
+    def _offer_whole(self, whole: _Whole, name: str, value: ShardedArray) -> Any:
+        """What stands for the FSDP piece ``value`` of ``name``'s state: the whole array (summed from the
+        shards' disjoint pieces over the shard group), as the dense array's piece for a tensor-parallel one."""
+        full = array_module(value.local).zeros(value.numel, value.dtype)
+        full[value.start : value.stop] = value.local
+        whole.group.all_reduce(full, "sum")
+        spec = whole.specs.get(name)
+        if spec is None:
+            self._whole.append((value, full, None, None))
+            return full.reshape(value.global_shape)
+        entry = spec.entry(to_tensor(full).reshape(value.global_shape))
+        self._whole.append((value, full, spec, entry))
+        return entry
 
     def sharded_state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -83,19 +120,16 @@ class PipelineOptimState:
         for part, rename, _, tied in self._parts:
             for key, value in part.sharded_state_dict().items():
                 name = rename(key)
-                if tied is not None and _param(key) in tied[1] and isinstance(value, ShardedArray):
-                    group = tied[0]
-                    whole = array_module(value.local).zeros(value.numel, value.dtype)
-                    whole[value.start : value.stop] = value.local
-                    group.all_reduce(whole, "sum")  # the shards' disjoint pieces: the whole moment
-                    self._whole.append((value, whole))
-                    value = whole.reshape(value.global_shape)
+                if tied is not None and _param(key) in tied.names and isinstance(value, ShardedArray):
+                    value = self._offer_whole(tied, _param(key), value)
                 out.setdefault(name, value)  # a weight two chunks of this rank share: once
         return out
 
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
-        for piece, whole in self._whole:  # filled by the loader: this shard's piece of it
-            piece.local[...] = whole[piece.start : piece.stop]
+        for piece, full, spec, entry in self._whole:  # filled by the loader: this shard's piece of it
+            if spec is not None:  # the dense array's piece: the tp-local array, gathered over tp
+                spec.load(to_tensor(full).reshape(piece.global_shape), entry)
+            piece.local[...] = full[piece.start : piece.stop]
         for part, _, back, _ in self._parts:
             part.load_sharded_state_dict({back(k): v for k, v in state.items()})
 
