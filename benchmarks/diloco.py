@@ -1,6 +1,6 @@
 """DiLoCo across a slow link: HybridShard every step vs DiLoCo H=10, H=50 and Streaming DiLoCo, two hosts.
 
-    sudo .venv/bin/python benchmarks/diloco.py [--steps 200] [--links 100mbit,1gbit]
+    sudo .venv/bin/python benchmarks/diloco.py [--steps 800] [--batch 1] [--links 100mbit,1gbit]
         [--out benchmarks/results/diloco.jsonl] [--plot benchmarks/results/diloco.png]
     .venv/bin/python benchmarks/diloco.py --no-netns --steps 4 --dim 32 --layers 1 ...   # no link (smoke)
 
@@ -15,6 +15,12 @@ symbols) of the Python standard library's own source files (the ``*.py`` under `
 sorted; the last 5% of the text is the validation set). Every rank draws ``--batch`` windows of the training
 text from (step, rank): every variant sees the same tokens. One BLAS thread per rank; AdamW (lr 2e-3) inside.
 
+The defaults (1 window per rank and step, 800 steps: 256 tokens a step, 204,800 in all) put the link, not
+the CPU, on HybridShard's critical path as in the issue's scenario (GPU hosts across a slow link): a step's
+CPU time is about 0.1 s per rank while HybridShard's 5.5 MB each way per step take 0.44 s at 100 Mbit/s
+(``cpu_s_per_step``, ``link_bytes_per_step``). With 4 windows a step (the earlier default, 200 steps) a
+step's CPU time on a busy 2-core machine exceeded the link's and every variant was CPU-bound.
+
 Variants (every one at equal tokens: ``--steps`` inner steps of 4 x ``--batch`` x 64 tokens):
 
 - ``hybrid_shard``: ``pp.FSDP(model, world.group, "hybrid_shard")``: shards inside a host, the gradient shards
@@ -22,7 +28,7 @@ Variants (every one at equal tokens: ``--steps`` inner steps of 4 x ``--batch`` 
 - ``diloco_h10`` / ``diloco_h50``: ``pp.FSDP(..., mesh.group("shard"), "full_shard")`` inside each host,
   ``pp.DiLoCo(..., mesh.group("replicate"), sync_every=H)`` across (outer Nesterov SGD lr 0.7, momentum 0.9).
 - ``streaming_h40``: the same with ``fragments=4, overlap=True, outer_dtype="int8"`` and H = 40 (``fragments``
-  must divide H, and 40 divides the 200 steps): one fragment (an FSDP unit) synced every 10 steps.
+  must divide H, and 40 divides the 800 steps): one fragment (an FSDP unit) synced every 10 steps.
 - ``streaming_h40_avg``: ``streaming_h40`` with plain averaging as the outer step (``torch.optim.SGD`` lr 1,
   no momentum) instead of DiLoCo's default Nesterov SGD (lr 0.7, momentum 0.9).
 - Not in the default ``--variants``: ``streaming_h40_f32`` (no int8) and ``streaming_h40_no_overlap``;
@@ -159,8 +165,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
     world.group.barrier()
     dev = os.environ.get("PPDL_VETH") if rank == 0 else None
-    bytes0, clock, curve, unsynced = link_bytes(dev), 0.0, [], None
-    mark = time.perf_counter()
+    bytes0, clock, cpu, curve, unsynced = link_bytes(dev), 0.0, 0.0, [], None
+    mark, cpu_mark = time.perf_counter(), time.process_time()
     for step in range(args.steps):
         rng = np.random.default_rng(step * 1000 + rank)
         ids = windows(train, rng.integers(0, len(train) - SEQ, args.batch))
@@ -172,17 +178,20 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             if done == args.steps:
                 if diloco is not None:  # every replica ends on the averaged model (a fragment may lag)
                     diloco.finish()
-                    paused = time.perf_counter()
+                    paused, cpu_paused = time.perf_counter(), time.process_time()
                     unsynced = evaluate()
                     mark += time.perf_counter() - paused  # not training time
+                    cpu_mark += time.process_time() - cpu_paused
                     diloco.sync_all()
                 world.group.barrier()  # the end: every rank is done
                 bytes1 = link_bytes(dev)
             clock += time.perf_counter() - mark
+            cpu += time.process_time() - cpu_mark
             curve.append([done, round(clock, 3), round(evaluate(), 5)])
             if rank == 0:
-                print(f"  {args.variant} step {done}: {curve[-1][1]} s, loss {curve[-1][2]}", file=sys.stderr)
-            mark = time.perf_counter()
+                print(f"  {args.variant} step {done}: {curve[-1][1]} s, loss {curve[-1][2]}, cpu {cpu:.1f} s",
+                      file=sys.stderr)  # fmt: skip
+            mark, cpu_mark = time.perf_counter(), time.process_time()
     world.group.barrier()
     world.shutdown()
     if rank != 0:
@@ -190,6 +199,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "num_params": num_params,
         "train_s": round(clock, 3),
+        "cpu_s": round(cpu, 3),  # rank 0's process CPU time over the same spans (its comm threads included)
         "curve": curve,
         "final_val_loss": curve[-1][2],
         "final_val_loss_before_sync_all": unsynced,
@@ -253,6 +263,7 @@ def run_variant(args: argparse.Namespace, variant: str, hosts: TwoHosts | None) 
         if getattr(args, flag) is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     token = secrets.token_hex(16)
+    load = os.getloadavg()[0]  # the machine's 1-minute load average at the start and the end
     base = dict(os.environ, PARAMPLANE_TOKEN=token, PARAMPLANE_TIMEOUT="300", PYTHONUNBUFFERED="1")
     base.pop("PARAMPLANE_TRANSPORT", None)
     wrap = [[], []] if hosts is None else [["ip", "netns", "exec", ns] for ns in hosts.ns]
@@ -291,7 +302,7 @@ def run_variant(args: argparse.Namespace, variant: str, hosts: TwoHosts | None) 
     failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
     if failed:
         raise RuntimeError(f"{variant}: ranks exited with {failed}")
-    return json.loads(outs[0].strip().splitlines()[-1])
+    return dict(json.loads(outs[0].strip().splitlines()[-1]), load_avg=[load, os.getloadavg()[0]])
 
 
 def summarise(link: str, results: dict[str, dict[str, Any]], steps: int) -> list[dict[str, Any]]:
@@ -321,12 +332,14 @@ def summarise(link: str, results: dict[str, dict[str, Any]], steps: int) -> list
                 if per_step and base_per_step
                 else None,
                 "train_s": res["train_s"],
+                "cpu_s_per_step": None if res.get("cpu_s") is None else res["cpu_s"] / steps,
                 "target_val_loss": target,
                 "time_to_target_s": t,
                 "time_to_target_ratio_vs_hybrid": (t / t_base) if t is not None and t_base else None,
                 "final_val_loss": res["final_val_loss"],
                 "final_loss_ratio_vs_hybrid": res["final_val_loss"] / base["final_val_loss"],
                 "final_val_loss_before_sync_all": res.get("final_val_loss_before_sync_all"),
+                "load_avg_start_end": res.get("load_avg"),
                 "curve": res["curve"],
             }
         )
@@ -345,7 +358,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         mine = [r for r in rows if r["link"] == link]
         for r in mine:
             _, t, loss = zip(*r["curve"], strict=True)
-            ax.plot(t, loss, marker=".", label=r["variant"])
+            color = f"C{list(VARIANTS).index(r['variant']) % 10}"  # the same colour on every link
+            ax.plot(t, loss, marker=".", label=r["variant"], color=color)
         ax.axhline(mine[0]["target_val_loss"], color="grey", ls=":", lw=1, label="target")
         ax.set(
             title=str(mine[0].get("shaping", link)), xlabel="training wall time (s)", ylabel="validation loss"
@@ -367,15 +381,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--links", default="100mbit,1gbit", help=f"comma-separated of {list(LINKS)}")
     p.add_argument("--no-netns", action="store_true", help="ranks on 127.0.0.1, no link (bytes: null)")
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=800)
     p.add_argument("--dim", type=int, default=192)
     p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--batch", type=int, default=4, help="windows of 64 characters per rank and step")
+    p.add_argument("--batch", type=int, default=1, help="windows of 64 characters per rank and step")
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--eval-every", type=int, default=40)
     p.add_argument("--val-windows", type=int, default=64)
     p.add_argument("--corpus-bytes", type=int, default=4_000_000)
-    p.add_argument("--timeout", type=float, default=1200.0, help="seconds per variant")
+    p.add_argument("--timeout", type=float, default=2400.0, help="seconds per variant")
     p.add_argument("--outer-lr", type=float, help="DiLoCo variants: outer SGD lr (default: DiLoCo's 0.7)")
     p.add_argument("--outer-momentum", type=float, default=0.9, help="with --outer-lr (Nesterov when > 0)")
     p.add_argument("--alpha", type=float, help="streaming variants: DiLoCo's alpha (default: None)")
