@@ -56,9 +56,9 @@ def adamw(params: Any) -> Any:
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
 
 
-def scenario(world: Any, rep: Report, out: Path) -> None:
-
-    # One process: four AdamW steps (the unbroken run), the dense model and its optimizer saved after two.
+def unbroken_run(world: Any, path: Path) -> tuple[list[float], dict[str, Any]]:
+    """One process: ``STEPS`` AdamW steps of the whole model, the dense model and its optimizer saved at ``path``
+    after two; returns each step's loss and the final state dict (numpy)."""
     ref = tm.build("gpt2", layers=LAYERS)
     ref_opt = adamw(ref.parameters())
     ref_losses = []
@@ -73,8 +73,12 @@ def scenario(world: Any, rep: Report, out: Path) -> None:
         ref_losses.append(float(loss))
         if step == 1:
             optim = pp.tp_optim_state(ref, ref_opt)
-            pp.checkpoint.save({"model": ref, "optim": optim, "step": 2}, out / "dense", world.group)
-    ref_state = {k: v.detach().numpy().copy() for k, v in ref.state_dict().items()}
+            pp.checkpoint.save({"model": ref, "optim": optim, "step": 2}, path, world.group)
+    return ref_losses, {k: v.detach().numpy().copy() for k, v in ref.state_dict().items()}
+
+
+def scenario(world: Any, rep: Report, out: Path) -> None:
+    ref_losses, ref_state = unbroken_run(world, out / "dense")
 
     # pp 2 cut at block 1: two steps, each stage saves its own parameters.
     mesh = pp.Mesh(world, pp=2)

@@ -19,7 +19,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _torch_models as tm
 from _common import Report, run_rank
-from pipeline_ckpt import LAYERS, MICROBATCHES, RTOL, STEPS, adamw, batch, pipeline_step
+from pipeline_ckpt import LAYERS, MICROBATCHES, RTOL, STEPS, adamw, pipeline_step, unbroken_run
 
 import paramplane as pp
 from paramplane.parallel.sharding import ShardedArray
@@ -53,23 +53,7 @@ def tp_stage(mesh: pp.Mesh, model: Any) -> Any:
 
 
 def scenario(world: Any, rep: Report, out: Path) -> None:
-    # One process: four AdamW steps (the unbroken run), the dense model and its optimizer saved after two.
-    ref = tm.build("gpt2", layers=LAYERS)
-    ref_opt = adamw(ref.parameters())
-    ref_losses = []
-    for step in range(STEPS):
-        b = batch(step)
-        loss = pp.causal_lm_loss(
-            ref(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"]
-        )
-        loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        ref_losses.append(float(loss))
-        if step == 1:
-            optim = pp.tp_optim_state(ref, ref_opt)
-            pp.checkpoint.save({"model": ref, "optim": optim, "step": 2}, out / "dense", world.group)
-    ref_state = {k: v.detach().numpy().copy() for k, v in ref.state_dict().items()}
+    ref_losses, ref_state = unbroken_run(world, out / "dense")
 
     # FSDP (dp 2) over tensor-parallel (tp 2) stages: two steps, saved.
     mesh = pp.Mesh(world, dp=2, pp=1, tp=2)
