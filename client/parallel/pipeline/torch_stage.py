@@ -3,9 +3,9 @@
 ``TorchStage`` gives a ``torch.nn.Module`` the interface the pipeline's executor drives (``forward`` of one
 microbatch, its state kept for ``backward``). A forward runs the module with autograd on a tensor that views
 the received array (``torch.from_numpy``: no copy on CPU) and keeps the graph of that microbatch; what it
-sends is a zero-copy view of its output (``torch_params.to_array``). The backward runs
-``torch.autograd.backward`` from the received output gradient (or from the last stage's loss) and sends the
-input's gradient. Parameters' ``.grad`` accumulate over microbatches, as in torch's schedules.
+sends is a zero-copy view of its output (``tensor.numpy()``, else ``torch_params.to_array``). The backward runs
+``torch.autograd.backward`` (on CPU the autograd engine's call it makes) from the received output gradient (or
+from the last stage's loss) and sends the input's gradient. Parameters' ``.grad`` accumulate over microbatches, as in torch's schedules.
 
 Loss scaling follows torch's ``scale_grads=True`` (the default of ``torch.distributed.pipelining``'s
 schedules, which divide the stage gradients by the number of microbatches after the step): each
