@@ -36,6 +36,25 @@ async def clients(address: str, n: int) -> AsyncIterator[list[CoordinatorClient]
             await c.close()
 
 
+@asynccontextmanager
+async def joined_through_agent(address: str, n: int) -> AsyncIterator[list[CoordinatorClient]]:
+    """``n`` clients joined through one real agent (host-a, on its Unix socket) in front of ``address``."""
+    agent = AgentThread(address, host_id="host-a", num_local=n, token=None)
+    socket = agent.start()
+    try:
+        async with clients(socket, n) as cs:
+            joins = [
+                c.join(
+                    host_id="host-a", peer_address=f"127.0.0.1:{7000 + i}", instance_id=f"i{i}", timeout_s=20
+                )
+                for i, c in enumerate(cs)
+            ]
+            await asyncio.wait_for(asyncio.gather(*joins), 30)
+            yield cs
+    finally:
+        agent.stop()
+
+
 def joiners(host: str, ranks: list[int], world_size: int = 4) -> list[pb.JoinRequest]:
     return [
         pb.JoinRequest(
@@ -94,62 +113,30 @@ async def test_a_failed_host_join_withdraws_its_other_joiners() -> None:
 
 
 async def test_ranks_passing_different_barrier_ranks_through_one_agent_get_the_mismatch() -> None:
-    async with coordinator(3) as server:
-        agent = AgentThread(server.address, host_id="host-a", num_local=3, token=None)
-        address = agent.start()
-        try:
-            async with clients(address, 3) as cs:
-                joins = [
-                    c.join(
-                        host_id="host-a",
-                        peer_address=f"127.0.0.1:{7000 + i}",
-                        instance_id=f"i{i}",
-                        timeout_s=20,
-                    )
-                    for i, c in enumerate(cs)
-                ]
-                await asyncio.wait_for(asyncio.gather(*joins), 30)
-                await asyncio.wait_for(asyncio.gather(*(c.barrier("ok", timeout_s=20) for c in cs)), 30)
-                by_rank = sorted(cs, key=lambda c: c.membership.rank if c.membership else -1)
-                outcomes = await asyncio.wait_for(
-                    asyncio.gather(
-                        by_rank[0].barrier("b", ranks=[0, 1], timeout_s=20),
-                        by_rank[1].barrier("b", ranks=[0, 1, 2], timeout_s=20),
-                        return_exceptions=True,
-                    ),
-                    30,
-                )
-                assert all(isinstance(o, CollectiveMismatch) for o in outcomes), outcomes
-        finally:
-            agent.stop()
+    async with coordinator(3) as server, joined_through_agent(server.address, 3) as cs:
+        await asyncio.wait_for(asyncio.gather(*(c.barrier("ok", timeout_s=20) for c in cs)), 30)
+        by_rank = sorted(cs, key=lambda c: c.membership.rank if c.membership else -1)
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(
+                by_rank[0].barrier("b", ranks=[0, 1], timeout_s=20),
+                by_rank[1].barrier("b", ranks=[0, 1, 2], timeout_s=20),
+                return_exceptions=True,
+            ),
+            30,
+        )
+        assert all(isinstance(o, CollectiveMismatch) for o in outcomes), outcomes
 
 
 async def test_waiting_gets_through_one_agent_each_get_the_value_or_the_timeout() -> None:
-    async with coordinator(3) as server:
-        agent = AgentThread(server.address, host_id="host-a", num_local=3, token=None)
-        address = agent.start()
-        try:
-            async with clients(address, 3) as cs:
-                joins = [
-                    c.join(
-                        host_id="host-a",
-                        peer_address=f"127.0.0.1:{7000 + i}",
-                        instance_id=f"i{i}",
-                        timeout_s=20,
-                    )
-                    for i, c in enumerate(cs)
-                ]
-                await asyncio.wait_for(asyncio.gather(*joins), 30)
-                missing = await asyncio.wait_for(
-                    asyncio.gather(
-                        *(c.kv_get("missing", wait=True, timeout_s=0.5) for c in cs[1:]),
-                        return_exceptions=True,
-                    ),
-                    30,
-                )
-                assert all(isinstance(m, CollectiveTimeout) for m in missing), missing
-                waiting = [asyncio.ensure_future(c.kv_get("uid", wait=True, timeout_s=20)) for c in cs[1:]]
-                await cs[0].kv_set("uid", b"unique id")
-                assert await asyncio.wait_for(asyncio.gather(*waiting), 30) == [b"unique id"] * 2
-        finally:
-            agent.stop()
+    async with coordinator(3) as server, joined_through_agent(server.address, 3) as cs:
+        missing = await asyncio.wait_for(
+            asyncio.gather(
+                *(c.kv_get("missing", wait=True, timeout_s=0.5) for c in cs[1:]),
+                return_exceptions=True,
+            ),
+            30,
+        )
+        assert all(isinstance(m, CollectiveTimeout) for m in missing), missing
+        waiting = [asyncio.ensure_future(c.kv_get("uid", wait=True, timeout_s=20)) for c in cs[1:]]
+        await cs[0].kv_set("uid", b"unique id")
+        assert await asyncio.wait_for(asyncio.gather(*waiting), 30) == [b"unique id"] * 2
