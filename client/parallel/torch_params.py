@@ -72,18 +72,22 @@ class EndOfBackward:
             queue_backward_callback(self._fn)
 
 
+_MOVED = frozenset(DTYPES.values())
+
+
 def to_array(tensor: Any, what: str) -> Any:
     """A zero-copy view of a torch tensor: numpy for a CPU tensor (bfloat16 through an int16 view, as
     ml_dtypes'), cupy for a CUDA tensor. ``what`` names the tensor in errors."""
-    if tensor.device.type == "cuda":
+    device = tensor.device.type
+    if device == "cuda":
         return _cuda_view(tensor, what)
-    if tensor.device.type != "cpu":
+    if device != "cpu":
         raise ValueError(f"paramplane moves CPU and CUDA tensors; {what} is on {tensor.device}")
     try:
         view = torch_cpu_view(tensor)
     except (BufferError, TypeError, RuntimeError) as exc:
-        raise ValueError(f"{what} ({tensor.dtype}) cannot be seen by numpy through DLPack: {exc}") from None
-    if view.dtype not in DTYPES.values():
+        raise ValueError(f"{what} ({tensor.dtype}) cannot be seen by numpy: {exc}") from None
+    if view.dtype not in _MOVED:
         raise ValueError(
             f"{what} is {tensor.dtype}, which the plane does not move; use one of {', '.join(DTYPES)}"
         )

@@ -3,9 +3,10 @@
 ``TorchStage`` gives a ``torch.nn.Module`` the interface the pipeline's executor drives (``forward`` of one
 microbatch, its state kept for ``backward``). A forward runs the module with autograd on a tensor that views
 the received array (``torch.from_numpy``: no copy on CPU) and keeps the graph of that microbatch; what it
-sends is a zero-copy view of its output (``tensor.numpy()``, else ``torch_params.to_array``). The backward runs
+sends is a zero-copy view of its output (``torch_params.to_array``). The backward runs
 ``torch.autograd.backward`` (on CPU the autograd engine's call it makes) from the received output gradient (or
-from the last stage's loss) and sends the input's gradient. Parameters' ``.grad`` accumulate over microbatches, as in torch's schedules.
+from the last stage's loss) and sends the input's gradient. Parameters' ``.grad`` accumulate over microbatches,
+as in torch's schedules.
 
 Loss scaling follows torch's ``scale_grads=True`` (the default of ``torch.distributed.pipelining``'s
 schedules, which divide the stage gradients by the number of microbatches after the step): each
@@ -15,7 +16,6 @@ leaves gradients accumulated before the step as they were. Reported losses are t
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -66,7 +66,7 @@ class TorchStage:
             raise ValueError(
                 f"{where} returned {type(out).__name__}: a stage that feeds another stage must return one tensor"
             )
-        return _view(out, f"the output of {where}")
+        return to_array(out.detach(), f"the output of {where}")
 
     def loss(self, loss_fn: Callable[..., Any], target: Any, scale: float) -> float:
         """The last stage: the loss of the output kept by ``forward`` (its backward runs at the schedule's
@@ -103,23 +103,7 @@ class TorchStage:
         _backward(out, grad if torch.is_tensor(grad) else to_tensor(grad))
         if self.first or inp.grad is None:
             return None
-        return _view(inp.grad, "an input gradient")
-
-
-def _view(tensor: Any, what: str) -> Any:
-    """``to_array(tensor.detach())``; a CPU tensor of a dtype numpy holds directly in half its time (once per
-    send)."""
-    if tensor.device.type == "cpu" and tensor.dtype in _numpy_dtypes():
-        return tensor.detach().numpy()
-    return to_array(tensor.detach(), what)
-
-
-@functools.cache
-def _numpy_dtypes() -> frozenset[Any]:
-    import torch
-
-    names = ("float16", "float32", "float64", "int8", "int32", "int64", "uint8", "bool")
-    return frozenset(getattr(torch, n) for n in names)
+        return to_array(inp.grad, "an input gradient")
 
 
 def _backward(out: Any, grad: Any) -> None:
