@@ -141,3 +141,20 @@ def init_gloo(world: Any) -> Any:
             "gloo", init_method=f"file://{store}", rank=world.rank, world_size=world.world_size
         )
     return dist
+
+
+def clipped_reference_step(ref: Any, opt: Any, batch: dict[str, Any], clip: float) -> tuple[float, float]:
+    """The pipeline tests' one-process step on the whole batch: the LM loss, its backward, the gradient norm
+    clipped to ``clip`` (torch's ``clip_grad_norm_``), the optimizer step. Returns (loss, norm before clipping)."""
+    import torch
+
+    import paramplane as pp
+
+    loss = pp.causal_lm_loss(
+        ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits, batch["labels"]
+    )
+    loss.backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip))
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss), norm

@@ -79,18 +79,12 @@ def train(
         norm = float(pipe.clip_grad_norm_(CLIP))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        want = pp.causal_lm_loss(
-            ref(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"]
-        )
-        want.backward()
-        want_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP))
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
+        want, want_norm = tm.clipped_reference_step(ref, ref_opt, b, CLIP)
         rep.close(f"grad norm {step}", np.array(norm), np.array(want_norm), RTOL)
         rep.check(f"clipped {step}", want_norm > CLIP, f"norm {want_norm} does not clip")
         loss_sum[0] = np.mean(losses) if losses is not None else 0.0
         mesh.group(("pp", "dp")).all_reduce(loss_sum, "sum")  # the last stage's replicas: their mean
-        rep.close(f"loss {step}", loss_sum[0] / dp, float(want), RTOL)
+        rep.close(f"loss {step}", loss_sum[0] / dp, want, RTOL)
     ref_state = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
     for s in mine:
         for k, v in dense(s).items():

@@ -91,18 +91,12 @@ def run_case(world: Any, rep: Report, schedule: str, layers: int, per_block: boo
         norm = float(pipe.clip_grad_norm_(CLIP))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        want = pp.causal_lm_loss(
-            ref(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"]
-        )
-        want.backward()
-        want_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP))
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
+        want, want_norm = tm.clipped_reference_step(ref, ref_opt, b, CLIP)
         rep.check(f"{schedule} clipped {step}", want_norm > CLIP, f"norm {want_norm} does not clip")
         rep.close(f"{schedule} grad norm {step}", norm, want_norm, RTOL)
         loss_sum[0] = np.mean(losses) if losses is not None else 0.0
         mesh.group(("pp", "dp")).all_reduce(loss_sum, "sum")  # the last stage's replicas: their mean
-        rep.close(f"{schedule} loss {step}", loss_sum[0] / dp.size, float(want), RTOL)
+        rep.close(f"{schedule} loss {step}", loss_sum[0] / dp.size, want, RTOL)
     ref_state = ref.state_dict()
     for w in wrapped:
         for k, v in w.state_dict().items():
