@@ -234,11 +234,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import cupy
     import torch
+    from cupy.cuda import nccl
 
     setting = {
         "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
         "num_gpus": cupy.cuda.runtime.getDeviceCount(),
-        "nccl": cupy.cuda.nccl.get_version(),
+        "nccl": nccl.get_version(),
         "torch": torch.__version__,
         "cupy": cupy.__version__,
     }

@@ -53,7 +53,12 @@ class TransportError(PlaneError):
 
 class DeviceCommError(TransportError):
     """NCCL reported an error: a call failed, or a communicator hit an asynchronous error (a peer's
-    failure, a network error). The group is failed and the world aborted, so every rank learns it."""
+    failure, a network error). The group is failed and the world aborted, so every rank learns it.
+    ``peer_may_be_lost``: NCCL's remote or system error, what a peer's death looks like from here."""
+
+    def __init__(self, message: str, *, peer_may_be_lost: bool = False) -> None:
+        super().__init__(message)
+        self.peer_may_be_lost = peer_may_be_lost
 
 
 class PlaneClosed(PlaneError):

@@ -24,7 +24,14 @@ from typing import Any
 from paramplane.node.coord_client import CoordinatorClient, Membership, WatchEventInfo
 from paramplane.node.counters import RankCounters
 from paramplane.node.engine import GroupEngine, Tracer
-from paramplane.node.errors import CoordinatorUnavailable, PeerLost, PlaneClosed, PlaneError, WorldAborted
+from paramplane.node.errors import (
+    CoordinatorUnavailable,
+    DeviceCommError,
+    PeerLost,
+    PlaneClosed,
+    PlaneError,
+    WorldAborted,
+)
 from paramplane.node.loop import LoopThread
 from paramplane.node.peer import PeerPlane, TlsConfig
 from paramplane.node.topology import Topology
@@ -203,11 +210,20 @@ class NodeRuntime:
         interval = max(0.05, m.heartbeat_interval_s)
         limit = m.heartbeat_timeout_s if m.heartbeat_timeout_s > 0 else 10.0
         last_ok = time.monotonic()
+        suspect_since: float | None = None
         while True:
             device_error = self._device_comm_error()
             if device_error is not None:
-                await self._abort_world(device_error)
-                return
+                # A dead peer shows here first as NCCL's remote error: give the coordinator its heartbeat
+                # timeout to name the rank (the beats below then abort with PeerLost) before blaming NCCL.
+                if device_error.peer_may_be_lost and suspect_since is None:
+                    suspect_since = time.monotonic()
+                    log.warning(
+                        "%s; waiting up to %g s for the coordinator to name a lost peer", device_error, limit
+                    )
+                if suspect_since is None or time.monotonic() - suspect_since > limit + 2 * interval:
+                    await self._abort_world(device_error)
+                    return
             try:
                 await self._beat(max(interval, 1.0))
                 last_ok = time.monotonic()
@@ -316,7 +332,7 @@ class NodeRuntime:
             if self._coord is not None:
                 self._coord.fail_waits(self._abort_exc or exc)
 
-    def _device_comm_error(self) -> PlaneError | None:
+    def _device_comm_error(self) -> DeviceCommError | None:
         """The first asynchronous error of this rank's NCCL communicators (NCCL reports them only when asked)."""
         if self.aborted.is_set():  # the communicators are being torn down; the cause is known
             return None

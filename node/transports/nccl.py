@@ -73,6 +73,13 @@ def share_gpu_env(
     return True
 
 
+def _peer_may_be_lost(exc: BaseException) -> bool:
+    """ncclRemoteError (6) or ncclSystemError (2): a peer that died closes its sockets, and NCCL reports
+    that before the coordinator's heartbeat timeout names the dead rank."""
+    status = getattr(exc, "status", None)
+    return status in (2, 6) or any(name in str(exc) for name in ("REMOTE_ERROR", "SYSTEM_ERROR"))
+
+
 def _nccl() -> Any:
     from cupy.cuda import nccl
 
@@ -204,7 +211,7 @@ class NcclComm:
             if not self._aborted:
                 check()
         except _nccl().NcclError as exc:
-            return DeviceCommError(f"NCCL communicator error: {exc}")
+            return DeviceCommError(f"NCCL communicator error: {exc}", peer_may_be_lost=_peer_may_be_lost(exc))
         finally:
             self._lock.release()
         return None

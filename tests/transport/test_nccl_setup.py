@@ -117,9 +117,23 @@ def test_nccl_errors_become_typed_device_comm_errors(monkeypatch: pytest.MonkeyP
 def test_an_nccl_async_error_aborts_the_world_on_every_rank() -> None:
     """Rank 0's communicator reports an asynchronous error; the runtime's poll finds it and aborts the world:
     both ranks, each waiting where only the coordinator can wake it, fail with the NCCL error named."""
-    results = run_world(2, "nccl_async.py", timeout=60, heartbeat_interval_s=0.2).check_ok()
-    for res in results:
+    world = run_world(2, "nccl_async.py", timeout=60, heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0)
+    for res in world.check_ok():
         assert "NCCL communicator error" in res["values"]["error"], res
+
+
+def test_a_peer_dying_under_nccl_is_named_not_blamed_on_nccl() -> None:
+    """NCCL reports a dead peer as a remote error before the coordinator's heartbeat timeout names the rank
+    (seen on an H200). The rank that sees it waits for the coordinator's verdict, so its world aborts with
+    PeerLost naming the dead rank, not with an NCCL error that blames itself."""
+    world = run_world(
+        2, "nccl_async.py", args=["peer_dies"], timeout=60, heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0
+    )
+    assert not world.timed_out, world.describe()
+    assert world.ranks[1].returncode == -9, world.describe()
+    r0 = world.ranks[0].result
+    assert world.ranks[0].returncode == 0 and r0 is not None and r0["failures"] == [], world.describe()
+    assert r0["values"]["error"].startswith("PeerLost") and r0["values"]["lost_rank"] == 1, r0["values"]
 
 
 class _StandInNccl:
