@@ -121,9 +121,11 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                 from cupy.cuda import nccl
 
                 store = torch.distributed.FileStore(args.store, args.world_size)
-                if args.rank == 0:
-                    store.set("uid", json.dumps(list(nccl.get_unique_id())))  # signed chars
-                uid = tuple(json.loads(store.get("uid")))
+                if args.rank == 0:  # bytes (cupy 14) or a tuple of signed chars (older cupy)
+                    raw = nccl.get_unique_id()
+                    store.set("uid", json.dumps([isinstance(raw, bytes), list(raw)]))
+                is_bytes, values = json.loads(store.get("uid"))
+                uid = bytes(values) if is_bytes else tuple(values)
                 comm = nccl.NcclCommunicator(args.world_size, uid, args.rank)
             stream = cupy.cuda.Stream(non_blocking=True)
             for size in args.sizes:
