@@ -155,7 +155,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                 pass
             elif args.worker == "paramplane" and args.kind == "ddp":
                 assert world is not None
-                model = pp.DDP(model, world.group)
+                model = pp.DDP(
+                    model, world.group, **({"bucket_mb": args.bucket_mb} if args.bucket_mb else {})
+                )
             elif args.worker == "paramplane":
                 assert world is not None
                 model = pp.FSDP(model, world.group, "full_shard", units=pp.units_by_class(torch.nn.Linear))
@@ -186,6 +188,7 @@ def _spawn(impl: str, kind: str, world_size: int, args: argparse.Namespace) -> d
     base += ["--world-size", str(world_size), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     base += ["--width", str(args.width), "--layers", str(args.layers), "--local-batch", str(args.local_batch)]
     base += ["--sizes", ",".join(str(s) for s in args.sizes), "--iters", str(args.iters)]
+    base += ["--bucket-mb", str(args.bucket_mb)]
     import cupy
 
     shared = cupy.cuda.runtime.getDeviceCount() < world_size
@@ -220,6 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--local-batch", type=int, default=64)
     parser.add_argument("--kinds", default="all_reduce,ddp,fsdp")
+    parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=0.0,
+        help="pp.DDP's bucket size for a diagnostic row (0: its default)",
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per world")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
@@ -265,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         ours, peer = _spawn("paramplane", kind, 2, args), _spawn("torch", kind, 2, args)
         row = {"bench": f"gpu_{kind}", "world_size": 2, "params": ours["params"], "width": args.width}
         row |= {"layers": args.layers, "local_batch": args.local_batch, **setting}
+        if kind == "ddp" and args.bucket_mb:
+            row["paramplane_bucket_mb"] = args.bucket_mb  # a diagnostic, not both at their defaults
         row |= {"paramplane_step_s": ours["step_s"], "torch_step_s": peer["step_s"]}
         row["ratio_vs_torch"] = ours["step_s"] / peer["step_s"]
         assert single is not None

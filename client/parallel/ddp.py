@@ -226,6 +226,7 @@ class DDP:
                 self._before_grad(i, self._params[i])
             grad, base = self._params[i].grad, self._base.get(i)
             bucket.pack(k, grad if base is None or grad is None else grad - base)
+        bucket.seal()
         bucket.launched = True
         wire = bucket.flat
         if (

@@ -105,6 +105,8 @@ class Bucket:
     launched: bool = False
     wire: Array | None = None
     """What the all-reduce in flight moves: ``flat`` itself, or its copy in the compression dtype."""
+    missing: list[int] = field(default_factory=list)
+    """Parameters packed without a gradient this round (then the flags, summed over ranks, are read back)."""
 
     @classmethod
     def build(cls, index: int, indices: list[int], all_params: Sequence[Parameter]) -> Bucket:
@@ -127,21 +129,27 @@ class Bucket:
         return self.flat[a:b]
 
     def pack(self, k: int, grad: Array | None) -> None:
-        """Copy one parameter's gradient (or zeros, unflagged, when it has none) into the buffer."""
+        """Copy one parameter's gradient (or zeros when it has none) into the buffer; :meth:`seal` flags them."""
         view = self.slot(k)
-        flag = self.num_elements + k
         if grad is None:
             view[...] = 0
-            self.flat[flag] = 0
+            self.missing.append(k)
         else:
             view[...] = grad.reshape(-1)
-            self.flat[flag] = 1
+
+    def seal(self) -> None:
+        """Flag which parameters had a gradient, once all are packed: one fill in the usual round where every
+        one had (no kernel per parameter on a GPU)."""
+        self.flat[self.num_elements :] = 1
+        for k in self.missing:
+            self.flat[self.num_elements + k] = 0
 
     def unpack(self, all_params: Sequence[Parameter]) -> None:
-        """Write the reduced gradients back: into ``p.grad`` in place, or as a new array."""
-        flags = np.asarray(_host(self.flat[self.num_elements :])) > 0
+        """Write the reduced gradients back: into ``p.grad`` in place, or as a new array. With every gradient
+        present here the reduced flags are all positive, so they are not read back (no device sync)."""
+        flags = np.asarray(_host(self.flat[self.num_elements :])) > 0 if self.missing else None
         for k, i in enumerate(self.params):
-            if not flags[k]:
+            if flags is not None and not flags[k]:
                 continue
             p = all_params[i]
             value = self.slot(k).reshape(p.shape)
@@ -155,6 +163,7 @@ class Bucket:
         self.work = None
         self.wire = None
         self.launched = False
+        self.missing.clear()
 
 
 def _host(x: Array) -> Any:
