@@ -36,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from paramplane.benchmarks._gpu import peer_rank_env
 from paramplane.benchmarks._jsonl import emit
 from paramplane.local_world import json_lines, run_world
 
@@ -191,13 +192,7 @@ def _spawn(impl: str, kind: str, world_size: int, args: argparse.Namespace) -> d
     base += ["--bucket-mb", str(args.bucket_mb)]
     import cupy
 
-    shared = cupy.cuda.runtime.getDeviceCount() < world_size
-
-    def rank_env(rank: int) -> dict[str, str]:
-        if impl == "paramplane" or not shared:
-            return {}  # paramplane's runtime sets these itself where ranks share a GPU
-        return {"NCCL_HOSTID": f"bench-rank{rank}", "NCCL_SOCKET_IFNAME": "lo"}
-
+    rank_env = peer_rank_env(impl, world_size, cupy.cuda.runtime.getDeviceCount())
     with tempfile.TemporaryDirectory() as tmp:
         ranks = json_lines(
             run_world(

@@ -25,6 +25,12 @@ its gathered units and buckets included), and ``rss_peak``, the whole process's 
 full model every rank builds before wrapping included). A row reports the slowest rank's median and the
 largest peaks; paramplane rows carry ratios against torch's row of the same model, wrapper and world
 (``step_vs_torch``, ``train_peak_vs_torch``: below 1 is better). One JSON line per configuration.
+
+``--device cuda`` (a GPU machine): the same on CUDA, torch's peers on NCCL instead of gloo. Each rank takes
+its GPU (``world.use_gpu()``; ranks share GPU 0 where there are fewer GPUs, and torch's ranks then get the
+same ``NCCL_HOSTID`` per rank that paramplane's runtime sets, see ``_gpu.peer_rank_env``); a step ends with
+``torch.cuda.synchronize()``; ``gpu_peak`` is ``torch.cuda.max_memory_allocated()`` while training
+(``gpu_peak_vs_torch``).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import warnings
 from pathlib import Path
 from typing import Any, cast
 
+from paramplane.benchmarks._gpu import peer_rank_env
 from paramplane.benchmarks._jsonl import emit
 from paramplane.local_world import json_lines, run_world
 
@@ -133,17 +140,27 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     import paramplane as pp
 
     torch.set_num_threads(1)
+    cuda = args.device == "cuda"
     world: Any = None
     if args.impl == "paramplane":
         world = pp.init()
+        if cuda:
+            torch.cuda.set_device(world.use_gpu())
     else:
         import torch.distributed as dist
 
+        if cuda:
+            torch.cuda.set_device(args.rank % torch.cuda.device_count())
         dist.init_process_group(
-            "gloo", init_method=f"file://{args.store}", rank=args.rank, world_size=args.world_size
+            "nccl" if cuda else "gloo",
+            init_method=f"file://{args.store}",
+            rank=args.rank,
+            world_size=args.world_size,
         )
     rss_start = _rss_peak()
     model, block = build(args.model, args)
+    if cuda:
+        model = model.cuda()
     params = sum(p.numel() for p in model.parameters())
     wrapped: Any
     if args.impl == "paramplane":
@@ -161,6 +178,10 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         wrapped = fully_shard(model)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
     batch = make_batch(args.model, args, args.rank)
+    if cuda:
+        batch = {k: v.cuda() for k, v in batch.items()}
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     hwm_reset = _reset_hwm()
     times = []
     for i in range(args.warmup + args.steps):
@@ -168,6 +189,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
         wrapped(**batch).loss.backward()
         opt.step()
+        if cuda:
+            torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - t)
     out = {
@@ -176,6 +199,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         "rss_peak": _rss_peak(),
         "rss_growth": _rss_peak() - rss_start,
         "train_rss_peak": _hwm() if hwm_reset else None,
+        "gpu_peak": int(torch.cuda.max_memory_allocated()) if cuda else None,
     }
     if world is not None:
         world.group.barrier()
@@ -200,6 +224,12 @@ def _spawn(impl: str, model: str, mode: str, world: int, args: argparse.Namespac
     ]
     for flag in SIZE_FLAGS:
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    cmd += ["--device", args.device]
+    rank_env = None
+    if args.device == "cuda":
+        import torch
+
+        rank_env = peer_rank_env(impl, world, torch.cuda.device_count())
     env = dict(os.environ, **THREADS, PARAMPLANE_TIMEOUT="600")
     if impl == "paramplane":  # our launcher's defaults for our ranks; torch runs at its own
         for key, value in MALLOC.items():
@@ -213,12 +243,18 @@ def _spawn(impl: str, model: str, mode: str, world: int, args: argparse.Namespac
                 world,
                 lambda r: [*cmd, "--rank", str(r), "--store", os.path.join(tmp, "store")],
                 env=env,
+                rank_env=rank_env,
                 coordinator=impl == "paramplane",
                 timeout_s=args.rank_timeout,
                 stderr="inherit",
             ),
-            f"{WRAPPERS[impl, mode]} on {model} at world {world}",
+            f"{_wrapper(impl, mode, args.device)} on {model} at world {world}",
         )
+
+
+def _wrapper(impl: str, mode: str, device: str) -> str:
+    name = WRAPPERS[impl, mode]
+    return name.replace("(gloo)", "(nccl)") if device == "cuda" else name
 
 
 def _row(
@@ -230,7 +266,8 @@ def _row(
         "model": model,
         "mode": mode,
         "impl": impl,
-        "wrapper": WRAPPERS[impl, mode],
+        "wrapper": _wrapper(impl, mode, args.device),
+        "device": args.device,
         "world_size": world,
         "params": ranks[0]["params"],
         "local_batch": args.local_batch,
@@ -241,6 +278,7 @@ def _row(
         "train_rss_peak_max": None if None in train_peaks else max(train_peaks),
         "rss_peak_max": max(r["rss_peak"] for r in ranks),
         "rss_growth_max": max(r["rss_growth"] for r in ranks),
+        "gpu_peak_max": max(r["gpu_peak"] or 0 for r in ranks) or None,
         "threads_per_rank": 1,
         "malloc_env": impl == "paramplane",
     }
@@ -266,6 +304,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         row["rss_peak_vs_torch"] = row["rss_peak_max"] / peer["rss_peak_max"]
         if row["train_rss_peak_max"] and peer["train_rss_peak_max"]:
             row["train_peak_vs_torch"] = row["train_rss_peak_max"] / peer["train_rss_peak_max"]
+        if row["gpu_peak_max"] and peer["gpu_peak_max"]:
+            row["gpu_peak_vs_torch"] = row["gpu_peak_max"] / peer["gpu_peak_max"]
 
 
 def _csv(text: str, allowed: tuple[str, ...], flag: str, parser: argparse.ArgumentParser) -> list[str]:
@@ -291,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resnet-width", type=int, default=64, help="ResNet first stage width (default 64)")
     parser.add_argument("--image", type=int, default=224, help="ResNet image side in px (default 224)")
     parser.add_argument("--local-batch", type=int, default=4, help="samples per rank per step (default 4)")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: torch's peers on NCCL"
+    )
     parser.add_argument("--rank-timeout", type=float, default=1800.0, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help="append the JSON lines here too")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
