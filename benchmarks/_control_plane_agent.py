@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from paramplane.benchmarks._control_plane_rounds import new_out, plan
 from paramplane.host_agent import HostAgent, Relayed
 from paramplane.node.coord_client import CoordinatorClient
 from paramplane.protos import coordinator_pb2 as pb
@@ -40,6 +41,7 @@ async def sim_agents(
     steady_s: float,
     timeout_s: float,
     uid_bytes: bytes,
+    rounds: int,
 ) -> dict[str, Any]:
     """The ranks ``my_ranks`` ((rank, host) pairs, whole hosts) through one agent per host."""
     plain_channel = grpc.aio.insecure_channel
@@ -56,14 +58,7 @@ async def sim_agents(
             agents[host].start()
     ctx: Any = _Context()
     await asyncio.get_running_loop().run_in_executor(None, ready)
-    out: dict[str, Any] = {
-        "join": [],
-        "arrive": [],
-        "release": [],
-        "uid_world": [],
-        "uid_host": [],
-        "abort": [],
-    }
+    out = new_out(rounds)
     silent = n - 1
     stop_beats = asyncio.Event()
     tasks: list[asyncio.Future[Any]] = []
@@ -104,31 +99,15 @@ async def sim_agents(
         tasks.append(asyncio.ensure_future(beat(agent, m)))
         watches[r] = asyncio.ensure_future(watch(agent, m))
         tasks.append(watches[r])
-
-        async def barrier(name: str) -> None:
-            await agent.Barrier(pb.BarrierRequest(epoch=m.epoch, name=name, rank=r, timeout_s=timeout_s), ctx)
-
-        async def uid(key: str, setter: bool) -> None:
-            if setter:
-                await agent.KVSet(pb.KVSetRequest(epoch=m.epoch, key=key, value=uid_bytes), ctx)
+        for op, name in plan(r, host, per_host, rounds, out):
+            if op == "barrier":
+                arrival = pb.BarrierRequest(epoch=m.epoch, name=name, rank=r, timeout_s=timeout_s)
+                await agent.Barrier(arrival, ctx)
+            elif op == "set":
+                await agent.KVSet(pb.KVSetRequest(epoch=m.epoch, key=name, value=uid_bytes), ctx)
             else:
-                await agent.KVGet(
-                    pb.KVGetRequest(epoch=m.epoch, key=key, wait=True, timeout_s=timeout_s), ctx
-                )
-
-        out["arrive"].append(time.monotonic())
-        await barrier("b1")
-        out["release"].append(time.monotonic())
-        if r == 0:
-            out["uid_world_set"] = time.monotonic()
-        await uid("uid/world", r == 0)
-        out["uid_world"].append(time.monotonic())
-        await barrier("b2")
-        if r % per_host == 0:
-            out.setdefault("uid_host_set", []).append(time.monotonic())
-        await uid(f"uid/host-{host}", r % per_host == 0)
-        out["uid_host"].append(time.monotonic())
-        await barrier("b3")
+                get = pb.KVGetRequest(epoch=m.epoch, key=name, wait=True, timeout_s=timeout_s)
+                await agent.KVGet(get, ctx)
 
     await asyncio.gather(*(rank(r, h) for r, h in my_ranks))
     out["steady"] = (time.monotonic(), time.monotonic() + steady_s)

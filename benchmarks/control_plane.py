@@ -9,6 +9,9 @@ spread over H simulated hosts (host ids) and P simulator processes. Per world si
 - ``barrier_s``: a world barrier, from the last arrival to the last release;
 - ``uid_world_s`` / ``uid_host_s``: a 128-byte unique id (NCCL's) set by one rank, from the set to the last
   rank holding it: one world group, then one group per host at once;
+- these three are the median of ``--rounds`` rounds (default 5, every implementation alike; each round's
+  figure is in the row too); ``barrier_first_s`` is the first barrier after the joins, apart
+  (``_control_plane_rounds.py``);
 - ``cpu_steady``: the coordinator's CPU (fraction of one core) over a steady window in which every rank
   heartbeats (default interval) and holds its Watch stream; ``rss_mb``: its resident memory then;
 - ``detect_s``: one rank stops heartbeating; until every other rank has the abort naming it (the
@@ -38,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from paramplane.benchmarks._control_plane_rounds import ROUNDS, new_out, plan, summary
 from paramplane.benchmarks._jsonl import emit
 
 TIMEOUT_S = 300.0
@@ -69,7 +73,7 @@ def _my_ranks(n: int, hosts: int, procs: int, index: int) -> list[tuple[int, int
 
 # -- paramplane simulator ---------------------------------------------------------------------------------------
 async def _sim_paramplane(
-    address: str, n: int, hosts: int, procs: int, index: int, steady_s: float = STEADY_S
+    address: str, n: int, hosts: int, procs: int, index: int, steady_s: float = STEADY_S, rounds: int = ROUNDS
 ) -> dict[str, Any]:
     import asyncio
 
@@ -89,14 +93,7 @@ async def _sim_paramplane(
     per_host = n // hosts
     clients = {r: CoordinatorClient(address, call_timeout_s=TIMEOUT_S) for r, _ in ranks}
     await asyncio.get_running_loop().run_in_executor(None, _ready_then_go)
-    out: dict[str, Any] = {
-        "join": [],
-        "arrive": [],
-        "release": [],
-        "uid_world": [],
-        "uid_host": [],
-        "abort": [],
-    }
+    out = new_out(rounds)
     silent = n - 1  # the rank that stops heartbeating at the end
     stop_beats = asyncio.Event()
 
@@ -128,23 +125,13 @@ async def _sim_paramplane(
         out["join"].append((t0, time.monotonic()))
         tasks.append(asyncio.ensure_future(beat(r, client)))
         tasks.append(asyncio.ensure_future(watch(client)))
-        out["arrive"].append(time.monotonic())
-        await client.barrier("b1", timeout_s=TIMEOUT_S)
-        out["release"].append(time.monotonic())
-        if r == 0:
-            out["uid_world_set"] = time.monotonic()
-            await client.kv_set("uid/world", UID)
-        else:
-            await client.kv_get("uid/world", wait=True, timeout_s=TIMEOUT_S)
-        out["uid_world"].append(time.monotonic())
-        await client.barrier("b2", timeout_s=TIMEOUT_S)
-        if r % per_host == 0:
-            out.setdefault("uid_host_set", []).append(time.monotonic())
-            await client.kv_set(f"uid/host-{host}", UID)
-        else:
-            await client.kv_get(f"uid/host-{host}", wait=True, timeout_s=TIMEOUT_S)
-        out["uid_host"].append(time.monotonic())
-        await client.barrier("b3", timeout_s=TIMEOUT_S)
+        for op, name in plan(r, host, per_host, rounds, out):
+            if op == "barrier":
+                await client.barrier(name, timeout_s=TIMEOUT_S)
+            elif op == "set":
+                await client.kv_set(name, UID)
+            else:
+                await client.kv_get(name, wait=True, timeout_s=TIMEOUT_S)
 
     tasks: list[asyncio.Future[Any]] = []
     await asyncio.gather(*(rank(r, h) for r, h in ranks))
@@ -163,15 +150,16 @@ async def _sim_paramplane(
 
 
 # -- TCPStore simulator -----------------------------------------------------------------------------------------
-def _sim_tcpstore(port: int, n: int, hosts: int, procs: int, index: int) -> dict[str, Any]:
+def _sim_tcpstore(
+    port: int, n: int, hosts: int, procs: int, index: int, rounds: int = ROUNDS
+) -> dict[str, Any]:
     from datetime import timedelta
 
     from torch.distributed import TCPStore
 
     ranks = _my_ranks(n, hosts, procs, index)
     per_host = n // hosts
-    out: dict[str, Any] = {"join": [], "arrive": [], "release": [], "uid_world": [], "uid_host": []}
-    lock = threading.Lock()
+    out = new_out(rounds)
     errors: list[BaseException] = []
 
     def rank(r: int, host: int) -> None:
@@ -181,36 +169,16 @@ def _sim_tcpstore(port: int, n: int, hosts: int, procs: int, index: int) -> dict
             if store.add("joined", 1) == n:
                 store.set("formed", "1")
             store.wait(["formed"])
-            t1 = time.monotonic()
-            arrive = time.monotonic()
-            if store.add("b1", 1) == n:
-                store.set("b1/done", "1")
-            store.wait(["b1/done"])
-            release = time.monotonic()
-            if r == 0:
-                with lock:
-                    out["uid_world_set"] = time.monotonic()
-                store.set("uid/world", UID.decode())
-            store.get("uid/world")
-            got_world = time.monotonic()
-            if store.add("b2", 1) == n:
-                store.set("b2/done", "1")
-            store.wait(["b2/done"])
-            if r % per_host == 0:
-                with lock:
-                    out.setdefault("uid_host_set", []).append(time.monotonic())
-                store.set(f"uid/host-{host}", UID.decode())
-            store.get(f"uid/host-{host}")
-            got_host = time.monotonic()
-            with lock:
-                out["join"].append((t0, t1))
-                out["arrive"].append(arrive)
-                out["release"].append(release)
-                out["uid_world"].append(got_world)
-                out["uid_host"].append(got_host)
-            if store.add("b3", 1) == n:
-                store.set("b3/done", "1")
-            store.wait(["b3/done"])
+            out["join"].append((t0, time.monotonic()))
+            for op, name in plan(r, host, per_host, rounds, out):
+                if op == "barrier":
+                    if store.add(name, 1) == n:
+                        store.set(f"{name}/done", "1")
+                    store.wait([f"{name}/done"])
+                elif op == "set":
+                    store.set(name, UID.decode())
+                else:
+                    store.get(name)
         except BaseException as e:  # reported by the parent
             errors.append(e)
 
@@ -286,10 +254,10 @@ def _wait_file(path: Path, proc: subprocess.Popen[bytes]) -> str:
 
 
 def _run_sims(
-    impl: str, target: str, n: int, hosts: int, procs: int, steady_s: float
+    impl: str, target: str, n: int, hosts: int, procs: int, steady_s: float, rounds: int
 ) -> list[dict[str, Any]]:
     cmd = [sys.executable, __file__, "--sim", impl, "--target", target, "--n", str(n), "--hosts", str(hosts),
-           "--procs", str(procs), "--steady", str(steady_s)]  # fmt: skip
+           "--procs", str(procs), "--steady", str(steady_s), "--rounds", str(rounds)]  # fmt: skip
     sims = [
         subprocess.Popen([*cmd, "--index", str(i)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         for i in range(procs)
@@ -318,24 +286,13 @@ def _run_sims(
 
 
 def _summary(impl: str, n: int, hosts: int, procs: int, parts: list[dict[str, Any]]) -> dict[str, Any]:
-    joins = [j for p in parts for j in p["join"]]
-    arrive = max(a for p in parts for a in p["arrive"])
-    uid_world_set = next(p["uid_world_set"] for p in parts if "uid_world_set" in p)
-    uid_host_set = min(s for p in parts for s in p.get("uid_host_set", []))
-    return {
-        "bench": "control_plane",
-        "impl": impl,
-        "world_size": n,
-        "hosts": hosts,
-        "sim_processes": procs,
-        "join_s": max(j[1] for j in joins) - min(j[0] for j in joins),
-        "barrier_s": max(r for p in parts for r in p["release"]) - arrive,
-        "uid_world_s": max(u for p in parts for u in p["uid_world"]) - uid_world_set,
-        "uid_host_s": max(u for p in parts for u in p["uid_host"]) - uid_host_set,
-    }
+    row = {"bench": "control_plane", "impl": impl, "world_size": n, "hosts": hosts, "sim_processes": procs}
+    return {**row, **summary(parts)}
 
 
-def _measure(impl: str, n: int, heartbeat_timeout_s: float, steady_s: float = STEADY_S) -> dict[str, Any]:
+def _measure(
+    impl: str, n: int, heartbeat_timeout_s: float, steady_s: float = STEADY_S, rounds: int = ROUNDS
+) -> dict[str, Any]:
     hosts = _hosts_for(n)
     procs = _procs_for(n, hosts)
     load_before = os.getloadavg()[0]
@@ -355,7 +312,7 @@ def _measure(impl: str, n: int, heartbeat_timeout_s: float, steady_s: float = ST
             target = f"127.0.0.1:{_wait_file(port_file, server)}"
             sampler = _Sampler(server.pid)
             sampler.start()
-            parts = _run_sims(impl, target, n, hosts, procs, steady_s)
+            parts = _run_sims(impl, target, n, hosts, procs, steady_s, rounds)
             sampler.done.set()
             row = _summary("paramplane-agent" if impl == "agent" else impl, n, hosts, procs, parts)
             if impl != "tcpstore":
@@ -421,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
         help="the coordinator's (default 10, its own default); a loaded host may need more for its simulators",
     )
     parser.add_argument("--steady", type=float, default=STEADY_S, help="seconds of the steady window")
+    parser.add_argument(
+        "--rounds", type=int, default=ROUNDS, help="measured rounds after the first (figures: their median)"
+    )
     parser.add_argument("--tcpstore-max", type=int, default=4096, help="largest world size run on TCPStore")
     parser.add_argument("--plot", type=Path, help="draw the log-log figure of --out's rows here")
     parser.add_argument("--plot-only", action="store_true", help="only draw --plot from the rows in --out")
@@ -439,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         import asyncio
 
         result = asyncio.run(
-            _sim_paramplane(args.target, args.n, args.hosts, args.procs, args.index, args.steady)
+            _sim_paramplane(args.target, args.n, args.hosts, args.procs, args.index, args.steady, args.rounds)
         )
         print(json.dumps(result), flush=True)
         return 0
@@ -451,14 +411,23 @@ def main(argv: list[str] | None = None) -> int:
         mine = _my_ranks(args.n, args.hosts, args.procs, args.index)
         result = asyncio.run(
             sim_agents(
-                args.target, args.n, mine, args.n // args.hosts, _ready_then_go, args.steady, TIMEOUT_S, UID
+                args.target,
+                args.n,
+                mine,
+                args.n // args.hosts,
+                _ready_then_go,
+                args.steady,
+                TIMEOUT_S,
+                UID,
+                args.rounds,
             )
         )
         print(json.dumps(result), flush=True)
         return 0
     if args.sim == "tcpstore":
         port = int(args.target.rsplit(":", 1)[1])
-        print(json.dumps(_sim_tcpstore(port, args.n, args.hosts, args.procs, args.index)), flush=True)
+        result = _sim_tcpstore(port, args.n, args.hosts, args.procs, args.index, args.rounds)
+        print(json.dumps(result), flush=True)
         return 0
     if args.plot_only:
         args.sizes = []
@@ -466,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         for impl in args.impls:
             if impl == "tcpstore" and n > args.tcpstore_max:
                 continue
-            emit([json.dumps(_measure(impl, n, args.heartbeat_timeout, args.steady))], args.out)
+            row = _measure(impl, n, args.heartbeat_timeout, args.steady, args.rounds)
+            emit([json.dumps(row)], args.out)
     if args.plot and args.out:
         rows = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()]
         _plot(rows, args.plot)
