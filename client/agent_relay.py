@@ -1,8 +1,10 @@
 """The host agent's relays: the calls a host agent passes to the coordinator one for one, as the rank sent them.
 
 Their answer or error (code, details, trailers) goes back untouched (``Relayed``); waiting gets of one key
-share one upstream call (a group's unique id on every local rank). ``HostAgent`` (``host_agent.py``) adds
-the calls it batches or aggregates per host: joins, heartbeats, watch streams and barriers.
+share one upstream call (a group's unique id on every local rank), and a local rank's set of that key, once
+the coordinator took it, answers them all: a per-host unique id costs the coordinator one call per host, not
+two. ``HostAgent`` (``host_agent.py``) adds the calls it batches or aggregates per host: joins, heartbeats,
+watch streams and barriers.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ class RelayServicer(pb_grpc.CoordinatorServicer):
     def __init__(self, upstream: CoordinatorClient) -> None:
         self._up = upstream
         self._kv_waits: dict[tuple[int, str], tuple[float, asyncio.Task[Any]]] = {}
+        self._kv_waiting: dict[tuple[int, str], list[asyncio.Future[Any]]] = {}  # the waiting ranks, per key
+        self._kv_sets: dict[tuple[int, str], tuple[bytes, asyncio.Task[Any]]] = {}  # local sets in flight
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def _spawn(self, work: Any) -> asyncio.Task[Any]:
@@ -97,31 +101,73 @@ class RelayServicer(pb_grpc.CoordinatorServicer):
         deadline = time.monotonic() + request.timeout_s
         shared = self._kv_waits.get(key)
         if shared is None or shared[1].done() or shared[0] + KV_WAIT_SLACK_S < deadline:
-            task = self._spawn(self._up.relay("KVGet", request, timeout_s=request.timeout_s + WAIT_MARGIN_S))
+            task = self._spawn(self._shared_get(key, request))
             shared = self._kv_waits[key] = (deadline, task)
             task.add_done_callback(lambda done: self._forget_wait(key, done))
-        # This rank's own future, told when the shared call ends (no shield: a rank that goes away cancels
-        # only its own); one wake-up per rank, then the finished call's value or error.
-        mine: asyncio.Future[asyncio.Task[Any]] = asyncio.get_running_loop().create_future()
+        # This rank's own future, told when the shared call ends or a local set of the key is taken (no shield:
+        # a rank that goes away cancels only its own); one wake-up per rank, then the value or the error.
+        mine: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
         def tell(done: asyncio.Task[Any]) -> None:
             if not mine.done():
                 mine.set_result(done)
 
         shared[1].add_done_callback(tell)
-        return await self._answer(context, await mine)
+        waiting = self._kv_waiting.setdefault(key, [])
+        waiting.append(mine)
+        try:
+            outcome = await mine
+        finally:
+            waiting.remove(mine)
+            if not waiting and self._kv_waiting.get(key) is waiting:
+                del self._kv_waiting[key]
+        if isinstance(outcome, pb.KVGetResponse):
+            return outcome
+        return await self._answer(context, outcome)
+
+    async def _shared_get(self, key: tuple[int, str], request: pb.KVGetRequest) -> Any:
+        # A local set of the key in flight (the host's first rank publishing its group's id) answers without
+        # an upstream get, once the coordinator took it; a refused set leaves the get to the coordinator.
+        setting = self._kv_sets.get(key)
+        if setting is not None:
+            started = time.monotonic()
+            done, _ = await asyncio.wait({setting[1]}, timeout=request.timeout_s)
+            if done and not setting[1].cancelled() and setting[1].exception() is None:
+                return pb.KVGetResponse(found=True, value=setting[0])
+            left = pb.KVGetRequest()
+            left.CopyFrom(request)
+            left.timeout_s = max(request.timeout_s - (time.monotonic() - started), 0.001)
+            request = left
+        return await self._up.relay("KVGet", request, timeout_s=request.timeout_s + WAIT_MARGIN_S)
 
     def _forget_wait(self, key: tuple[int, str], done: asyncio.Task[Any]) -> None:
         shared = self._kv_waits.get(key)
         if shared is not None and shared[1] is done:
             del self._kv_waits[key]
 
+    async def KVSet(self, request: pb.KVSetRequest, context: grpc.aio.ServicerContext) -> Any:
+        key = (request.epoch, request.key)
+        task = self._spawn(self._up.relay("KVSet", request, timeout_s=self._left_s(context)))
+        self._kv_sets[key] = (request.value, task)
+        task.add_done_callback(lambda done: self._set_taken(key, request.value, done))
+        return await self._answer(context, asyncio.shield(task))
+
+    def _set_taken(self, key: tuple[int, str], value: bytes, done: asyncio.Task[Any]) -> None:
+        """A local set ended: once the coordinator took it, the value answers this host's waiting gets of the
+        key (each was concurrent with the set, so the value is one that key held while it waited)."""
+        setting = self._kv_sets.get(key)
+        if setting is not None and setting[1] is done:
+            del self._kv_sets[key]
+        if done.cancelled() or done.exception() is not None:
+            return
+        answer = pb.KVGetResponse(found=True, value=value)
+        for mine in self._kv_waiting.get(key, ()):
+            if not mine.done():
+                mine.set_result(answer)
+
     # -- relayed as they came ---------------------------------------------------------------------
     async def _relay(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return await self._answer(context, self._up.relay(method, request, timeout_s=self._left_s(context)))
-
-    async def KVSet(self, request: pb.KVSetRequest, context: grpc.aio.ServicerContext) -> Any:
-        return await self._relay("KVSet", request, context)
 
     async def KVAdd(self, request: pb.KVAddRequest, context: grpc.aio.ServicerContext) -> Any:
         return await self._relay("KVAdd", request, context)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import grpc
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from paramplane import CollectiveMismatch, CollectiveTimeout
 from paramplane.agent_server import AgentThread
 from paramplane.coordinator.server import CoordinatorConfig, CoordinatorServer
+from paramplane.host_agent import HostAgent, Relayed
 from paramplane.node.coord_client import CoordinatorClient
 from paramplane.protos import coordinator_pb2 as pb
 
@@ -140,3 +142,47 @@ async def test_waiting_gets_through_one_agent_each_get_the_value_or_the_timeout(
         waiting = [asyncio.ensure_future(c.kv_get("uid", wait=True, timeout_s=20)) for c in cs[1:]]
         await cs[0].kv_set("uid", b"unique id")
         assert await asyncio.wait_for(asyncio.gather(*waiting), 30) == [b"unique id"] * 2
+
+
+async def answered(client: CoordinatorClient) -> dict[str, int]:
+    """The calls the coordinator answered so far, by method."""
+    status = await client.relay("Status", pb.StatusRequest(), timeout_s=10)
+    assert isinstance(status, pb.StatusResponse)
+    return dict(status.num_calls)
+
+
+class _InProcess:
+    """The part of a gRPC server context the agent's methods use, for calls made in process."""
+
+    def time_remaining(self) -> float | None:
+        return 10.0
+
+    async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata: object = ()) -> None:
+        raise Relayed(code, details)
+
+
+async def test_a_local_set_answers_the_hosts_waiting_gets_without_an_upstream_get() -> None:
+    """A host's first rank sets its group's id while the others wait on it (the per-host unique id): the
+    coordinator gets the set alone, every waiting rank the value; a refused set answers nobody's get."""
+    async with coordinator(1) as server, clients(server.address, 2) as (rank, up):
+        await rank.join(host_id="h", peer_address="127.0.0.1:7000", instance_id="i0", timeout_s=20)
+        assert rank.membership is not None
+        epoch = rank.membership.epoch
+        agent = HostAgent(up, host_id="h", num_local=4)
+        ctx: Any = _InProcess()
+        setter = agent.KVSet(pb.KVSetRequest(epoch=epoch, key="uid/host", value=b"id"), ctx)
+        gets = [
+            agent.KVGet(pb.KVGetRequest(epoch=epoch, key="uid/host", wait=True, timeout_s=20), ctx)
+            for _ in range(3)
+        ]
+        _, *answers = await asyncio.wait_for(asyncio.gather(setter, *gets), 30)
+        assert [(a.found, a.value) for a in answers] == [(True, b"id")] * 3
+        calls = await answered(up)
+        assert (calls.get("KVSet"), calls.get("KVGet", 0)) == (1, 0), calls
+
+        stale = epoch + 7  # the coordinator refuses this epoch: the waiting gets get its own answer
+        refused = agent.KVSet(pb.KVSetRequest(epoch=stale, key="k", value=b"v"), ctx)
+        get = agent.KVGet(pb.KVGetRequest(epoch=stale, key="k", wait=True, timeout_s=20), ctx)
+        outcomes = await asyncio.wait_for(asyncio.gather(refused, get, return_exceptions=True), 30)
+        assert all(isinstance(o, Relayed) for o in outcomes), outcomes
+        assert (await answered(up)).get("KVGet") == 1
