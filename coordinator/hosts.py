@@ -77,16 +77,35 @@ def join_response(a: Assignment, interval_s: float, timeout_s: float) -> pb.Join
     )
 
 
+def peers_wire(peers: tuple[RankInfo, ...]) -> bytes:
+    """The peer table as the wire bytes of a JoinResponse holding only it."""
+    return pb.JoinResponse(peers=[p.to_message() for p in peers]).SerializeToString()
+
+
+def assignment_wire(
+    a: Assignment, peers_wire: bytes, heartbeat_interval_s: float, heartbeat_timeout_s: float
+) -> bytes:
+    """A JoinResponse on the wire: this rank's fields, then the world's peer table serialized once for every
+    joiner (protobuf concatenation merges them): O(ranks) per join instead of building the table again."""
+    own = join_response(a, heartbeat_interval_s, heartbeat_timeout_s)
+    return own.SerializeToString() + peers_wire
+
+
+def serialize_join(response: pb.JoinResponse | pb.JoinHostResponse | bytes) -> bytes:
+    """The Join and JoinHost handlers' response serializer: they answer wire bytes (see ``assignment_wire``)."""
+    return response if isinstance(response, bytes) else response.SerializeToString()
+
+
 async def join_host(
     state: CoordinatorState,
     block: BlockMany,
     request: pb.JoinHostRequest,
     interval_s: float,
     timeout_s: float,
-    peers_wire: Callable[[tuple[RankInfo, ...]], bytes],
+    table_wire: Callable[[tuple[RankInfo, ...]], bytes],
 ) -> bytes:
     """Join every joiner of the request; answers once the world formed (one failure fails them all), as wire
-    bytes: the members, then the peer table that ``peers_wire`` serialized once for every host."""
+    bytes: the members, then the peer table that ``table_wire`` serialized once for every host."""
     if not request.joiners:
         raise StateError(ErrorKind.INVALID_ARGUMENT, "a host join needs at least one joiner")
 
@@ -105,7 +124,7 @@ async def join_host(
         members.append(join_response(a, interval_s, timeout_s))
     first = assignments[0]
     assert isinstance(first, Assignment)
-    return pb.JoinHostResponse(members=members).SerializeToString() + peers_wire(first.peers)
+    return pb.JoinHostResponse(members=members).SerializeToString() + table_wire(first.peers)
 
 
 def heartbeat_host(state: CoordinatorState, request: pb.HeartbeatHostRequest) -> pb.HeartbeatHostResponse:

@@ -14,8 +14,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from paramplane.coordinator.hosts import serialize_join
 from paramplane.coordinator.http import HttpView
-from paramplane.coordinator.service import CoordinatorService, serialize_join
+from paramplane.coordinator.service import CoordinatorService
 from paramplane.coordinator.state import MAX_VALUE_BYTES, CoordinatorState
 from paramplane.protos import coordinator_pb2_grpc as pb_grpc
 from paramplane.protos.auth import TokenAuthInterceptor

@@ -20,10 +20,11 @@ import grpc
 from paramplane.coordinator.hosts import (
     UNSETTLED,
     WaiterGroup,
+    assignment_wire,
     barrier_host,
     heartbeat_host,
     join_host,
-    join_response,
+    peers_wire,
 )
 from paramplane.coordinator.model import (
     Assignment,
@@ -43,7 +44,6 @@ from paramplane.protos.stats import stats_of
 
 log = logging.getLogger("paramplane.coordinator")
 
-# Trailing metadata the client reads to type its errors (node/coord_client.py uses the same keys).
 # A blocking call that the state machine failed to answer this long after its own deadline is an internal error.
 _BACKSTOP_S = 5.0
 _T = TypeVar("_T")
@@ -54,25 +54,6 @@ _EVENT_KINDS = {
     EventKind.LEFT: pb.WatchEvent.LEFT,
     EventKind.SHUTDOWN: pb.WatchEvent.SHUTDOWN,
 }
-
-
-def _peers_wire(peers: tuple[RankInfo, ...]) -> bytes:
-    """The peer table as the wire bytes of a JoinResponse holding only it."""
-    return pb.JoinResponse(peers=[p.to_message() for p in peers]).SerializeToString()
-
-
-def _assignment_wire(
-    a: Assignment, peers_wire: bytes, heartbeat_interval_s: float, heartbeat_timeout_s: float
-) -> bytes:
-    """A JoinResponse on the wire: this rank's fields, then the world's peer table serialized once for every
-    joiner (protobuf concatenation merges them): O(ranks) per join instead of building the table again."""
-    own = join_response(a, heartbeat_interval_s, heartbeat_timeout_s)
-    return own.SerializeToString() + peers_wire
-
-
-def serialize_join(response: pb.JoinResponse | pb.JoinHostResponse | bytes) -> bytes:
-    """The Join and JoinHost handlers' response serializer: they answer wire bytes (see ``_assignment_wire``)."""
-    return response if isinstance(response, bytes) else response.SerializeToString()
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
@@ -235,8 +216,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         assignment = await self._guard(context, work)
         assert isinstance(assignment, Assignment)
         if self._peers_wire is None or self._peers_wire[0] is not assignment.peers:
-            self._peers_wire = (assignment.peers, _peers_wire(assignment.peers))
-        return _assignment_wire(
+            self._peers_wire = (assignment.peers, peers_wire(assignment.peers))
+        return assignment_wire(
             assignment, self._peers_wire[1], self._heartbeat_interval_s, self._heartbeat_timeout_s
         )
 
