@@ -5,7 +5,8 @@ in ``pp.FSDP`` over the dp group and run by ``pp.Pipeline`` with microbatches; A
 global batch after ``Pipeline.clip_grad_norm_``. Per schedule (GPipe with a unit per block: every forward
 before every backward; 1F1B with the default units; interleaved 1F1B over two chunks per rank) every step's
 loss and clipped gradient norm and the final parameters equal one process on the whole batch (float64, 1e-9),
-and the gradients were reduced once per step, not once per microbatch (the dp group's collectives counted).
+and the gradients were reduced once per step, not once per microbatch (the dp group's collectives counted: a
+reduce-scatter per unit, and the tied weight's own all-reduce).
 """
 
 from __future__ import annotations
@@ -38,17 +39,17 @@ def batch(step: int) -> dict[str, Any]:
 
 
 class Counting:
-    """Counts the reductions a group starts (wrapping its all_reduce / reduce_scatter)."""
+    """Counts the reductions a group starts (wrapping its all_reduce / reduce_scatter), per kind."""
 
     def __init__(self, group: Any) -> None:
-        self.calls = 0
-        for name in ("all_reduce", "reduce_scatter"):
+        self.calls = {"all_reduce": 0, "reduce_scatter": 0}
+        for name in self.calls:
             inner = getattr(group, name)
-            setattr(group, name, self._counted(inner))
+            setattr(group, name, self._counted(name, inner))
 
-    def _counted(self, inner: Any) -> Any:
+    def _counted(self, name: str, inner: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
-            self.calls += 1
+            self.calls[name] += 1
             return inner(*args, **kwargs)
 
         return call
@@ -78,15 +79,16 @@ def run_case(world: Any, rep: Report, schedule: str, layers: int, per_block: boo
         b = batch(step)
         mine = {k: v[dp.rank * rows : (dp.rank + 1) * rows] for k, v in b.items()}
         for c in counters:
-            c.calls = 0
+            c.calls = dict.fromkeys(c.calls, 0)
         losses = pipe.step(
             mine["input_ids"] if pipe.is_first else None,
             target=mine["labels"] if pipe.is_last else None,
             attention_mask=mine["attention_mask"],
         )
-        # one reduce-scatter per FSDP unit per step, whatever the number of microbatches
-        want_calls = sum(len(w.units) for w in wrapped)
-        calls = sum(c.calls for c in counters)
+        # one reduce-scatter per FSDP unit per step, whatever the number of microbatches, and one all-reduce
+        # of the tied embedding/head (each rank holds one copy), reduced on its own so the copies stay equal
+        want_calls = {"all_reduce": 1, "reduce_scatter": sum(len(w.units) for w in wrapped)}
+        calls = {k: sum(c.calls[k] for c in counters) for k in want_calls}
         rep.check(f"{schedule} reductions {step}", calls == want_calls, f"{calls} != {want_calls}")
         norm = float(pipe.clip_grad_norm_(CLIP))
         opt.step()

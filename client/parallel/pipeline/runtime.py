@@ -31,7 +31,8 @@ torch stage modules (``torch.nn.Module``, e.g. from ``pp.pipeline_split``; a lis
 Activations and their gradients cross stages as tensors viewed through DLPack (no copy on CPU); keyword
 arguments reach every stage (tensors split into the microbatches, ``shared=`` values whole); the last stage's
 ``loss_fn(output, target)`` is a torch scalar; gradients match torch's schedules with ``scale_grads=True``.
-Parameters tied across stages by ``pipeline_split`` get their gradients summed over the stages after the step.
+Parameters tied across stages by ``pipeline_split`` get their gradients summed over the stages after the step,
+in one order on every holder, so that the copies stay bit-identical at any dp size (``tied.py``).
 A ``pp.DDP``-wrapped stage runs without a sync per backward and has its gradients averaged over its group
 once per step (as ``dp_group`` does). A ``pp.FSDP``-wrapped stage (every chunk of the rank wrapped, over the
 dp group) likewise accumulates whole gradients over the microbatches under ``no_sync`` and reduce-scatters
@@ -60,9 +61,9 @@ from paramplane.node.errors import PlaneError
 from paramplane.parallel.pipeline import schedules
 from paramplane.parallel.pipeline.plan import Op, agree, compile_ops, incoming
 from paramplane.parallel.pipeline.plan import nbytes as state_nbytes
+from paramplane.parallel.pipeline.tied import TiedWeights
 from paramplane.parallel.pipeline.torch_stage import (
     STAGE_ATTR,
-    TiedWeights,
     TorchStage,
     clip_grad_norm_,
     is_torch_stage,
@@ -263,12 +264,13 @@ class Pipeline:
             for wrapper in self._ddps + self._fsdps:  # no sync per backward: the gradients are reduced once
                 stack.enter_context(wrapper.no_sync())
             self._run(self._plan, inputs, targets, like, losses, train=True)
-        if self._tied is not None:  # on the whole accumulated gradients, before FSDP shards them
-            self._tied.sync()
+        held = self._tied.hold() if self._tied is not None else []  # reduced on their own (tied.py)
         for fsdp in self._fsdps:
             fsdp.reduce_accumulated_gradients()
         if not self._fsdps and self.dp_group is not None and self.dp_group.size > 1:
             self._sync_data_parallel(self.dp_group)
+        if self._tied is not None:
+            self._tied.reduce(held, self.dp_group)
         return [losses[i] for i in range(self.num_microbatches)] if self.is_last else None
 
     def optim_state(self, optimizer: Any, *, state_arrays: tuple[str, ...] | None = None) -> Any:

@@ -167,47 +167,6 @@ def params_of(stages: Sequence[TorchStage]) -> list[TorchParam]:
     return out
 
 
-class TiedWeights:
-    """Parameters that ``pipeline_split`` left on more than one stage (a tied embedding and output head): after
-    each step their gradients are summed over the ranks that hold them (Megatron's embedding all-reduce), so
-    the copies, equal at the start, stay equal under the same optimizer."""
-
-    def __init__(self, stages: Sequence[TorchStage], group: ProcessGroup) -> None:
-        self.syncs: list[tuple[ProcessGroup, list[Any]]] = []
-        p = group.size
-        mine: dict[str, list[Any]] = {}
-        holders: dict[str, tuple[int, ...]] = {}
-        for stage in stages:
-            info = getattr(stage.module, STAGE_ATTR, None)
-            if info is None:
-                continue
-            params = dict(stage.module.named_parameters(remove_duplicate=False))
-            for key, (name, stage_ids) in sorted(info.tied.items()):
-                if id(params[name]) not in {id(t) for t in mine.get(key, [])}:
-                    mine.setdefault(key, []).append(params[name])
-                holders[key] = stage_ids
-        by_ranks: dict[tuple[int, ...], list[Any]] = {}
-        for key in sorted(holders):
-            ranks = tuple(sorted({s % p for s in holders[key]}))
-            if len(ranks) > 1:
-                by_ranks.setdefault(ranks, []).extend(mine[key])
-        for ranks, tensors in sorted(by_ranks.items()):
-            self.syncs.append((group.new_subgroup(list(ranks)), tensors))
-
-    def sync(self) -> None:
-        """Sum the tied parameters' gradients over their holders (one all-reduce per holder set)."""
-        import torch
-
-        for sub, tensors in self.syncs:
-            grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            sub.all_reduce(to_array(flat, "tied gradients"), "sum")
-            start = 0
-            for t, g in zip(tensors, grads):
-                t.grad = flat[start : start + g.numel()].view_as(g).clone()
-                start += g.numel()
-
-
 def _grad_pieces(stage: TorchStage) -> list[tuple[str, Any, Any]]:
     """(parameter name, gradient, the parameter's tensor) for each gradient this rank holds of ``stage``: a
     whole ``.grad``, or for an FSDP stage each parameter's piece of its units' sharded gradients."""
