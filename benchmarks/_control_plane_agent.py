@@ -20,6 +20,7 @@ from paramplane.benchmarks._control_plane_rounds import new_out, plan
 from paramplane.host_agent import HostAgent, Relayed
 from paramplane.node.coord_client import CoordinatorClient
 from paramplane.protos import coordinator_pb2 as pb
+from paramplane.protos.net import prefer_control_latency
 
 
 class _Context:
@@ -44,6 +45,7 @@ async def sim_agents(
     rounds: int,
 ) -> dict[str, Any]:
     """The ranks ``my_ranks`` ((rank, host) pairs, whole hosts) through one agent per host."""
+    prefer_control_latency()  # as ``paramplane launch`` does in the agents' process
     plain_channel = grpc.aio.insecure_channel
 
     def own_connection(target: str, options: Any = None, *args: Any, **kw: Any) -> Any:

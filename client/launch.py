@@ -28,7 +28,13 @@ from typing import IO, TYPE_CHECKING, Any
 
 from paramplane.node.errors import PlaneError
 from paramplane.protos.fields import default_of, field_docs
-from paramplane.protos.net import check_seconds, parse_address, read_token, resolve_token
+from paramplane.protos.net import (
+    check_seconds,
+    parse_address,
+    prefer_control_latency,
+    read_token,
+    resolve_token,
+)
 
 if TYPE_CHECKING:
     from paramplane.agent_server import AgentThread
@@ -709,6 +715,7 @@ def main(argv: list[str] | None = None) -> int:
         token = read_token(token_file) if token_file is not None else None
         slurm = options.slurm
         del options.slurm
+        prefer_control_latency()  # this process runs the host agent (and the coordinator with --coordinator)
         if slurm:
             from paramplane.slurm import slurm_launch
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from paramplane.coordinator.server import CoordinatorConfig, CoordinatorServer
 from paramplane.protos.fields import default_of, field_docs
-from paramplane.protos.net import TOKEN_ENV, resolve_token
+from paramplane.protos.net import TOKEN_ENV, prefer_control_latency, resolve_token
 
 # Flags that set a CoordinatorConfig field: (flag, field, type). Their help and default come from the field.
 FIELD_FLAGS: list[tuple[str, str, type]] = [
@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         config = _config(args)
     except (ValueError, OSError) as e:
         parser.error(str(e))
+    prefer_control_latency()
     try:
         asyncio.run(_serve(config, args.port_file, args.grace))
     except OSError as e:

@@ -6,7 +6,11 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
+import sys
 from pathlib import Path
+
+CONTROL_SWITCH_INTERVAL_S = 0.0002
+"""Python's GIL switch interval in a process serving the control plane (Python's default: 5 ms)."""
 
 TOKEN_ENV = "PARAMPLANE_TOKEN"
 TOKEN_FILE_ENV = "PARAMPLANE_TOKEN_FILE"
@@ -84,3 +88,12 @@ TLS_ENV = {"CERT": "PARAMPLANE_TLS_CERT", "KEY": "PARAMPLANE_TLS_KEY", "CA": "PA
 def tls_paths() -> dict[str, str | None]:
     """``{"CERT", "KEY", "CA"}``: the PEM files the PARAMPLANE_TLS_* variables name (None where unset or empty)."""
     return {name: os.environ.get(var) or None for name, var in TLS_ENV.items()}
+
+
+def prefer_control_latency() -> None:
+    """For a process that serves the control plane (the coordinator; a launcher with its host agent): gRPC's
+    completion-queue thread hands each finished call to the event loop's thread, and needs the GIL for it;
+    while the loop is busy answering other calls it would wait up to the switch interval. Lowered (never
+    raised) to ``CONTROL_SWITCH_INTERVAL_S`` (``benchmarks/control_plane.py``: the agents' barrier).
+    Not for rank processes: their threads are the user's."""
+    sys.setswitchinterval(min(sys.getswitchinterval(), CONTROL_SWITCH_INTERVAL_S))

@@ -226,3 +226,16 @@ def test_launch_cli_reports_a_too_long_timeout_in_one_line(
     script.write_text("")
     assert main(["--standalone", "-n", "1", "--join-timeout", "inf", str(script)]) == 2
     assert capsys.readouterr().err.startswith("paramplane launch: error: --join-timeout must be")
+
+
+def test_the_control_plane_gil_switch_interval_is_only_ever_lowered() -> None:
+    """The coordinator and the launcher lower the GIL switch interval (gRPC's completion thread hands calls to
+    the loop sooner); a process that already runs a lower one keeps it. In a child: the setting is global."""
+    code = (
+        "import math, sys\n"
+        "from paramplane.protos.net import CONTROL_SWITCH_INTERVAL_S as S, prefer_control_latency as p\n"
+        "assert sys.getswitchinterval() > S\n"
+        "p(); assert math.isclose(sys.getswitchinterval(), S, rel_tol=0.05), sys.getswitchinterval()\n"
+        "sys.setswitchinterval(S / 2); p(); assert math.isclose(sys.getswitchinterval(), S / 2, rel_tol=0.05)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
