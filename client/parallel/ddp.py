@@ -136,10 +136,8 @@ class DDP:
             Bucket.build(n, idx, self._params)
             for n, idx in enumerate(assign_buckets(self._params, bucket_bytes))
         ]
-        self._where: dict[int, tuple[int, int]] = {}
-        for b in self._buckets:
-            for k, i in enumerate(b.params):
-                self._where[i] = (b.index, k)
+        where = {i: (b, k) for b in self._buckets for k, i in enumerate(b.params)}
+        self._where: list[tuple[Bucket, int]] = [where[i] for i in range(len(self._params))]
         self._expected: list[int] | None = None
         self._round_open = False
         self._next_launch = 0
@@ -186,8 +184,7 @@ class DDP:
             self._tracer.mark(f"grad {self._names_of(i)}", now, now, param=self._names_of(i))
         self._round_open = True
         self._path.on_grad(self.finish_gradient_sync)
-        bucket = self._buckets[self._where[i][0]]
-        k = self._where[i][1]
+        bucket, k = self._where[i]
         if bucket.launched:
             raise RuntimeError(
                 f"DDP: a gradient for parameter {self._names_of(i)!r} arrived after its bucket's all-reduce "
@@ -195,10 +192,12 @@ class DDP:
                 "synchronised backwards, accumulate locally inside `with ddp.no_sync():`, and use each "
                 "parameter the same number of times in every step"
             )
-        bucket.fired[k] = bucket.fired.get(k, 0) + 1
-        if self._expected is not None:
-            with self._path.stream():
-                self._launch_ready()
+        fired = bucket.fired[k] = bucket.fired[k] + 1
+        if self._expected is not None and fired == self._expected[i]:  # expected 0: never ready before finish
+            bucket.waiting -= 1
+            if bucket.waiting == 0 and bucket.index == self._next_launch:
+                with self._path.stream():
+                    self._launch_ready()
 
     def _before_grad(self, i: int, p: Parameter) -> None:
         if i in self._synced:
@@ -209,15 +208,10 @@ class DDP:
     def _names_of(self, i: int) -> str:
         return self._params[i].name or str(i)
 
-    def _ready(self, bucket: Bucket) -> bool:
-        assert self._expected is not None
-        return all(
-            self._expected[i] > 0 and bucket.fired.get(k, 0) >= self._expected[i]
-            for k, i in enumerate(bucket.params)
-        )
-
     def _launch_ready(self) -> None:
-        while self._next_launch < len(self._buckets) and self._ready(self._buckets[self._next_launch]):
+        """Launch, in order, the buckets whose every parameter had its expected hook calls (``Bucket.waiting``
+        counts the others, so a hook costs O(1) however large its bucket)."""
+        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].waiting == 0:
             self._launch(self._buckets[self._next_launch])
 
     def _launch(self, bucket: Bucket) -> None:
@@ -272,7 +266,7 @@ class DDP:
             observed = [0] * len(self._params)
             for bucket in self._buckets:
                 for k, i in enumerate(bucket.params):
-                    observed[i] = bucket.fired.get(k, 0)
+                    observed[i] = bucket.fired[k]
             if self._expected is None:
                 self._expected = observed
             else:

@@ -98,8 +98,10 @@ class Bucket:
     params: list[int]
     offsets: list[tuple[int, int]]
     flat: Array
-    fired: dict[int, int] = field(default_factory=dict)
+    fired: list[int] = field(default_factory=list)
     """Grad-hook calls per parameter in the current round."""
+    waiting: int = 0
+    """Parameters still short of their expected hook calls this round (DDP keeps it; 0: ready to launch)."""
     work: Work[Any] | None = None
     """The all-reduce in flight (None before launch and after finish)."""
     launched: bool = False
@@ -118,7 +120,7 @@ class Bucket:
             offsets.append((start, start + all_params[i].size))
             start += all_params[i].size
         flat = xp.zeros(start + len(indices), dtype=first.dtype)
-        return cls(index, list(indices), offsets, flat)
+        return cls(index, list(indices), offsets, flat, [0] * len(indices), len(indices))
 
     @property
     def num_elements(self) -> int:
@@ -153,13 +155,15 @@ class Bucket:
                 continue
             p = all_params[i]
             value = self.slot(k).reshape(p.shape)
-            if p.grad is None or tuple(p.grad.shape) != p.shape:
+            grad = p.grad  # one view of it (a torch gradient's is a DLPack view, made per access)
+            if grad is None or tuple(grad.shape) != p.shape:
                 p.grad = value.copy()
             else:
-                p.grad[...] = value
+                grad[...] = value
 
     def reset(self) -> None:
-        self.fired.clear()
+        self.fired = [0] * len(self.params)
+        self.waiting = len(self.params)
         self.work = None
         self.wire = None
         self.launched = False

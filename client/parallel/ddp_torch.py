@@ -107,6 +107,8 @@ class TorchPath:
         self._sync_next_forward = True  # torch's require_forward_param_sync
         self._sync_backward = True  # whether the last forward with grad enabled ran outside no_sync
         self._end_of_backward: EndOfBackward | None = None
+        anchor = next(iter(module.parameters()), None)
+        self._cuda_anchor = anchor if anchor is not None and anchor.device.type == "cuda" else None
 
     def params(self) -> list[Parameter]:
         # Duck-typed Parameters: DLPack views of the tensors, torch's post-accumulate-grad hooks.
@@ -147,5 +149,5 @@ class TorchPath:
         return optimizer.register_step_pre_hook(lambda _opt, _args, _kwargs: finish())
 
     def stream(self) -> contextlib.AbstractContextManager[None]:
-        anchor = next(iter(self.module.parameters()), None)
-        return torch_stream(anchor) if anchor is not None else contextlib.nullcontext()
+        # torch's current stream is read at each call (a caller may switch streams between steps)
+        return torch_stream(self._cuda_anchor) if self._cuda_anchor is not None else contextlib.nullcontext()
