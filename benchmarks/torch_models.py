@@ -77,10 +77,10 @@ def _reset_hwm() -> bool:
         return False
 
 
-def _hwm() -> int | None:
+def _hwm(field: str = "VmHWM") -> int | None:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -183,6 +183,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     hwm_reset = _reset_hwm()
+    train_rss_start = _hwm("VmRSS")
     times = []
     for i in range(args.warmup + args.steps):
         t = time.perf_counter()
@@ -199,6 +200,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         "rss_peak": _rss_peak(),
         "rss_growth": _rss_peak() - rss_start,
         "train_rss_peak": _hwm() if hwm_reset else None,
+        "train_rss_start": train_rss_start,
         "gpu_peak": int(torch.cuda.max_memory_allocated()) if cuda else None,
     }
     if world is not None:
@@ -231,7 +233,7 @@ def _spawn(impl: str, model: str, mode: str, world: int, args: argparse.Namespac
 
         rank_env = peer_rank_env(impl, world, torch.cuda.device_count())
     env = dict(os.environ, **THREADS, PARAMPLANE_TIMEOUT="600")
-    if impl == "paramplane":  # our launcher's defaults for our ranks; torch runs at its own
+    if impl == "paramplane" and args.malloc == "launcher":  # our launcher's defaults; torch runs at its own
         for key, value in MALLOC.items():
             env.setdefault(key, value)
     else:
@@ -276,11 +278,12 @@ def _row(
         "step_s_median": max(statistics.median(r["times"]) for r in ranks),
         "step_s_min": min(min(r["times"]) for r in ranks),
         "train_rss_peak_max": None if None in train_peaks else max(train_peaks),
+        "train_rss_start_max": max(r.get("train_rss_start") or 0 for r in ranks) or None,
         "rss_peak_max": max(r["rss_peak"] for r in ranks),
         "rss_growth_max": max(r["rss_growth"] for r in ranks),
         "gpu_peak_max": max(r["gpu_peak"] or 0 for r in ranks) or None,
         "threads_per_rank": 1,
-        "malloc_env": impl == "paramplane",
+        "malloc_env": impl == "paramplane" and args.malloc == "launcher",
     }
 
 
@@ -335,6 +338,12 @@ def main(argv: list[str] | None = None) -> int:
         "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: torch's peers on NCCL"
     )
     parser.add_argument("--rank-timeout", type=float, default=1800.0, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--malloc",
+        choices=("launcher", "none"),
+        default="launcher",
+        help="paramplane ranks' MALLOC_* env: the launcher's (default) or glibc's own, as torch's ranks",
+    )
     parser.add_argument("--out", type=Path, help="append the JSON lines here too")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--impl", choices=("paramplane", "torch"), help=argparse.SUPPRESS)

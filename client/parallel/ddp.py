@@ -230,7 +230,8 @@ class DDP:
         ):
             wire = bucket.flat.astype(self.comm_dtype)  # compressed on the wire, cast back in finish
         bucket.wire = wire
-        bucket.work = self.group.all_reduce(wire, self.reduce_op, async_op=True)
+        with self._path.comm_stream():  # CUDA: beside the backward's stream, as torch's NCCL work
+            bucket.work = self.group.all_reduce(wire, self.reduce_op, async_op=True)
         self._next_launch += 1
 
     def finish_gradient_sync(self) -> None:
@@ -252,6 +253,8 @@ class DDP:
             for bucket in self._buckets:
                 assert bucket.work is not None
                 bucket.work.wait()
+            self._path.join_comm()
+            for bucket in self._buckets:
                 if bucket.wire is not None and bucket.wire is not bucket.flat:
                     bucket.flat[...] = bucket.wire
             for bucket in self._buckets:

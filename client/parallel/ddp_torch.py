@@ -24,6 +24,7 @@ from typing import Any, Protocol, cast
 from paramplane.nn.module import Array, Module, Parameter
 from paramplane.optim.optimizer import Optimizer
 from paramplane.parallel.torch_params import (
+    CommStream,
     EndOfBackward,
     torch_buffers,
     torch_params,
@@ -62,6 +63,15 @@ class ModulePath(Protocol):
         """Where the wrapper's collectives are enqueued: torch's current stream for a CUDA module."""
         ...
 
+    def comm_stream(self) -> contextlib.AbstractContextManager[None]:
+        """Where a bucket's all-reduce is enqueued (inside ``stream()``): beside the backward for a CUDA module
+        (after what the current stream enqueued so far), else where ``stream()`` puts it."""
+        ...
+
+    def join_comm(self) -> None:
+        """Make the current stream wait for every all-reduce enqueued through ``comm_stream()``."""
+        ...
+
 
 class NNPath:
     """A ``paramplane.nn.Module``: ``forward(x)``/``backward(grad)``; the sync finishes in ``attach``'s hook
@@ -97,6 +107,12 @@ class NNPath:
     def stream(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
+    def comm_stream(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # cupy arrays: the caller's current stream, as every plane op
+
+    def join_comm(self) -> None:
+        pass
+
 
 class TorchPath:
     """A ``torch.nn.Module`` (CPU or CUDA tensors through DLPack views: numpy or cupy), with torch DDP's
@@ -109,6 +125,7 @@ class TorchPath:
         self._end_of_backward: EndOfBackward | None = None
         anchor = next(iter(module.parameters()), None)
         self._cuda_anchor = anchor if anchor is not None and anchor.device.type == "cuda" else None
+        self._comm = CommStream(anchor) if self._cuda_anchor is not None else None
 
     def params(self) -> list[Parameter]:
         # Duck-typed Parameters: DLPack views of the tensors, torch's post-accumulate-grad hooks.
@@ -151,3 +168,10 @@ class TorchPath:
     def stream(self) -> contextlib.AbstractContextManager[None]:
         # torch's current stream is read at each call (a caller may switch streams between steps)
         return torch_stream(self._cuda_anchor) if self._cuda_anchor is not None else contextlib.nullcontext()
+
+    def comm_stream(self) -> contextlib.AbstractContextManager[None]:
+        return self._comm.issue() if self._comm is not None else contextlib.nullcontext()
+
+    def join_comm(self) -> None:
+        if self._comm is not None:
+            self._comm.join()

@@ -24,6 +24,7 @@ import numpy as np
 from paramplane.node.arrays import DTYPES, to_torch, torch_cpu_view
 
 __all__ = [
+    "CommStream",
     "EndOfBackward",
     "TorchFlatParam",
     "TorchParam",
@@ -137,6 +138,35 @@ def torch_stream(tensor: Any) -> Iterator[None]:
     stream = torch.cuda.current_stream(tensor.device)
     with cupy.cuda.Device(tensor.device.index or 0), cupy.cuda.ExternalStream(stream.cuda_stream):
         yield
+
+
+class CommStream:
+    """A CUDA stream beside torch's current one for collectives that overlap the backward, as torch's NCCL
+    process group keeps one: ``issue()`` makes it wait for what torch's current stream has enqueued so far (the
+    gradients packed into a bucket) and makes it cupy's current stream inside (where the plane's NCCL ops are
+    enqueued); ``join()`` makes torch's current stream wait for everything issued on it. The backward's kernels
+    then never queue behind an all-reduce that waits for a peer (on one stream they would, bucket by bucket).
+    Arrays used on both streams must outlive the ``join()`` (DDP's buckets live as long as the wrapper)."""
+
+    def __init__(self, tensor: Any) -> None:
+        import torch
+
+        self.device = tensor.device
+        self.stream = torch.cuda.Stream(self.device)
+
+    @contextlib.contextmanager
+    def issue(self) -> Iterator[None]:
+        import cupy
+        import torch
+
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with cupy.cuda.Device(self.device.index or 0), cupy.cuda.ExternalStream(self.stream.cuda_stream):
+            yield
+
+    def join(self) -> None:
+        import torch
+
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
 
 class TorchParam:
