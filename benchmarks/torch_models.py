@@ -15,14 +15,16 @@ data (``--local-batch`` per rank, float32, no autocast):
 Each model runs under four wrappers at every world size of ``--worlds``: ``pp.DDP`` and torch's
 ``DistributedDataParallel`` (gloo), ``pp.FSDP(model, group, "full_shard")`` with its default units and torch
 FSDP2's ``fully_shard`` on every block (GPT2Block, ResNetBasicLayer) and then the root, as torch's examples do.
-Each runs at its own defaults: paramplane ranks get the launcher's MALLOC_* settings, torch none of ours;
-both get one thread per rank (``OMP_NUM_THREADS=1``, as torchrun sets for several ranks on a host).
+Each runs at its own defaults: paramplane ranks get the launcher's MALLOC_* settings (``--malloc none``: glibc's
+own, to see what they cost), torch none of ours; both get one thread per rank (``OMP_NUM_THREADS=1``, as
+torchrun sets for several ranks on a host).
 
 Per rank: the median step time over ``--steps`` steps after ``--warmup`` (zero_grad, forward, backward,
 optimizer step); ``train_rss_peak``, the peak resident set while training (VmHWM, reset with
 ``/proc/self/clear_refs`` once the model is wrapped and the data made: what a rank holds while it trains,
-its gathered units and buckets included), and ``rss_peak``, the whole process's peak (``ru_maxrss``: the
-full model every rank builds before wrapping included). A row reports the slowest rank's median and the
+its gathered units and buckets included; ``train_rss_start``, the resident set at that reset), and
+``rss_peak``, the whole process's peak (``ru_maxrss``: the full model every rank builds before wrapping
+included). A row reports the slowest rank's median and the
 largest peaks; paramplane rows carry ratios against torch's row of the same model, wrapper and world
 (``step_vs_torch``, ``train_peak_vs_torch``: below 1 is better). One JSON line per configuration.
 
