@@ -133,15 +133,14 @@ def worker_torch_stages(
             )
             x = torch.zeros(m, 8)
 
-            stage_busy: list[float] = []
+            actions: list[dict[str, float]] = []  # per step: each action's stage span (for the replay)
 
-            def step(pipe: Any = pipe, x: Any = x, stage_busy: list[float] = stage_busy) -> None:
+            def step(pipe: Any = pipe, x: Any = x, actions: list[dict[str, float]] = actions) -> None:
                 tracer = g.tracer
                 seen = tracer.num_events
                 pipe.step(x if pipe.is_first else None, x if pipe.is_last else None)
-                stage_busy.append(
-                    sum(e["dur"] / 1e6 for e in tracer.events_since(seen) if e["cat"] == "compute")
-                )
+                events = tracer.events_since(seen)
+                actions.append({e["name"]: e["dur"] / 1e6 for e in events if e["cat"] == "compute"})
 
             times, cpu, busy = _run_steps(step, g.barrier, spans, args.steps, 2 * m * v)
             rows.append(
@@ -153,7 +152,8 @@ def worker_torch_stages(
                     cpu,
                     split,
                     busy_s=busy[1:],
-                    stage_busy_s=stage_busy[1:],
+                    stage_busy_s=[sum(a.values()) for a in actions[1:]],
+                    spans=actions[1:],
                     torch_version=torch.__version__,
                 )
             )

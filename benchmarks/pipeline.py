@@ -368,9 +368,11 @@ def _torch_row(rows: Sequence[dict[str, Any]], args: argparse.Namespace, impl: s
         steps = range(len(first["step_s"]))
         spans = [max(1.0 - r["stage_busy_s"][i] / r["step_s"][i] for r in rows) for i in steps]
         work = [max(r["stage_busy_s"][i] - r["busy_s"][i] for r in rows) for i in steps]
+        replay = _bubbles(first["schedule"], m, v, None, rows)[1]  # the same spans, transfers free
         more = {
             "bubble_stage_spans": float(np.median(spans)),
             "stage_spans_over_theory": float(np.median(spans)) / theory,
+            "replay_over_theory": float(np.median(replay)) / theory,
             "torch_work_ms_per_step": float(np.median(work)) * 1e3,
         }
     return {

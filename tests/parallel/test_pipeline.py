@@ -266,6 +266,8 @@ def test_bubble_benchmark_measures_idle_from_the_traced_compute(tmp_path: Path) 
             assert 0 < r["bubble_measured"] < 1 and r["stage_ms"] == peer[key]["stage_ms"], r
             # the stages' whole traced spans hold their waits: less idle, by torch's work inside the stage
             assert r["bubble_stage_spans"] < r["bubble_measured"] and r["torch_work_ms_per_step"] > 0, r
+            # the same spans replayed with free transfers: a bubble, as a fraction of the replayed step
+            assert 0 <= r["replay_over_theory"] * r["bubble_theory"] < 1, r
             assert r["bubble_over_torch"] == pytest.approx(
                 r["bubble_measured"] / peer[key]["bubble_measured"]
             )
