@@ -6,11 +6,13 @@ last. Each stage is wrapped in ``pp.DDP`` or ``pp.FSDP`` over its own dp group a
 each chunk's sum at another rank: at dp 3 an element's three addends are grouped by the chunk it falls in,
 and the tied weight falls in different chunks of the two stages' flat gradients. After every AdamW step the
 two copies must be equal bit for bit, and the losses and the tied weight must equal one process on the whole
-batch (float64, 1e-9).
+batch (float64, 1e-9), and a checkpoint of the model and AdamW (which saves the tied moments once, from both
+stages, checking that they agree) succeeds.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,6 @@ RTOL = 1e-9
 
 
 def build() -> Any:
-    import os
     import warnings
 
     import torch
@@ -85,6 +86,14 @@ def run_case(world: Any, rep: Report, wrapper: str) -> None:
             f"{wrapper} tied copies bit-equal after step {step}", differ == 0, f"{differ} elements differ"
         )
         rep.close(f"{wrapper} tied weight {step}", copy, ref.lm_head.weight.detach().numpy(), RTOL)
+    # The tied weight's AdamW moments are saved once, from both stages: the save checks that they agree.
+    out = Path(os.environ["PARAMPLANE_TEST_OUT"]) / f"ckpt-{wrapper}"
+    saved = {"model": wrapped, "optim": pipe.optim_state(opt), "step": STEPS}
+    try:
+        pp.checkpoint.save(saved, out, world.group)
+        rep.check(f"{wrapper} save with the tied moments", True)
+    except Exception as exc:
+        rep.check(f"{wrapper} save with the tied moments", False, f"{type(exc).__name__}: {exc}")
 
 
 def scenario(world: Any, rep: Report) -> None:
