@@ -28,6 +28,9 @@ included). A row reports the slowest rank's median and the
 largest peaks; paramplane rows carry ratios against torch's row of the same model, wrapper and world
 (``step_vs_torch``, ``train_peak_vs_torch``: below 1 is better). One JSON line per configuration.
 
+``--bucket-mb N`` (a diagnostic, not both at their defaults): both DDPs with N MiB buckets (``bucket_mb`` /
+``bucket_cap_mb``), to see what each pays per bucket.
+
 ``--device cuda`` (a GPU machine): the same on CUDA, torch's peers on NCCL instead of gloo. Each rank takes
 its GPU (``world.use_gpu()``; ranks share GPU 0 where there are fewer GPUs, and torch's ranks then get the
 same ``NCCL_HOSTID`` per rank that paramplane's runtime sets, see ``_gpu.peer_rank_env``); a step ends with
@@ -167,10 +170,12 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     wrapped: Any
     if args.impl == "paramplane":
         wrapped = (
-            pp.DDP(model, world.group) if args.mode == "ddp" else pp.FSDP(model, world.group, "full_shard")
+            pp.DDP(model, world.group, **_bucket(args, "bucket_mb"))
+            if args.mode == "ddp"
+            else pp.FSDP(model, world.group, "full_shard")
         )
     elif args.mode == "ddp":
-        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, **_bucket(args, "bucket_cap_mb"))
     else:
         from torch.distributed.fsdp import fully_shard
 
@@ -228,7 +233,7 @@ def _spawn(impl: str, model: str, mode: str, world: int, args: argparse.Namespac
     ]
     for flag in SIZE_FLAGS:
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    cmd += ["--device", args.device]
+    cmd += ["--device", args.device, "--bucket-mb", str(args.bucket_mb)]
     rank_env = None
     if args.device == "cuda":
         import torch
@@ -256,6 +261,11 @@ def _spawn(impl: str, model: str, mode: str, world: int, args: argparse.Namespac
         )
 
 
+def _bucket(args: argparse.Namespace, keyword: str) -> dict[str, Any]:
+    """The DDP bucket size keyword of ``--bucket-mb`` (nothing at 0: each wrapper's default)."""
+    return {keyword: args.bucket_mb} if args.bucket_mb else {}
+
+
 def _wrapper(impl: str, mode: str, device: str) -> str:
     name = WRAPPERS[impl, mode]
     return name.replace("(gloo)", "(nccl)") if device == "cuda" else name
@@ -275,6 +285,7 @@ def _row(
         "world_size": world,
         "params": ranks[0]["params"],
         "local_batch": args.local_batch,
+        **({"bucket_mb": args.bucket_mb} if mode == "ddp" and args.bucket_mb else {}),
         "steps": args.steps,
         "warmup": args.warmup,
         "step_s_median": max(statistics.median(r["times"]) for r in ranks),
@@ -309,7 +320,7 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         row["rss_peak_vs_torch"] = row["rss_peak_max"] / peer["rss_peak_max"]
         if row["train_rss_peak_max"] and peer["train_rss_peak_max"]:
             row["train_peak_vs_torch"] = row["train_rss_peak_max"] / peer["train_rss_peak_max"]
-        if row["gpu_peak_max"] and peer["gpu_peak_max"]:
+        if row.get("gpu_peak_max") and peer.get("gpu_peak_max"):  # CUDA rows only
             row["gpu_peak_vs_torch"] = row["gpu_peak_max"] / peer["gpu_peak_max"]
 
 
@@ -341,6 +352,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rank-timeout", type=float, default=1800.0, help=argparse.SUPPRESS)
     parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=0.0,
+        help="both DDPs' bucket size in MiB, a diagnostic of the per-bucket cost (0: each one's default, 25)",
+    )
+    parser.add_argument(
         "--malloc",
         choices=("launcher", "none"),
         default="launcher",
@@ -357,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [getattr(args, f) for f in SIZE_FLAGS] + [args.steps]
     if min(sizes) < 1 or args.warmup < 0:
         parser.error("--steps and the model sizes must be positive, --warmup at least 0")
+    if args.bucket_mb < 0:
+        parser.error("--bucket-mb must be at least 0 (0: each DDP's default)")
     models = _csv(args.models, MODELS, "--models", parser)
     modes = _csv(args.modes, MODES, "--modes", parser)
     try:
