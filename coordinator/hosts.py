@@ -33,6 +33,11 @@ class WaiterGroup:
         self.fut = fut
         self._fail_fast = fail_fast
 
+    def expire(self) -> None:
+        """The call's backstop: the state machine failed to answer its waiters in time (an internal error)."""
+        if not self.fut.done():
+            self.fut.set_exception(asyncio.TimeoutError())
+
     def settle(self, slot: int, outcome: object) -> None:
         if self.outcomes[slot] is not UNSETTLED:
             return

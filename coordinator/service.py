@@ -11,6 +11,7 @@ import collections
 import contextlib
 import itertools
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
@@ -69,6 +70,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._ids = itertools.count()
         self._watchers: set[asyncio.Queue[Event]] = set()
         self._wake = asyncio.Event()
+        self._due = math.inf  # the ticker's next wake-up
         self._ticker: asyncio.Task[None] | None = None
         self._host_peers: tuple[tuple[RankInfo, ...], bytes] | None = None
         self.num_calls: collections.Counter[str] = collections.Counter()
@@ -111,7 +113,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     ) -> list[object]:
         """``_block`` for several waiters at once (a host call): each one's value or ``StateError``, in order.
         With ``fail_fast``, the first error answers at once and the others are withdrawn."""
-        group = WaiterGroup(len(registers), asyncio.get_running_loop().create_future(), fail_fast)
+        loop = asyncio.get_running_loop()
+        group = WaiterGroup(len(registers), loop.create_future(), fail_fast)
+        earliest = time.monotonic() + limit_s  # no waiter of this call times out before it
+        backstop = loop.call_later(limit_s + _BACKSTOP_S, group.expire)
         waiters = []
         try:
             for slot, register in enumerate(registers):
@@ -125,14 +130,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 except StateError as e:
                     group.settle(slot, e)
             self._flush()
-            self._wake.set()  # the ticker recomputes its next deadline
-            await asyncio.wait_for(group.fut, limit_s + _BACKSTOP_S)
+            if earliest < self._due:
+                self._wake.set()  # a deadline before the ticker's next wake-up: it wakes earlier
+            await group.fut
             return group.outcomes
         except asyncio.TimeoutError:
             raise StateError(
                 ErrorKind.DEADLINE_EXCEEDED, "the coordinator missed its own deadline (internal error)"
             ) from None
         finally:
+            backstop.cancel()
             withdrawn = False
             for slot, waiter in enumerate(waiters):
                 del self._waiters[waiter]
@@ -174,7 +181,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 await self._ticker
 
     async def _tick_forever(self) -> None:
-        # A full tick (O(ranks)) every period or at a deadline; a new waiter (_wake) only moves the next wake-up.
+        # A full tick (O(ranks)) every period or at a deadline; a waiter due before the next wake-up (_wake) only
+        # moves it: calls with longer timeouts (most) do not wake the ticker at all.
         period = self._heartbeat_interval_s / 4
         next_tick = 0.0
         while True:
@@ -188,7 +196,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     log.exception("coordinator tick failed")
                 next_tick = now + period
                 deadline = self._state.next_deadline()
-            due = next_tick if deadline is None else min(next_tick, deadline)
+            due = self._due = next_tick if deadline is None else min(next_tick, deadline)
             self._wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), max(0.0, due - now))

@@ -245,8 +245,8 @@ async def test_stop_tells_watchers_and_fails_waiting_joiners() -> None:
 
 
 async def test_a_silent_rank_is_named_while_blocking_calls_keep_waking_the_coordinator() -> None:
-    # Every waiting call wakes the coordinator's ticker to move its next deadline; those wake-ups (here every
-    # few milliseconds, the check's period is 0.25 s) must not postpone the periodic liveness check.
+    # A waiting call due before the ticker's next wake-up wakes it to move that wake-up; those wake-ups (here
+    # every few milliseconds, the check's period is 0.25 s) must not postpone the periodic liveness check.
     async with (
         coordinator(2, heartbeat_interval_s=1.0, heartbeat_timeout_s=2.0) as server,
         clients(server, 2) as cs,
@@ -259,7 +259,7 @@ async def test_a_silent_rank_is_named_while_blocking_calls_keep_waking_the_coord
         async def busy() -> None:
             last_beat = 0.0
             while True:
-                await alive.kv_get("k", wait=True, timeout_s=5.0)
+                await alive.kv_get("k", wait=True, timeout_s=0.2)  # due before the next check: wakes it
                 if time.monotonic() - last_beat >= 0.5:  # within the heartbeat period, not synchronisation
                     await alive.heartbeat({"world": (1, 1)})
                     last_beat = time.monotonic()
@@ -272,3 +272,17 @@ async def test_a_silent_rank_is_named_while_blocking_calls_keep_waking_the_coord
             working.cancel()
         assert time.monotonic() - formed < 2.0 + 14.0  # the heartbeat timeout, with slack for a busy machine
         assert f"rank {silent} missed heartbeats for 2." in str(err.value)
+
+
+async def test_a_wait_shorter_than_the_check_period_times_out_at_its_own_deadline() -> None:
+    # The periodic check runs every interval / 4 (5 s here); a waiter due sooner must wake the ticker itself.
+    async with (
+        coordinator(1, heartbeat_interval_s=20.0, heartbeat_timeout_s=60.0) as server,
+        clients(server, 1) as cs,
+    ):
+        await within(10, join_all(cs, ["h"]))
+        started = time.monotonic()
+        for _ in range(3):
+            with pytest.raises(CollectiveTimeout):
+                await within(20, cs[0].kv_get("never set", wait=True, timeout_s=0.3))
+        assert time.monotonic() - started < 4.0  # 0.9 s of timeouts, with slack; one missed wake-up is 5 s
