@@ -29,7 +29,8 @@ largest peaks; paramplane rows carry ratios against torch's row of the same mode
 (``step_vs_torch``, ``train_peak_vs_torch``: below 1 is better). One JSON line per configuration.
 
 ``--bucket-mb N`` (a diagnostic, not both at their defaults): both DDPs with N MiB buckets (``bucket_mb`` /
-``bucket_cap_mb``), to see what each pays per bucket.
+``bucket_cap_mb``), to see what each pays per bucket; ``--grad-as-view``: both with
+``gradient_as_bucket_view=True``.
 
 ``--device cuda`` (a GPU machine): the same on CUDA, torch's peers on NCCL instead of gloo. Each rank takes
 its GPU (``world.use_gpu()``; ranks share GPU 0 where there are fewer GPUs, and torch's ranks then get the
@@ -234,6 +235,7 @@ def _spawn(impl: str, model: str, mode: str, world: int, args: argparse.Namespac
     for flag in SIZE_FLAGS:
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     cmd += ["--device", args.device, "--bucket-mb", str(args.bucket_mb)]
+    cmd += ["--grad-as-view"] if args.grad_as_view else []
     rank_env = None
     if args.device == "cuda":
         import torch
@@ -262,8 +264,10 @@ def _spawn(impl: str, model: str, mode: str, world: int, args: argparse.Namespac
 
 
 def _bucket(args: argparse.Namespace, keyword: str) -> dict[str, Any]:
-    """The DDP bucket size keyword of ``--bucket-mb`` (nothing at 0: each wrapper's default)."""
-    return {keyword: args.bucket_mb} if args.bucket_mb else {}
+    """The DDP keywords of ``--bucket-mb`` (nothing at 0: each wrapper's default) and ``--grad-as-view``."""
+    return ({keyword: args.bucket_mb} if args.bucket_mb else {}) | (
+        {"gradient_as_bucket_view": True} if args.grad_as_view else {}
+    )
 
 
 def _wrapper(impl: str, mode: str, device: str) -> str:
@@ -286,6 +290,7 @@ def _row(
         "params": ranks[0]["params"],
         "local_batch": args.local_batch,
         **({"bucket_mb": args.bucket_mb} if mode == "ddp" and args.bucket_mb else {}),
+        **({"gradient_as_bucket_view": True} if mode == "ddp" and args.grad_as_view else {}),
         "steps": args.steps,
         "warmup": args.warmup,
         "step_s_median": max(statistics.median(r["times"]) for r in ranks),
@@ -356,6 +361,11 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=0.0,
         help="both DDPs' bucket size in MiB, a diagnostic of the per-bucket cost (0: each one's default, 25)",
+    )
+    parser.add_argument(
+        "--grad-as-view",
+        action="store_true",
+        help="both DDPs with gradient_as_bucket_view=True (not their default)",
     )
     parser.add_argument(
         "--malloc",

@@ -94,12 +94,17 @@ class DDP:
         comm_dtype: str | None = None,
         init_sync: bool = True,
         find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
     ) -> None:
         """``init_sync=False`` skips the wrap-time broadcast of parameters and buffers from group rank 0
         (a collective every rank must join): a replacement rank wrapping its model after
         ``World.reform()`` gets its state from ``pp.checkpoint.sync`` instead, as the survivors do not
         wrap again. ``find_unused_parameters`` is torch's keyword, accepted so torch calls run unchanged:
-        every step finds the parameters that got a gradient whatever its value (module docstring)."""
+        every step finds the parameters that got a gradient whatever its value (module docstring).
+        ``gradient_as_bucket_view=True`` (torch's keyword, False by default as there): after a synchronised
+        backward each ``p.grad`` is a view of its bucket, so the gradients are held once instead of twice (the
+        backward's own gradient is copied in and dropped when its bucket starts, and no copy back is made);
+        backwards accumulate into the views in place."""
         torch_module = is_torch_module(module)
         if not isinstance(module, Module) and not torch_module:
             raise ValueError(
@@ -115,6 +120,9 @@ class DDP:
             raise ValueError(f"comm_dtype must be one of {COMM_DTYPES}, got {comm_dtype!r}")
         if not isinstance(find_unused_parameters, bool):
             raise ValueError(f"find_unused_parameters must be a bool, got {find_unused_parameters!r}")
+        if not isinstance(gradient_as_bucket_view, bool):
+            raise ValueError(f"gradient_as_bucket_view must be a bool, got {gradient_as_bucket_view!r}")
+        self.gradient_as_bucket_view = gradient_as_bucket_view
         self._path: ModulePath = TorchPath(module) if torch_module else NNPath(module)
         self.find_unused_parameters = find_unused_parameters
         self.comm_dtype = np.dtype(DTYPES[comm_dtype]) if comm_dtype is not None else None
@@ -192,12 +200,24 @@ class DDP:
                 "synchronised backwards, accumulate locally inside `with ddp.no_sync():`, and use each "
                 "parameter the same number of times in every step"
             )
+        if self.gradient_as_bucket_view:
+            self._keep_in_bucket(bucket, k, self._params[i])
         fired = bucket.fired[k] = bucket.fired[k] + 1
         if self._expected is not None and fired == self._expected[i]:  # expected 0: never ready before finish
             bucket.waiting -= 1
             if bucket.waiting == 0 and bucket.index == self._next_launch:
                 with self._path.stream():
                     self._launch_ready()
+
+    def _keep_in_bucket(self, bucket: Bucket, k: int, p: Parameter) -> None:
+        """``gradient_as_bucket_view``: as soon as the backward made ``p.grad``, copy it into its slot and make
+        ``p.grad`` that slot (as torch's reducer does), so the backward's own copy is freed at once and later
+        accumulations (a tied parameter's second use, ``no_sync``) go into the bucket in place."""
+        grad = p.grad
+        if grad is not None and not bucket.holds(k, grad):
+            with self._path.stream():
+                bucket.slot(k)[...] = grad.reshape(-1)
+            p.grad = bucket.slot(k).reshape(p.shape)
 
     def _before_grad(self, i: int, p: Parameter) -> None:
         if i in self._synced:
@@ -218,8 +238,11 @@ class DDP:
         for k, i in enumerate(bucket.params):
             if i in self._synced:  # no contribution since the last sync: what it holds is reduced already
                 self._before_grad(i, self._params[i])
-            grad, base = self._params[i].grad, self._base.get(i)
+            p = self._params[i]
+            grad, base = p.grad, self._base.get(i)
             bucket.pack(k, grad if base is None or grad is None else grad - base)
+            if self.gradient_as_bucket_view and grad is not None and not bucket.holds(k, grad):
+                p.grad = bucket.slot(k).reshape(p.shape)  # the backward's own copy is dropped here
         bucket.seal()
         bucket.launched = True
         wire = bucket.flat
@@ -258,7 +281,7 @@ class DDP:
                 if bucket.wire is not None and bucket.wire is not bucket.flat:
                     bucket.flat[...] = bucket.wire
             for bucket in self._buckets:
-                bucket.unpack(self._params)
+                bucket.unpack(self._params, self.gradient_as_bucket_view)
             for i, base in self._base.items():
                 grad = self._params[i].grad
                 if grad is not None:

@@ -131,13 +131,18 @@ class Bucket:
         return self.flat[a:b]
 
     def pack(self, k: int, grad: Array | None) -> None:
-        """Copy one parameter's gradient (or zeros when it has none) into the buffer; :meth:`seal` flags them."""
+        """Copy one parameter's gradient (or zeros when it has none) into the buffer; :meth:`seal` flags them.
+        A gradient that is this slot already (``gradient_as_bucket_view``) is not copied."""
         view = self.slot(k)
         if grad is None:
             view[...] = 0
             self.missing.append(k)
-        else:
+        elif not self.holds(k, grad):
             view[...] = grad.reshape(-1)
+
+    def holds(self, k: int, array: Array) -> bool:
+        """Whether ``array`` is slot ``k`` itself (a view of it, as a gradient kept as a bucket view is)."""
+        return bool(_address(array) == _address(self.slot(k)) and array.size == self.slot(k).size)
 
     def seal(self) -> None:
         """Flag which parameters had a gradient, once all are packed: one fill in the usual round where every
@@ -146,9 +151,10 @@ class Bucket:
         for k in self.missing:
             self.flat[self.num_elements + k] = 0
 
-    def unpack(self, all_params: Sequence[Parameter]) -> None:
-        """Write the reduced gradients back: into ``p.grad`` in place, or as a new array. With every gradient
-        present here the reduced flags are all positive, so they are not read back (no device sync)."""
+    def unpack(self, all_params: Sequence[Parameter], as_view: bool = False) -> None:
+        """Write the reduced gradients back: into ``p.grad`` in place, or as a new array (``as_view``: a view of
+        the slot, which a gradient already kept as one needs no write). With every gradient present here the
+        reduced flags are all positive, so they are not read back (no device sync)."""
         flags = np.asarray(_host(self.flat[self.num_elements :])) > 0 if self.missing else None
         for k, i in enumerate(self.params):
             if flags is not None and not flags[k]:
@@ -156,8 +162,10 @@ class Bucket:
             p = all_params[i]
             value = self.slot(k).reshape(p.shape)
             grad = p.grad  # one view of it (a torch gradient's is a DLPack view, made per access)
+            if grad is not None and self.holds(k, grad):
+                continue
             if grad is None or tuple(grad.shape) != p.shape:
-                p.grad = value.copy()
+                p.grad = value if as_view else value.copy()
             else:
                 grad[...] = value
 
@@ -168,6 +176,11 @@ class Bucket:
         self.wire = None
         self.launched = False
         self.missing.clear()
+
+
+def _address(x: Array) -> int:
+    """Where an array's first element lies (numpy or cupy)."""
+    return int(x.__array_interface__["data"][0]) if isinstance(x, np.ndarray) else int(x.data.ptr)
 
 
 def _host(x: Array) -> Any:

@@ -70,6 +70,8 @@ def test_forward_decides_whether_its_backward_syncs_and_misuse_is_a_clear_error(
         ddp.backward(None)
     with pytest.raises(ValueError, match="find_unused_parameters"):
         pp.DDP(model, solo.group, find_unused_parameters="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="gradient_as_bucket_view"):
+        pp.DDP(model, solo.group, gradient_as_bucket_view=1)  # type: ignore[arg-type]
     ddp.remove_hooks()
 
 

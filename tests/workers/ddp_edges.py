@@ -3,7 +3,8 @@
 ``mismatch``: ranks that wrap different models with the same number of elements get a CollectiveMismatch
 naming the parameter when DDP wraps them, before any training; different numbers of parameters likewise.
 ``sum_untouched``: with ``reduce_op="sum"`` and no zero_grad between synchronised rounds, a parameter that gets
-no gradient in the second round keeps the first round's sum (not that sum once per rank).
+no gradient in the second round keeps the first round's sum (not that sum once per rank), with and without
+``gradient_as_bucket_view``.
 ``buffers``: a forward re-broadcasts rank 0's buffers only in training mode outside ``no_sync`` (as torch DDP).
 """
 
@@ -38,16 +39,18 @@ class Two(Module):
 
 
 def sum_untouched(world: Any, rep: Report) -> None:
-    m = Two()
-    ddp = pp.DDP(m, world.group, reduce_op="sum")
-    m.a.accumulate_grad(np.ones(3))
-    m.b.accumulate_grad(np.ones(3))
-    ddp.finish_gradient_sync()
-    m.a.accumulate_grad(np.ones(3))  # b gets nothing this round
-    ddp.finish_gradient_sync()
-    n = world.world_size
-    rep.equal("touched twice", m.a.grad, np.full(3, 2.0 * n))
-    rep.equal("touched once, then kept", m.b.grad, np.full(3, 1.0 * n))
+    for as_view in (False, True):  # gradient_as_bucket_view: the kept sum lives in the bucket itself
+        m = Two()
+        ddp = pp.DDP(m, world.group, reduce_op="sum", gradient_as_bucket_view=as_view)
+        m.a.accumulate_grad(np.ones(3))
+        m.b.accumulate_grad(np.ones(3))
+        ddp.finish_gradient_sync()
+        m.a.accumulate_grad(np.ones(3))  # b gets nothing this round
+        ddp.finish_gradient_sync()
+        n, how = world.world_size, " (as bucket views)" if as_view else ""
+        rep.equal(f"touched twice{how}", m.a.grad, np.full(3, 2.0 * n))
+        rep.equal(f"touched once, then kept{how}", m.b.grad, np.full(3, 1.0 * n))
+        ddp.remove_hooks()
 
 
 class WithBuffer(Module):

@@ -129,14 +129,16 @@ def _grad_list(model: Any) -> list[np.ndarray | None]:
     return [None if p.grad is None else p.grad.numpy().copy() for p in model.parameters()]
 
 
-def _extras(world: Any, rep: Report) -> None:
+def _extras(world: Any, rep: Report, as_view: bool = False) -> None:
+    """``as_view``: both DDPs with ``gradient_as_bucket_view=True``."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
     n, rank = world.world_size, world.rank
     model, ref = _net(seed=rank), _net(seed=0)
-    ddp = pp.DDP(model, world.group, bucket_mb=0.0002, find_unused_parameters=True)
-    theirs = DistributedDataParallel(_net(seed=0), find_unused_parameters=True)
+    kw = {"find_unused_parameters": True, "gradient_as_bucket_view": as_view}
+    ddp = pp.DDP(model, world.group, bucket_mb=0.0002, **kw)
+    theirs = DistributedDataParallel(_net(seed=0), **kw)
     opts = [torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.9) for m in (model, ref, theirs.module)]
     for step, what in enumerate(
         ("no_sync accumulation", "extra unused on every rank", "extra unused on rank 0")
@@ -148,6 +150,16 @@ def _extras(world: Any, rep: Report) -> None:
                     wrapper(*args, **kwargs)[1].backward()
         sum(ref(*a, **kw)[1] for r in range(n) for a, kw in _calls(step, r)).div(n).backward()
         got, want, torch_got = _grad_list(model), _grad_list(ref), _grad_list(theirs.module)
+        if as_view:  # the gradients are held once: in the buckets
+            flats = [b.flat for b in ddp._buckets]
+            rep.check(
+                f"{what}: every gradient is a view of a bucket",
+                all(
+                    p.grad is None or any(np.shares_memory(p.grad.numpy(), f) for f in flats)
+                    for p in model.parameters()
+                ),
+            )
+        what = f"{what}{' (gradient_as_bucket_view)' if as_view else ''}"
         for i, (name, _) in enumerate(model.named_parameters()):
             same_none = (got[i] is None) == (want[i] is None) == (torch_got[i] is None)
             none_ok = rep.check(f"{what}: {name}.grad is None as in one process and torch DDP", same_none)
@@ -159,7 +171,7 @@ def _extras(world: Any, rep: Report) -> None:
             opt.zero_grad(set_to_none=True)
         rep.close(f"{what}: parameters equal one process", tm.flat_params(model), tm.flat_params(ref), 1e-12)
     rep.check("extra's grad stays None when no rank used it", model.extra.weight.grad is None)  # after step 1
-    rep.digests["extras"] = digest(tm.flat_params(model))
+    rep.digests[f"extras{' as view' if as_view else ''}"] = digest(tm.flat_params(model))
     ddp.remove_hooks()
 
 
@@ -250,6 +262,7 @@ def models(world: Any, rep: Report) -> None:
     for name in tm.MODELS:
         _standard_loop(world, rep, name)
     _extras(world, rep)
+    _extras(world, rep, as_view=True)
     _autocast(world, rep)
 
 
