@@ -22,9 +22,12 @@ Configs = list[tuple[str, int, Any, bool, int]]
 Measured = Callable[..., dict[str, Any]]
 
 
-def wait_stage(seconds: float, spans: list[float]) -> Any:
+def wait_stage(seconds: float, spans: list[float], module_spans: list[float] | None = None) -> Any:
     """A torch module that waits ``seconds`` in its forward and in its backward, appending each wait's
-    measured length to ``spans``; it has a parameter (so a first stage runs its backward too)."""
+    measured length to ``spans``; it has a parameter (so a first stage runs its backward too). With
+    ``module_spans``, also the length of each call of the module's own code: its ``forward`` from entry to
+    return, and its backward function from entry to return (the stage's work as the numpy stages' traced
+    spans count it, whichever runtime calls it; the autograd engine's nodes after that function are left out)."""
     import torch
 
     class WaitFn(torch.autograd.Function):
@@ -41,7 +44,10 @@ def wait_stage(seconds: float, spans: list[float]) -> Any:
             start = time.monotonic()
             time.sleep(ctx.seconds)
             spans.append(time.monotonic() - start)
-            return grad.clone(), None
+            out = grad.clone()
+            if module_spans is not None:
+                module_spans.append(time.monotonic() - start)
+            return out, None
 
     class Wait(torch.nn.Module):
         def __init__(self) -> None:
@@ -49,29 +55,41 @@ def wait_stage(seconds: float, spans: list[float]) -> Any:
             self.w = torch.nn.Parameter(torch.zeros(()))
 
         def forward(self, x: Any) -> Any:
-            return WaitFn.apply(x + self.w * 0, seconds)
+            start = time.monotonic()
+            out = WaitFn.apply(x + self.w * 0, seconds)
+            if module_spans is not None:
+                module_spans.append(time.monotonic() - start)
+            return out
 
     return Wait()
 
 
 def _run_steps(
-    step: Callable[[], None], barrier: Callable[[], None], spans: list[float], n: int, expected: int
-) -> tuple[list[float], list[float], list[float]]:
-    """``n`` + 1 timed steps (the first, a warm-up, is left out by the caller): step times, CPU times, busy."""
-    times, busy, cpu = [], [], []
+    step: Callable[[], None],
+    barrier: Callable[[], None],
+    spans: list[float],
+    module_spans: list[float],
+    n: int,
+    expected: int,
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """``n`` + 1 timed steps (the first, a warm-up, is left out by the caller): step times, CPU times, busy
+    (the waits), busy (the stage module's own code)."""
+    times, busy, cpu, module_busy = [], [], [], []
     for _ in range(n + 1):
         barrier()
         spans.clear()
+        module_spans.clear()
         t, c = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - t)
         cpu.append(time.process_time() - c)
         # (torch's first step also runs each stage's forward once to learn the shapes: not measured)
-        assert len(spans) == expected or len(times) == 1, (
-            f"expected {expected} compute spans, got {len(spans)}"
+        assert (len(spans) == expected and len(module_spans) == expected) or len(times) == 1, (
+            f"expected {expected} compute spans, got {len(spans)} and {len(module_spans)}"
         )
         busy.append(sum(spans))
-    return times, cpu, busy
+        module_busy.append(sum(module_spans))
+    return times, cpu, busy, module_busy
 
 
 def worker_torch(
@@ -85,13 +103,16 @@ def worker_torch(
     rank = int(os.environ["PARAMPLANE_RANK"])
     dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=rank, world_size=P)
     spans: list[float] = []
+    module_spans: list[float] = []
     rows = []
     for schedule, v, group, split, m in configs:
         if group is not None:
             continue
         stage_s = stage_ms(args, v, split) / 1000
         stages = [
-            pipelining.PipelineStage(wait_stage(stage_s, spans), rank + c * P, P * v, torch.device("cpu"))
+            pipelining.PipelineStage(
+                wait_stage(stage_s, spans, module_spans), rank + c * P, P * v, torch.device("cpu")
+            )
             for c in range(v)
         ]
         pipe = getattr(pipelining, TORCH_SCHEDULES[schedule])(
@@ -102,9 +123,21 @@ def worker_torch(
         def step(pipe: Any = pipe, x: Any = x) -> None:
             pipe.step(x) if rank == 0 else pipe.step(target=x)
 
-        times, cpu, busy = _run_steps(step, dist.barrier, spans, args.steps, 2 * m * v)
+        times, cpu, busy, module_busy = _run_steps(
+            step, dist.barrier, spans, module_spans, args.steps, 2 * m * v
+        )
         rows.append(
-            measured(schedule, m, v, times, cpu, split, busy_s=busy[1:], torch_version=torch.__version__)
+            measured(
+                schedule,
+                m,
+                v,
+                times,
+                cpu,
+                split,
+                busy_s=busy[1:],
+                module_busy_s=module_busy[1:],
+                torch_version=torch.__version__,
+            )
         )
     dist.barrier()
     dist.destroy_process_group()
@@ -120,6 +153,7 @@ def worker_torch_stages(
     import paramplane as pp
 
     spans: list[float] = []
+    module_spans: list[float] = []
     rows = []
     with pp.init() as world:
         g = world.group
@@ -127,7 +161,7 @@ def worker_torch_stages(
             if group is not None:
                 continue
             stage_s = stage_ms(args, v, split) / 1000
-            chunks = [wait_stage(stage_s, spans) for _ in range(v)]
+            chunks = [wait_stage(stage_s, spans, module_spans) for _ in range(v)]
             pipe = pp.Pipeline(
                 chunks if v > 1 else chunks[0], g, schedule, m, loss_fn=torch.nn.functional.mse_loss
             )
@@ -142,7 +176,9 @@ def worker_torch_stages(
                 events = tracer.events_since(seen)
                 actions.append({e["name"]: e["dur"] / 1e6 for e in events if e["cat"] == "compute"})
 
-            times, cpu, busy = _run_steps(step, g.barrier, spans, args.steps, 2 * m * v)
+            times, cpu, busy, module_busy = _run_steps(
+                step, g.barrier, spans, module_spans, args.steps, 2 * m * v
+            )
             rows.append(
                 measured(
                     schedule,
@@ -152,6 +188,7 @@ def worker_torch_stages(
                     cpu,
                     split,
                     busy_s=busy[1:],
+                    module_busy_s=module_busy[1:],
                     stage_busy_s=[sum(a.values()) for a in actions[1:]],
                     spans=actions[1:],
                     torch_version=torch.__version__,

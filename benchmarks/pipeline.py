@@ -34,7 +34,10 @@ the same stand-in as an autograd function, its bubble measured the same way from
 ``torch_measured_over_theory`` and ``bubble_over_torch`` (our bubble / torch's) for the same schedule and m.
 Also in that run: the very same torch stand-in modules as torch stages of ``pp.Pipeline`` (``impl:
 "paramplane-torch-stages"``: autograd inside each stage, activations across as DLPack views), measured like
-the peer, with their ``bubble_over_torch``.
+the peer, with their ``bubble_over_torch``. Both torch rows also count busy the way the numpy rows do, as
+the stage module's own code (``module_spans_over_theory``: its forward from entry to return and its backward
+function, recorded by the stand-in itself under either runtime, so the module's torch work is busy and each
+runtime's own work around it idle), with ``module_spans_over_torch`` (ours / torch's).
 One JSON line per configuration and implementation.
 """
 
@@ -299,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
             if theirs is not None:
                 row["torch_measured_over_theory"] = theirs["measured_over_theory"]
                 row["bubble_over_torch"] = row["bubble_measured"] / theirs["bubble_measured"]
+                row["torch_module_spans_over_theory"] = theirs["module_spans_over_theory"]
+                row["module_spans_over_torch"] = row["bubble_module_spans"] / theirs["bubble_module_spans"]
             torch_stage_lines.append(json.dumps(row))
     lines = []
     for rows in zip(*per_rank):
@@ -359,17 +364,21 @@ def _torch_row(rows: Sequence[dict[str, Any]], args: argparse.Namespace, impl: s
     ``pp.Pipeline`` ("paramplane-torch-stages"); per step the rank with the largest idle fraction."""
     first = rows[0]
     m, v = first["m"], first["v"]
-    bubble = [max(1.0 - r["busy_s"][i] / r["step_s"][i] for r in rows) for i in range(len(first["step_s"]))]
+    steps = range(len(first["step_s"]))
+    bubble = [max(1.0 - r["busy_s"][i] / r["step_s"][i] for r in rows) for i in steps]
     measured, theory = float(np.median(bubble)), _theory(m, v)
-    more: dict[str, Any] = {}
+    # Busy = the stage module's own code (its forward, its backward function), as the numpy rows count theirs.
+    module = float(
+        np.median([max(1.0 - r["module_busy_s"][i] / r["step_s"][i] for r in rows) for i in steps])
+    )
+    more: dict[str, Any] = {"bubble_module_spans": module, "module_spans_over_theory": module / theory}
     if (
         "stage_busy_s" in first
     ):  # torch stages under pp.Pipeline: also busy as the numpy stages' rows count it
-        steps = range(len(first["step_s"]))
         spans = [max(1.0 - r["stage_busy_s"][i] / r["step_s"][i] for r in rows) for i in steps]
         work = [max(r["stage_busy_s"][i] - r["busy_s"][i] for r in rows) for i in steps]
         replay = _bubbles(first["schedule"], m, v, None, rows)[1]  # the same spans, transfers free
-        more = {
+        more |= {
             "bubble_stage_spans": float(np.median(spans)),
             "stage_spans_over_theory": float(np.median(spans)) / theory,
             "replay_over_theory": float(np.median(replay)) / theory,

@@ -247,6 +247,8 @@ def test_bubble_benchmark_measures_idle_from_the_traced_compute(tmp_path: Path) 
         assert set(peer) == {(s, m, split_work) for s, g, split_work, m in configs if g is None}
         for (schedule, m, split_work), t in peer.items():
             assert 0 < t["bubble_measured"] < 1 and t["measured_over_theory"] > 0, t
+            # busy as the stage module's own code, which holds its waits: at most the waits' bubble
+            assert 0 < t["bubble_module_spans"] <= t["bubble_measured"], t
             assert t["stage_ms"] == (2.0 if split_work else 4.0), t
             ours = next(
                 r
@@ -266,6 +268,11 @@ def test_bubble_benchmark_measures_idle_from_the_traced_compute(tmp_path: Path) 
             assert 0 < r["bubble_measured"] < 1 and r["stage_ms"] == peer[key]["stage_ms"], r
             # the stages' whole traced spans hold their waits: less idle, by torch's work inside the stage
             assert r["bubble_stage_spans"] < r["bubble_measured"] and r["torch_work_ms_per_step"] > 0, r
+            # the module's own code lies inside the stage's span and holds the waits
+            assert r["bubble_stage_spans"] <= r["bubble_module_spans"] <= r["bubble_measured"], r
+            assert r["module_spans_over_torch"] == pytest.approx(
+                r["bubble_module_spans"] / peer[key]["bubble_module_spans"]
+            )
             # the same spans replayed with free transfers: a bubble, as a fraction of the replayed step
             assert 0 <= r["replay_over_theory"] * r["bubble_theory"] < 1, r
             assert r["bubble_over_torch"] == pytest.approx(

@@ -81,3 +81,64 @@ def test_a_failed_step_ends_the_transfer_threads_and_keeps_nothing_alive() -> No
     del transfers
     gc.collect()
     assert ref() is None, gc.get_referrers(ref())
+
+
+class _QueueGroup(SimpleNamespace):
+    """What the receiver threads use of a group: each receive returns (or raises) the next of ``replies``."""
+
+    def __init__(self, replies: list[Any]) -> None:
+        super().__init__(timeout=30.0, name="stand-in", replies=replies)
+
+    def recv_array(self, src: int) -> Any:
+        return self._next()
+
+    def recv(self, x: Any, src: int) -> Any:
+        got = self._next()
+        x[...] = got
+        return x
+
+    def _next(self) -> Any:
+        reply = self.replies.pop(0)
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+
+def test_messages_are_converted_on_the_receiver_thread_and_its_errors_reach_take() -> None:
+    """``begin(..., convert)``: what ``take`` returns is ``convert(kind, array)``, made on the receiver thread
+    (torch stages get their tensors made there while they compute); a receive's error (a shape mismatch) and
+    a conversion's error come out of the ``take`` of that message, typed, not as a hang."""
+    from paramplane.node.errors import CollectiveMismatch
+
+    seen: list[tuple[str, str]] = []
+
+    def convert(kind: str, got: Any) -> Any:
+        seen.append((kind, threading.current_thread().name))
+        if got[0] < 0:
+            raise ValueError("cannot convert a negative message")
+        return ("converted", kind, got.tolist())
+
+    f0, f1, b0 = Message(1, "F", 0, 0), Message(1, "F", 0, 1), Message(1, "B", 2, 0)
+    group = _QueueGroup([np.ones(2), np.full(2, 2.0), np.full(3, 3.0)])
+    transfers = Transfers(group)  # type: ignore[arg-type]
+    transfers.begin({1: [f0, f1, b0]}, np.empty(0), convert)
+    assert transfers.take(b0) == ("converted", "B", [3.0, 3.0, 3.0])  # filed by name, out of order
+    assert transfers.take(f0) == ("converted", "F", [1.0, 1.0])
+    assert transfers.take(f1) == ("converted", "F", [2.0, 2.0])
+    assert seen == [
+        ("F", "paramplane-pp-recv-1"),
+        ("F", "paramplane-pp-recv-1"),
+        ("B", "paramplane-pp-recv-1"),
+    ]
+
+    group.replies[:] = [np.ones(2), CollectiveMismatch("shape (3,) where (2,) was expected")]
+    transfers.begin({1: [f0, f1]}, np.empty(0), convert)
+    assert transfers.take(f0)[0] == "converted"
+    with pytest.raises(CollectiveMismatch, match="shape"):
+        transfers.take(f1)
+
+    group.replies[:] = [np.full(2, -1.0)]
+    transfers.begin({1: [f0]}, np.empty(0), convert)
+    with pytest.raises(ValueError, match="negative"):
+        transfers.take(f0)
+    transfers.abandon()

@@ -65,3 +65,22 @@ def test_torch_stages_equal_torch_pipelining_under_every_schedule() -> None:
     env = {**ENV, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     out = run_world(2, "pipeline_peer.py", env=env, timeout=180).check_ok(min_checks=100)
     assert len(out) == 2
+
+
+def test_a_torch_stage_activation_that_changes_shape_mid_step_is_a_mismatch_on_both_stages() -> None:
+    """The receiver threads turn messages into tensors for torch stages: a shape change at microbatch 2 is
+    still a CollectiveMismatch on both ranks (and again on the next step), within the deadline."""
+    world = run_world(
+        2, "pipeline_torch_faults.py", args=["bad_shape"], env={"PARAMPLANE_TIMEOUT": "30"}, timeout=90
+    )
+    assert all(r["num_checks"] == 2 for r in world.check_ok())
+
+
+def test_a_dead_torch_stage_is_named_not_hung() -> None:
+    world = run_world(
+        2, "pipeline_torch_faults.py", args=["kill"], env={"PARAMPLANE_TIMEOUT": "30"}, timeout=90
+    )
+    assert not world.timed_out, world.describe()
+    assert world.ranks[1].returncode == 9
+    r0 = world.ranks[0].result
+    assert r0 is not None and r0["failures"] == [] and r0["num_checks"] == 1, world.describe()

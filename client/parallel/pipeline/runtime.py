@@ -47,6 +47,7 @@ schedule that ``validate`` accepts cannot deadlock, whatever the size of the act
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -68,6 +69,7 @@ from paramplane.parallel.pipeline.torch_stage import (
     clip_grad_norm_,
     is_torch_stage,
     params_of,
+    received,
     split_kwargs,
 )
 from paramplane.parallel.pipeline.transfers import Transfers
@@ -259,7 +261,7 @@ class Pipeline:
         inputs, targets = self._split(x, "x"), self._split(target, "target")
         self._set_kwargs(kwargs, shared, train=True)
         like = self._like(x, target)
-        losses: dict[int, float] = {}
+        losses: dict[int, Any] = {}  # torch stages: detached loss tensors, read after the step
         with contextlib.ExitStack() as stack:
             for wrapper in self._ddps + self._fsdps:  # no sync per backward: the gradients are reduced once
                 stack.enter_context(wrapper.no_sync())
@@ -271,7 +273,7 @@ class Pipeline:
             self._sync_data_parallel(self.dp_group)
         if self._tied is not None:
             self._tied.reduce(held, self.dp_group)
-        return [losses[i] for i in range(self.num_microbatches)] if self.is_last else None
+        return [float(losses[i]) for i in range(self.num_microbatches)] if self.is_last else None
 
     def optim_state(self, optimizer: Any, *, state_arrays: tuple[str, ...] | None = None) -> Any:
         """torch stages: ``optimizer``'s state over this rank's stages as checkpoint state under the dense
@@ -313,7 +315,7 @@ class Pipeline:
         inputs: list[Array] | None,
         targets: list[Array] | None,
         like: Any,
-        losses: dict[int, float],
+        losses: dict[int, Any],
         *,
         train: bool,
     ) -> dict[int, Array]:
@@ -331,7 +333,8 @@ class Pipeline:
                 "step now: fix the cause and build a new Pipeline on a new group"
             ) from self._broken
         transfers = self._transfers
-        transfers.begin(self._incoming if train else self._incoming_forward_only, like)
+        convert = functools.partial(received, train=train) if self._torch else None
+        transfers.begin(self._incoming if train else self._incoming_forward_only, like, convert)
         track = train  # the peaks describe the last training step (eval_step keeps no states)
         # Values between stages of this rank, and loss gradients; forward states with their bytes.
         local: dict[tuple[str, int, int], Array] = {}

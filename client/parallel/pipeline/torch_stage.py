@@ -2,8 +2,9 @@
 
 ``TorchStage`` gives a ``torch.nn.Module`` the interface the pipeline's executor drives (``forward`` of one
 microbatch, its state kept for ``backward``). A forward runs the module with autograd on a tensor that views
-the received array (``torch.from_numpy``: no copy on CPU) and keeps the graph of that microbatch; what it
-sends is a zero-copy view of its output (``torch_params.to_array``). The backward runs
+the received array (``torch.from_numpy``: no copy on CPU; on the host the receiver thread makes it, a leaf that
+requires its gradient, while the stage still computes: ``received``) and keeps the graph of that microbatch;
+what it sends is a zero-copy view of its output (``torch_params.to_array``). The backward runs
 ``torch.autograd.backward`` (on CPU the autograd engine's call it makes) from the received output gradient (or
 from the last stage's loss) and sends the input's gradient. Parameters' ``.grad`` accumulate over microbatches,
 as in torch's schedules.
@@ -11,7 +12,8 @@ as in torch's schedules.
 Loss scaling follows torch's ``scale_grads=True`` (the default of ``torch.distributed.pipelining``'s
 schedules, which divide the stage gradients by the number of microbatches after the step): each
 microbatch's loss gradient is multiplied by ``1 / microbatches`` instead, which gives the same gradients and
-leaves gradients accumulated before the step as they were. Reported losses are the unscaled ones.
+leaves gradients accumulated before the step as they were. Reported losses are the unscaled ones, read as
+floats after the step (not between two computes).
 """
 
 from __future__ import annotations
@@ -41,13 +43,19 @@ class TorchStage:
         self.kwargs: Sequence[Mapping[str, Any]] = ()
         self.train = True
         self._state: tuple[Any, Any] | None = None
+        self._scale: tuple[Any, Any] | None = None  # the loss gradient ``loss`` starts backward from
 
     def forward(self, x: Any, mb: int) -> Any:
         """Run microbatch ``mb``; keeps (input, output) for the backward; returns the output tensor."""
         import torch
 
         inp = x if torch.is_tensor(x) else to_tensor(x)
-        if self.train and not self.first and inp.is_floating_point():
+        if (
+            self.train
+            and not self.first
+            and inp.is_floating_point()
+            and not (inp.requires_grad and inp.is_leaf)
+        ):
             inp = inp.detach().requires_grad_(True)
         kwargs = self.kwargs[mb] if self.kwargs else {}
         if torch.is_grad_enabled() == self.train:
@@ -68,10 +76,11 @@ class TorchStage:
             )
         return to_array(out.detach(), f"the output of {where}")
 
-    def loss(self, loss_fn: Callable[..., Any], target: Any, scale: float) -> float:
-        """The last stage: the loss of the output kept by ``forward`` (its backward runs at the schedule's
-        backward of this microbatch, from ``loss`` with gradient ``scale``: the gradients of ``loss * scale``
-        without a multiplication in the graph)."""
+    def loss(self, loss_fn: Callable[..., Any], target: Any, scale: float) -> Any:
+        """The last stage: the loss of the output kept by ``forward``, detached (a scalar tensor: the pipeline
+        reads its value after the step, not between two computes). Its backward runs at the schedule's
+        backward of this microbatch, from the loss with gradient ``scale``: the gradients of ``loss * scale``
+        without a multiplication in the graph."""
         import torch
 
         assert self._state is not None
@@ -80,8 +89,13 @@ class TorchStage:
         value = loss_fn(out, tgt)
         if not torch.is_tensor(value) or value.numel() != 1:
             raise ValueError("the pipeline's loss_fn must return a scalar tensor")
-        self._state = (inp, (value, torch.full((), scale, dtype=value.dtype, device=value.device)))
-        return float(value.detach())
+        key = (scale, value.dtype, value.device, value.shape)
+        if (
+            self._scale is None or self._scale[0] != key
+        ):  # one per step's dtype and device, not per microbatch
+            self._scale = (key, torch.full(value.shape, scale, dtype=value.dtype, device=value.device))
+        self._state = (inp, (value, self._scale[1]))
+        return value.detach()
 
     def take_forward_state(self) -> Any:
         state, self._state = self._state, None
@@ -104,6 +118,17 @@ class TorchStage:
         if self.first or inp.grad is None:
             return None
         return to_array(inp.grad, "an input gradient")
+
+
+def received(kind: str, got: Any, *, train: bool) -> Any:
+    """A message for a stage (``kind`` "F": an activation, "B": a gradient) as the tensor its forward or
+    backward takes, made by the thread that received it while the stage computed (``Transfers.begin``'s
+    ``convert``): a view of the received host array; an activation a leaf that requires its gradient when
+    training a floating-point input (what ``TorchStage.forward`` would make of it)."""
+    tensor = to_tensor(got)
+    if kind == "F" and train and tensor.is_floating_point():
+        tensor.requires_grad_(True)
+    return tensor
 
 
 def _backward(out: Any, grad: Any) -> None:

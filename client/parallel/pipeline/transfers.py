@@ -6,7 +6,9 @@ microseconds there (the interpreter runs on caches the stage's compute just fill
 training thread only hands each send to a sender thread, and takes each message it needs from
 what receiver threads (one per sending rank) received while it computed: each receives its
 sender's messages of the step in the order that rank sends them and files them by name, so a
-stage may take them in another order than they were sent. Every thread uses the group's own
+stage may take them in another order than they were sent; for torch stages on the host a receiver also makes
+each message's tensor (``begin``'s ``convert``), so that work is done while the stage computes and a stage
+that waited for the message does not do it after waking. Every thread uses the group's own
 ``send`` and ``recv``: headers, ordering and failures are the group's. The threads hold no
 reference to the pipeline and end when it is garbage collected; between transfers they hold no message
 either, and they are not woken at interpreter exit (a torch tensor released by one of them while the
@@ -23,7 +25,7 @@ from __future__ import annotations
 import queue
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -109,12 +111,19 @@ class Transfers:
         # Not at interpreter exit: the threads (daemons, holding nothing) stay asleep while it tears down.
         weakref.finalize(self, _stop, self._outbox, self._plans).atexit = False
 
-    def begin(self, incoming: Mapping[int, Sequence[Message]], like: Any) -> None:
+    def begin(
+        self,
+        incoming: Mapping[int, Sequence[Message]],
+        like: Any,
+        convert: Callable[[str, Array], Any] | None = None,
+    ) -> None:
         """Start receiving a step's messages: ``incoming`` lists them per sending rank, in the order it sends
         them. The first message of each (kind, stage) takes the dtype and shape its header carries, later ones
         must match it (CollectiveMismatch otherwise). Messages arrive as host arrays and are taken on the
-        device of ``like``."""
+        device of ``like``; on the host, ``convert(kind, array)`` (if given) makes what ``take`` returns, on the
+        receiver thread as the message comes (off the training thread while it computes)."""
         self._like = like if is_device(like) else None
+        convert = convert if self._like is None else None
         self._early.clear()
         self._stepping.set()
         for src, plan in incoming.items():
@@ -123,7 +132,7 @@ class Transfers:
             if src not in self._plans:
                 self._plans[src] = queue.SimpleQueue()
                 _start(_receive_loop, f"recv-{src}", self.group, self._plans[src], self._box, self._poll_s)
-            self._plans[src].put(plan)
+            self._plans[src].put((plan, convert))
 
     def send(self, x: Array, dst: int) -> None:
         """Send ``x`` (not touched again by the caller) to group rank ``dst`` after every earlier send."""
@@ -246,9 +255,10 @@ def _receive_loop(group: ProcessGroup, plans: queue.SimpleQueue[Any], box: _Mail
 
 def _receive_plans(group: ProcessGroup, plans: queue.SimpleQueue[Any], box: _Mailbox) -> None:
     while True:
-        plan = plans.get()
-        if plan is _STOP:
+        item = plans.get()
+        if item is _STOP:
             return
+        plan, convert = item
         shapes: dict[tuple[str, int], tuple[Any, tuple[int, ...]]] = {}
         for message in plan:
             try:
@@ -258,8 +268,10 @@ def _receive_plans(group: ProcessGroup, plans: queue.SimpleQueue[Any], box: _Mai
                     shapes[(message.kind, message.stage)] = (got.dtype, got.shape)
                 else:
                     got = group.recv(np.empty(known[1], known[0]), message.src)
+                if convert is not None:
+                    got = convert(message.kind, got)
             except BaseException as exc:
                 box.items.put(_Failed(exc))
                 break  # the group has failed: no later receive of this step can succeed
             box.file(message, got)
-            got = None  # hold no message while waiting for the next plan (see _send)
+            got = item = None  # hold no message while waiting for the next plan (see _send)
