@@ -138,7 +138,11 @@ class RelayServicer(pb_grpc.CoordinatorServicer):
             left.CopyFrom(request)
             left.timeout_s = max(request.timeout_s - (time.monotonic() - started), 0.001)
             request = left
-        return await self._up.relay("KVGet", request, timeout_s=request.timeout_s + WAIT_MARGIN_S)
+        return await self._kv_upstream("KVGet", request, request.timeout_s + WAIT_MARGIN_S)
+
+    async def _kv_upstream(self, method: str, request: Any, timeout_s: float) -> Any:
+        """A ``KVSet`` or waiting ``KVGet`` to the coordinator (``HostAgent``: on its host stream)."""
+        return await self._up.relay(method, request, timeout_s=timeout_s)
 
     def _forget_wait(self, key: tuple[int, str], done: asyncio.Task[Any]) -> None:
         shared = self._kv_waits.get(key)
@@ -147,7 +151,7 @@ class RelayServicer(pb_grpc.CoordinatorServicer):
 
     async def KVSet(self, request: pb.KVSetRequest, context: grpc.aio.ServicerContext) -> Any:
         key = (request.epoch, request.key)
-        task = self._spawn(self._up.relay("KVSet", request, timeout_s=self._left_s(context)))
+        task = self._spawn(self._kv_upstream("KVSet", request, self._left_s(context)))
         self._kv_sets[key] = (request.value, task)
         task.add_done_callback(lambda done: self._set_taken(key, request.value, done))
         return await self._answer(context, asyncio.shield(task))
@@ -198,3 +202,6 @@ class RelayServicer(pb_grpc.CoordinatorServicer):
 
     async def BarrierHost(self, request: pb.BarrierHostRequest, context: grpc.aio.ServicerContext) -> Any:
         return await self._refuse("BarrierHost", context)
+
+    async def HostCalls(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:  # type: ignore[override]
+        return await self._refuse("HostCalls", context)

@@ -8,7 +8,9 @@ the agent makes one call per host where the ranks would make one each:
 - heartbeats are kept (the latest per rank) and go out as one ``HeartbeatHost`` per interval; a rank that
   stops beating is left out, so the coordinator names it at its timeout as before;
 - one ``Watch`` stream per epoch, relayed to every local rank's stream; aborts also answer heartbeats;
-- a barrier's local arrivals go out as one ``BarrierHost``; concurrent waiting gets of one key as one call;
+- a barrier's local arrivals go out as one call; concurrent waiting gets of one key as one call; these and the
+  ranks' unique-id sets go as messages on one ``HostCalls`` stream (``agent_stream.py``), answered on it (or as
+  unary calls, ``BarrierHost`` and relays, to a coordinator without it);
 - a rank process killed by a signal (the launcher's child) is reported at once as lost (``Abort``, ``lost``).
 
 A lost agent (the launcher killed) silences all its ranks: the coordinator names the host's agent.
@@ -29,7 +31,8 @@ from typing import Any
 import grpc
 
 from paramplane.agent_relay import Relayed, RelayServicer, quiet
-from paramplane.node.coord_client import CoordinatorClient
+from paramplane.agent_stream import HostCallStream, Unsupported, upstream_kv
+from paramplane.node.coord_client import WAIT_MARGIN_S, CoordinatorClient
 from paramplane.protos import coordinator_pb2 as pb
 
 __all__ = ["BARRIER_WINDOW_S", "JOIN_WINDOW_S", "HostAgent", "Relayed"]
@@ -83,6 +86,7 @@ class HostAgent(RelayServicer):
         self._barriers: dict[_BarrierKey, list[tuple[pb.BarrierRequest, asyncio.Future[Relayed | None]]]] = {}
         self._barrier_flush: dict[_BarrierKey, asyncio.TimerHandle] = {}
         self._beating: asyncio.Task[None] | None = None
+        self._host_stream = HostCallStream(upstream)
 
     def start(self) -> None:
         """Start the heartbeat loop (on the running loop)."""
@@ -93,6 +97,7 @@ class HostAgent(RelayServicer):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self._host_stream.close()
         await self._up.close()
 
     # -- joins ------------------------------------------------------------------------------------
@@ -304,9 +309,9 @@ class HostAgent(RelayServicer):
             timeout_s=first.timeout_s,
         )
         try:
-            response = await self._up.barrier_host(request)
-        except grpc.aio.AioRpcError as e:
-            failed = Relayed.of(e)
+            response = await self._barrier_upstream(request)
+        except (grpc.aio.AioRpcError, Relayed) as e:
+            failed = Relayed.of(e) if isinstance(e, grpc.aio.AioRpcError) else e
             for _, fut in arrivals:
                 if not fut.done():
                     fut.set_result(failed)
@@ -314,6 +319,23 @@ class HostAgent(RelayServicer):
         for (_, fut), error in zip(arrivals, response.errors, strict=True):
             if not fut.done():
                 fut.set_result(Relayed.of_call(error) if error.code else None)
+
+    async def _barrier_upstream(self, request: pb.BarrierHostRequest) -> pb.BarrierHostResponse:
+        if self._host_stream.supported:
+            try:
+                answer = await self._host_stream.call(
+                    pb.HostCall(barrier=request), request.timeout_s + WAIT_MARGIN_S
+                )
+            except Unsupported:
+                pass
+            else:
+                if answer.HasField("error"):
+                    raise Relayed.of_call(answer.error)
+                return answer.barrier
+        return await self._up.barrier_host(request)
+
+    async def _kv_upstream(self, method: str, request: Any, timeout_s: float) -> Any:
+        return await upstream_kv(self._host_stream, self._up, method, request, timeout_s)
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> Any:
         self._beats.pop((request.epoch, request.rank), None)

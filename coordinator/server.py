@@ -114,8 +114,16 @@ def _counted(counts: Counter[str], name: str, handler: grpc.RpcMethodHandler) ->
             return unary(request, context)
 
         return grpc.unary_unary_rpc_method_handler(count_unary, **kw)
+    if handler.stream_stream is not None:  # HostCalls: each call on the stream is counted by the service
+        both = handler.stream_stream
+
+        async def count_both(requests: Any, context: grpc.aio.ServicerContext) -> None:
+            counts[name] += 1  # a coroutine function: grpc then lets the handler write (context.write)
+            await both(requests, context)
+
+        return grpc.stream_stream_rpc_method_handler(count_both, **kw)
     stream = handler.unary_stream
-    assert stream is not None  # the service has unary and server-streaming methods only
+    assert stream is not None  # the service has no client-streaming method
 
     def count_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
         counts[name] += 1

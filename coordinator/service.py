@@ -18,6 +18,7 @@ from typing import TypeVar
 
 import grpc
 
+from paramplane.coordinator.host_stream import HostStreams
 from paramplane.coordinator.hosts import (
     UNSETTLED,
     WaiterGroup,
@@ -76,6 +77,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.num_calls: collections.Counter[str] = collections.Counter()
         """Calls answered, by method name (counted by the server's handlers)."""
         self._peers_wire: tuple[tuple[RankInfo, ...], bytes] | None = None  # the last table, serialized
+        self._hosts = HostStreams(state, self._block, self._block_many, self._sync, self.num_calls)
 
     # -- effects ----------------------------------------------------------------------------------
     def _flush(self) -> None:
@@ -389,3 +391,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self, request: pb.BarrierHostRequest, context: grpc.aio.ServicerContext
     ) -> pb.BarrierHostResponse:
         return await self._guard(context, barrier_host(self._state, self._block_many, request))
+
+    async def HostCalls(  # type: ignore[override]  # answers are written (context.write), not yielded
+        self, request_iterator: AsyncIterator[pb.HostCall], context: grpc.aio.ServicerContext
+    ) -> None:
+        await self._hosts.serve(request_iterator, context)

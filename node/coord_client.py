@@ -465,6 +465,11 @@ class CoordinatorClient:
         """One call of ``method`` (a Coordinator RPC name) as a rank sent it, relayed by its host agent."""
         return await getattr(self._stub, method)(request, timeout=timeout_s, metadata=self._metadata)
 
+    def host_calls(self) -> grpc.aio.StreamStreamCall:
+        """A new ``HostCalls`` stream (the host agent's barriers, sets and waiting gets). Long-lived like a watch
+        stream, so without a deadline: the agent times out each call on it."""
+        return self._stub.HostCalls(metadata=self._metadata)
+
     def watch_as(self, epoch: int, rank: int) -> grpc.aio.UnaryStreamCall:
         """The Watch stream of ``epoch`` subscribed as ``rank``: the host agent holds one for its ranks."""
         return self._stub.Watch(pb.WatchRequest(epoch=epoch, rank=rank), metadata=self._metadata)

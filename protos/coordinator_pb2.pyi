@@ -1214,3 +1214,88 @@ class BarrierHostResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___BarrierHostResponse: _TypeAlias = BarrierHostResponse  # noqa: Y015
+
+@_typing.final
+class HostCall(_message.Message):
+    """One call of a host agent on its HostCalls stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_FIELD_NUMBER: _builtins.int
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    RESENT_FIELD_NUMBER: _builtins.int
+    BARRIER_FIELD_NUMBER: _builtins.int
+    KV_SET_FIELD_NUMBER: _builtins.int
+    KV_GET_FIELD_NUMBER: _builtins.int
+    session: _builtins.str
+    """The agent's session (random, one per agent), in the stream's first message: a stream opened again with the
+    same session gets the answers of the calls made on the one before (the coordinator keeps them a while).
+    """
+    call_id: _builtins.int
+    """Unique in the session and increasing, answered by the HostAnswer with the same id (each use of a barrier
+    name is its own call: a late answer cannot release a later use). 0: the message only names the session.
+    """
+    resent: _builtins.bool
+    """Sent again on a new stream (the one it went out on broke): answered from the first one if it arrived."""
+    @_builtins.property
+    def barrier(self) -> Global___BarrierHostRequest: ...
+    @_builtins.property
+    def kv_set(self) -> Global___KVSetRequest: ...
+    @_builtins.property
+    def kv_get(self) -> Global___KVGetRequest:
+        """A waiting get (wait is implied)."""
+
+    def __init__(
+        self,
+        *,
+        session: _builtins.str = ...,
+        call_id: _builtins.int = ...,
+        resent: _builtins.bool = ...,
+        barrier: Global___BarrierHostRequest | None = ...,
+        kv_set: Global___KVSetRequest | None = ...,
+        kv_get: Global___KVGetRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["barrier", b"barrier", "call", b"call", "kv_get", b"kv_get", "kv_set", b"kv_set"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["barrier", b"barrier", "call", b"call", "call_id", b"call_id", "kv_get", b"kv_get", "kv_set", b"kv_set", "resent", b"resent", "session", b"session"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["barrier", "kv_set", "kv_get"]  # noqa: Y015
+    _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_call) -> _WhichOneofReturnType_call | None: ...
+
+Global___HostCall: _TypeAlias = HostCall  # noqa: Y015
+
+@_typing.final
+class HostAnswer(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    BARRIER_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    call_id: _builtins.int
+    @_builtins.property
+    def barrier(self) -> Global___BarrierHostResponse: ...
+    @_builtins.property
+    def value(self) -> Global___KVGetResponse: ...
+    @_builtins.property
+    def error(self) -> Global___CallError:
+        """The whole call failed (a set or a get; a barrier's errors are per rank, in barrier)."""
+
+    def __init__(
+        self,
+        *,
+        call_id: _builtins.int = ...,
+        barrier: Global___BarrierHostResponse | None = ...,
+        value: Global___KVGetResponse | None = ...,
+        error: Global___CallError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["answer", b"answer", "barrier", b"barrier", "error", b"error", "value", b"value"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answer", b"answer", "barrier", b"barrier", "call_id", b"call_id", "error", b"error", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_answer: _TypeAlias = _typing.Literal["barrier", "value", "error"]  # noqa: Y015
+    _WhichOneofArgType_answer: _TypeAlias = _typing.Literal["answer", b"answer"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_answer) -> _WhichOneofReturnType_answer | None: ...
+
+Global___HostAnswer: _TypeAlias = HostAnswer  # noqa: Y015

@@ -109,6 +109,11 @@ class CoordinatorStub:
                 request_serializer=paramplane_dot_protos_dot_coordinator__pb2.BarrierHostRequest.SerializeToString,
                 response_deserializer=paramplane_dot_protos_dot_coordinator__pb2.BarrierHostResponse.FromString,
                 _registered_method=True)
+        self.HostCalls = channel.stream_stream(
+                '/paramplane.v1.Coordinator/HostCalls',
+                request_serializer=paramplane_dot_protos_dot_coordinator__pb2.HostCall.SerializeToString,
+                response_deserializer=paramplane_dot_protos_dot_coordinator__pb2.HostAnswer.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -214,6 +219,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def HostCalls(self, request_iterator, context):
+        """A host agent's barrier arrivals, unique-id sets and waiting gets on one stream it holds: each call is one
+        message in and its answer one message out, instead of a unary call held open per host until the release.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -291,6 +304,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.BarrierHost,
                     request_deserializer=paramplane_dot_protos_dot_coordinator__pb2.BarrierHostRequest.FromString,
                     response_serializer=paramplane_dot_protos_dot_coordinator__pb2.BarrierHostResponse.SerializeToString,
+            ),
+            'HostCalls': grpc.stream_stream_rpc_method_handler(
+                    servicer.HostCalls,
+                    request_deserializer=paramplane_dot_protos_dot_coordinator__pb2.HostCall.FromString,
+                    response_serializer=paramplane_dot_protos_dot_coordinator__pb2.HostAnswer.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -698,6 +716,33 @@ class Coordinator:
             '/paramplane.v1.Coordinator/BarrierHost',
             paramplane_dot_protos_dot_coordinator__pb2.BarrierHostRequest.SerializeToString,
             paramplane_dot_protos_dot_coordinator__pb2.BarrierHostResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HostCalls(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/paramplane.v1.Coordinator/HostCalls',
+            paramplane_dot_protos_dot_coordinator__pb2.HostCall.SerializeToString,
+            paramplane_dot_protos_dot_coordinator__pb2.HostAnswer.FromString,
             options,
             channel_credentials,
             insecure,

@@ -57,6 +57,10 @@ class CoordinatorStub:
     """The latest heartbeat of every rank of the host that beat since the agent's last call."""
     BarrierHost: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.BarrierHostRequest, _coordinator_pb2.BarrierHostResponse]
     """Several of the host's ranks arrive at one barrier; answers each arrival's outcome."""
+    HostCalls: _grpc.StreamStreamMultiCallable[_coordinator_pb2.HostCall, _coordinator_pb2.HostAnswer]
+    """A host agent's barrier arrivals, unique-id sets and waiting gets on one stream it holds: each call is one
+    message in and its answer one message out, instead of a unary call held open per host until the release.
+    """
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -87,6 +91,10 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """The latest heartbeat of every rank of the host that beat since the agent's last call."""
     BarrierHost: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.BarrierHostRequest, _coordinator_pb2.BarrierHostResponse]  # type: ignore[assignment]
     """Several of the host's ranks arrive at one barrier; answers each arrival's outcome."""
+    HostCalls: _aio.StreamStreamMultiCallable[_coordinator_pb2.HostCall, _coordinator_pb2.HostAnswer]  # type: ignore[assignment]
+    """A host agent's barrier arrivals, unique-id sets and waiting gets on one stream it holds: each call is one
+    message in and its answer one message out, instead of a unary call held open per host until the release.
+    """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -204,5 +212,15 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.BarrierHostResponse, _abc.Awaitable[_coordinator_pb2.BarrierHostResponse]]:
         """Several of the host's ranks arrive at one barrier; answers each arrival's outcome."""
+
+    @_abc_1.abstractmethod
+    def HostCalls(
+        self,
+        request_iterator: _MaybeAsyncIterator[_coordinator_pb2.HostCall],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_coordinator_pb2.HostAnswer], _abc.AsyncIterator[_coordinator_pb2.HostAnswer]]:
+        """A host agent's barrier arrivals, unique-id sets and waiting gets on one stream it holds: each call is one
+        message in and its answer one message out, instead of a unary call held open per host until the release.
+        """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

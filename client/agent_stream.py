@@ -1,0 +1,173 @@
+"""The host agent's side of its ``HostCalls`` stream (``coordinator/host_stream.py``).
+
+The agent's barrier arrivals, unique-id sets and waiting gets go to the coordinator as messages on one stream
+it holds, each answered by a message with its call id: no unary call is held open until a release. The stream
+opens on the first call; when it breaks with calls unanswered, it opens again (same session) and sends those
+calls again, for ``RECONNECT_S``; then they fail with the stream's error. Every call also has its own deadline.
+A coordinator without ``HostCalls`` (UNIMPLEMENTED) makes ``supported`` false: the agent's unary calls then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from paramplane.agent_relay import Relayed
+from paramplane.node.coord_client import CoordinatorClient
+from paramplane.protos import coordinator_pb2 as pb
+
+RECONNECT_S = 5.0
+"""How long a broken stream with unanswered calls is opened again before those calls fail."""
+_BACKOFF_S = (0.05, 1.0)
+
+
+class Unsupported(Exception):
+    """The coordinator has no ``HostCalls`` (an older one): make the unary call instead."""
+
+
+@dataclass
+class _Pending:
+    message: pb.HostCall
+    fut: asyncio.Future[pb.HostAnswer]
+    sent_on: Any = None  # the stream it was last written on
+
+
+class HostCallStream:
+    """One agent's ``HostCalls`` stream to the coordinator (on the agent's loop)."""
+
+    def __init__(self, upstream: CoordinatorClient) -> None:
+        self._up = upstream
+        self._session = secrets.token_hex(16)
+        self._last_id = 0
+        self._pending: dict[int, _Pending] = {}
+        self._stream: grpc.aio.StreamStreamCall | None = None  # open and attached
+        self._lock = asyncio.Lock()  # one write at a time, in call-id order
+        self._runner: asyncio.Task[None] | None = None
+        self.supported = True
+        """False once the coordinator answered UNIMPLEMENTED."""
+
+    async def call(self, message: pb.HostCall, timeout_s: float) -> pb.HostAnswer:
+        """``message``'s answer; raises ``Relayed`` (no answer within ``timeout_s``, or the stream failed for
+        good) or ``Unsupported``."""
+        if not self.supported:
+            raise Unsupported
+        self._last_id += 1
+        message.call_id = self._last_id
+        entry = _Pending(message, asyncio.get_running_loop().create_future())
+        self._pending[message.call_id] = entry
+        try:
+            if self._runner is None or self._runner.done():
+                self._runner = asyncio.ensure_future(self._run())
+            else:
+                await self._send(entry)
+            return await asyncio.wait_for(entry.fut, timeout_s)
+        except asyncio.TimeoutError:
+            raise Relayed(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the coordinator did not answer host call {message.call_id} within {timeout_s:.1f} s",
+            ) from None
+        finally:
+            del self._pending[message.call_id]
+
+    async def _send(self, entry: _Pending) -> None:
+        async with self._lock:
+            stream = self._stream
+            if stream is None or entry.sent_on is stream or entry.fut.done():
+                return  # the runner sends it when the stream (re)opens
+            try:
+                await stream.write(entry.message)
+                entry.sent_on = stream
+            except Exception:  # broken: the runner sends it again on the next stream
+                pass
+
+    async def _run(self) -> None:
+        """Open the stream, send the unanswered calls, hand answers to their calls; again after a break while
+        calls wait (for ``RECONNECT_S``)."""
+        backoff, give_up = _BACKOFF_S[0], None
+        while self._pending:
+            stream = self._up.host_calls()
+            error: Relayed
+            try:
+                # The session first, alone until the coordinator acknowledges it (an answer with call id 0): a
+                # coordinator without the stream refuses it before any call is written.
+                await stream.write(pb.HostCall(session=self._session))
+                while (answer := await stream.read()) is not grpc.aio.EOF and self._answered(answer):
+                    pass
+                if answer is not grpc.aio.EOF:
+                    async with self._lock:
+                        for call_id in sorted(self._pending):
+                            entry = self._pending[call_id]
+                            entry.message.resent = entry.sent_on is not None
+                            await stream.write(entry.message)
+                            entry.sent_on = stream
+                        self._stream = stream
+                    backoff, give_up = _BACKOFF_S[0], None
+                    while (answer := await stream.read()) is not grpc.aio.EOF:
+                        self._answered(answer)
+                error = Relayed(grpc.StatusCode.UNAVAILABLE, "the coordinator ended the host stream")
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # the agent stops
+                error = Relayed(grpc.StatusCode.CANCELLED, "the host stream was cancelled")
+            except grpc.aio.AioRpcError as e:
+                error = Relayed.of(e)
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    # Refused before it took the session: a coordinator without the stream (UNIMPLEMENTED, or
+                    # INTERNAL when grpc races the refusal with the write); the unary calls tell any other error.
+                    self.supported = stream is self._stream
+                    self._fail(error if self.supported else Unsupported())
+                    return
+            finally:
+                stream.cancel()
+                if self._stream is stream:
+                    self._stream = None
+            if not self._pending:
+                return  # idle: the next call opens a stream
+            give_up = give_up or time.monotonic() + RECONNECT_S
+            if time.monotonic() >= give_up:
+                self._fail(error)
+                return
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, _BACKOFF_S[1])
+
+    def _answered(self, answer: object) -> bool:
+        """Hand ``answer`` to its call; False for the session's acknowledgement (call id 0)."""
+        assert isinstance(answer, pb.HostAnswer)
+        waiting = self._pending.get(answer.call_id)
+        if waiting is not None and not waiting.fut.done():
+            waiting.fut.set_result(answer)
+        return answer.call_id != 0
+
+    def _fail(self, error: Exception) -> None:
+        for entry in self._pending.values():
+            if not entry.fut.done():
+                entry.fut.set_exception(error)
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            self._runner.cancel()
+            await asyncio.gather(self._runner, return_exceptions=True)
+
+
+async def upstream_kv(
+    stream: HostCallStream | None, up: CoordinatorClient, method: str, request: Any, timeout_s: float
+) -> Any:
+    """A rank's ``KVSet`` or waiting ``KVGet``: on the host stream when the coordinator has one, else relayed
+    as a unary call. Answers the call's response; raises ``Relayed`` or the unary call's ``AioRpcError``."""
+    if stream is not None and stream.supported:
+        field = "kv_set" if method == "KVSet" else "kv_get"
+        try:
+            answer = await stream.call(pb.HostCall(**{field: request}), timeout_s)
+        except Unsupported:
+            pass
+        else:
+            if answer.HasField("error"):
+                raise Relayed.of_call(answer.error)
+            return answer.value if method == "KVGet" else pb.KVSetResponse()
+    return await up.relay(method, request, timeout_s=timeout_s)
