@@ -1,7 +1,7 @@
 """Pipeline bubble: measured idle fraction of a step against theory, per schedule and microbatch count.
 
     python benchmarks/pipeline.py [--compute-ms 20] [--steps 5] [--schedules gpipe,1f1b,interleaved_1f1b]
-                                  [--poll-us 0] [--no-torch] [--out benchmarks/results/pipeline.jsonl]
+                                  [--poll-us 0] [--no-torch] [--repeats 1] [--out benchmarks/results/pipeline.jsonl]
 
 p = 2 ranks, one stage each (interleaved: v = 2 chunks each, the p*v stages placed stage s on rank
 s mod p). Every stage spends a fixed, known time per microbatch in forward and in backward
@@ -38,7 +38,9 @@ the peer, with their ``bubble_over_torch``. Both torch rows also count busy the 
 the stage module's own code (``module_spans_over_theory``: its forward from entry to return and its backward
 function, recorded by the stand-in itself under either runtime, so the module's torch work is busy and each
 runtime's own work around it idle), with ``module_spans_over_torch`` (ours / torch's).
-One JSON line per configuration and implementation.
+One JSON line per configuration and implementation, and per repeat: ``--repeats N`` runs every
+implementation N times, the peer and our torch stages taking turns to go first (each line carries ``repeat``
+and the host's 1-minute load average before that repeat, ``load_avg_1min``; ratios to torch within a repeat).
 """
 
 from __future__ import annotations
@@ -237,10 +239,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b", help="comma-separated")
     parser.add_argument("--poll-us", type=int, default=0, help="Pipeline(poll_us=...)")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch.distributed.pipelining rows")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="run every implementation this many times, taking turns"
+    )
     parser.add_argument("--out", type=Path)
     parser.add_argument("--worker", choices=("paramplane", "torch", "torch-stages"), help=argparse.SUPPRESS)
     parser.add_argument("--store", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.worker == "paramplane":
         worker(args)
         return 0
@@ -257,6 +264,18 @@ def main(argv: list[str] | None = None) -> int:
         args.microbatches,
     ]
     cmd += ["--steps", str(args.steps), "--schedules", args.schedules, "--poll-us", str(args.poll_us)]
+    lines = []
+    for repeat in range(args.repeats):
+        # The peer and our torch stages take turns going first, so a load that drifts during a run does not
+        # always favour the same one.
+        lines += _one_run(args, cmd, repeat, peer_first=repeat % 2 == 0)
+    emit(lines, args.out)
+    return 0
+
+
+def _one_run(args: argparse.Namespace, cmd: list[str], repeat: int, *, peer_first: bool) -> list[str]:
+    """Every implementation once: its lines, with ``repeat`` and the host's 1-minute load average before."""
+    load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="paramplane-pipeline-trace-") as trace:
         env = dict(os.environ, PARAMPLANE_TRACE=trace)
         per_rank = json_lines(
@@ -268,34 +287,12 @@ def main(argv: list[str] | None = None) -> int:
     peer: dict[tuple[str, int, bool], dict[str, Any]] = {}
     torch_stage_lines: list[str] = []
     if not args.no_torch and importlib.util.find_spec("torch") is not None:
-        with tempfile.TemporaryDirectory(prefix="paramplane-pipeline-torch-") as tmp:
-            store = ["--worker", "torch", "--store", os.path.join(tmp, "store")]
-            torch_ranks = json_lines(
-                run_world(
-                    P,
-                    lambda _r: [*cmd, *store],
-                    env=os.environ,
-                    coordinator=False,
-                    timeout_s=1800.0,
-                    stderr="inherit",
-                ),
-                "torch pipeline peer",
-            )
+        torch_ranks, stage_ranks = [], []
+        for which in ("torch", "torch-stages") if peer_first else ("torch-stages", "torch"):
+            (torch_ranks if which == "torch" else stage_ranks).extend(_torch_world(cmd, which))
         for rows in zip(*torch_ranks):
             row = _torch_row(rows, args, "torch")
             peer[(row["schedule"], row["m"], row["split_rank_work"])] = row
-        # torch stage modules under pp.Pipeline: the same stand-in stages as the peer, measured the same way.
-        with tempfile.TemporaryDirectory(prefix="paramplane-pipeline-trace-") as trace:
-            stage_ranks = json_lines(
-                run_world(
-                    P,
-                    lambda _r: [*cmd, "--worker", "torch-stages"],
-                    env=dict(os.environ, PARAMPLANE_TRACE=trace),
-                    timeout_s=1800.0,
-                    stderr="inherit",
-                ),
-                "torch stages",
-            )
         for rows in zip(*stage_ranks):
             row = _torch_row(rows, args, "paramplane-torch-stages")
             theirs = peer.get((row["schedule"], row["m"], row["split_rank_work"]))
@@ -304,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["bubble_over_torch"] = row["bubble_measured"] / theirs["bubble_measured"]
                 row["torch_module_spans_over_theory"] = theirs["module_spans_over_theory"]
                 row["module_spans_over_torch"] = row["bubble_module_spans"] / theirs["bubble_module_spans"]
-            torch_stage_lines.append(json.dumps(row))
+            torch_stage_lines.append(json.dumps(row | {"repeat": repeat, "load_avg_1min": load}))
     lines = []
     for rows in zip(*per_rank):
         row = _row(rows, args)
@@ -313,10 +310,30 @@ def main(argv: list[str] | None = None) -> int:
         if theirs is not None:
             row["torch_measured_over_theory"] = theirs["measured_over_theory"]
             row["bubble_over_torch"] = row["bubble_measured"] / theirs["bubble_measured"]
-        lines.append(json.dumps(row))
-    lines += torch_stage_lines + [json.dumps(row) for row in peer.values()]
-    emit(lines, args.out)
-    return 0
+        lines.append(json.dumps(row | {"repeat": repeat, "load_avg_1min": load}))
+    extra = {"repeat": repeat, "load_avg_1min": load}
+    return lines + torch_stage_lines + [json.dumps(row | extra) for row in peer.values()]
+
+
+def _torch_world(cmd: list[str], which: str) -> list[Any]:
+    """One world of the peer (``"torch"``: torch.distributed.pipelining over gloo) or of our torch stages
+    (``"torch-stages"``: the same stand-in stages under pp.Pipeline, measured the same way): each rank's rows."""
+    with tempfile.TemporaryDirectory(prefix="paramplane-pipeline-torch-") as tmp:
+        if which == "torch":
+            extra, env, coordinator = ["--store", os.path.join(tmp, "store")], dict(os.environ), False
+        else:
+            extra, env, coordinator = [], dict(os.environ, PARAMPLANE_TRACE=tmp), True
+        return json_lines(
+            run_world(
+                P,
+                lambda _r: [*cmd, "--worker", which, *extra],
+                env=env,
+                coordinator=coordinator,
+                timeout_s=1800.0,
+                stderr="inherit",
+            ),
+            "torch pipeline peer" if which == "torch" else "torch stages",
+        )
 
 
 def _theory(m: int, v: int) -> float:

@@ -230,9 +230,14 @@ def test_bubble_benchmark_measures_idle_from_the_traced_compute(tmp_path: Path) 
     out = tmp_path / "pipeline.jsonl"
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "pipeline.py"
     args = ["--compute-ms", "4", "--microbatches", "2,4", "--steps", "1", "--out", str(out)]
+    bad = subprocess.run(
+        [sys.executable, str(script), "--repeats", "0"], capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode == 2 and "--repeats must be at least 1" in bad.stderr, bad.stderr[-2000:]
     proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     every = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(r["repeat"] == 0 and r["load_avg_1min"] >= 0 for r in every)  # one repeat by default
     rows = [r for r in every if r["impl"] == "paramplane"]
     # Every stage computes 4 ms, a chunk of an interleaved rank too, and once more with a rank's 4 ms split.
     split = {("interleaved_1f1b", None, True, m) for m in (2, 4)}
