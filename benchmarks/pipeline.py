@@ -287,7 +287,8 @@ def _one_run(args: argparse.Namespace, cmd: list[str], repeat: int, *, peer_firs
     peer: dict[tuple[str, int, bool], dict[str, Any]] = {}
     torch_stage_lines: list[str] = []
     if not args.no_torch and importlib.util.find_spec("torch") is not None:
-        torch_ranks, stage_ranks = [], []
+        torch_ranks: list[Any] = []
+        stage_ranks: list[Any] = []
         for which in ("torch", "torch-stages") if peer_first else ("torch-stages", "torch"):
             (torch_ranks if which == "torch" else stage_ranks).extend(_torch_world(cmd, which))
         for rows in zip(*torch_ranks):
