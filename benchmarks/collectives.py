@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from paramplane.launch import MALLOC_DEFAULTS
 from paramplane.local_world import run_world
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -50,7 +51,7 @@ DEFAULT_TRANSPORTS = TRANSPORTS
 ALIASES = {"grpc": "lane-tcp", "grpc-streams": "grpc-stream"}  # the names of earlier runs
 DEFAULT_SIZES = tuple(4096 * 4**i for i in range(8))  # 4 KiB .. 64 MiB
 QUICK_SIZES = (4096, 65536)
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
+MALLOC_ENV = MALLOC_DEFAULTS  # the launcher's, for paramplane ranks only
 ITEMSIZE = 4  # float32
 
 
@@ -369,8 +370,14 @@ def torch_available() -> bool:
 
 def _run_world(cfg: BenchConfig, impl: str, transport: str, world: int) -> list[dict[str, Any]]:
     """Start ``world`` rank processes for one impl/transport (``run_world``), return rank 0's rows."""
-    # Our launcher's malloc defaults for our ranks only: a peer runs at its own defaults.
-    env = dict(os.environ, **(MALLOC_ENV if impl == "paramplane" else {}))
+    # Our launcher's malloc defaults for our ranks only (a MALLOC_* set here wins, as with the launcher): a peer
+    # runs at its own defaults.
+    env = dict(os.environ)
+    for key, value in MALLOC_ENV.items():
+        if impl == "paramplane":
+            env.setdefault(key, value)
+        else:
+            env.pop(key, None)
     if impl == "paramplane":
         env.update(
             PARAMPLANE_TRANSPORT="shm" if transport == "shm" else "grpc",

@@ -26,10 +26,11 @@ from typing import Any
 import numpy as np
 
 from paramplane.benchmarks._jsonl import emit
+from paramplane.launch import MALLOC_DEFAULTS
 from paramplane.local_world import json_lines, run_world
 
 SIZES = (1024, 2048, 2048, 2048, 10)  # 2.1M + 4.2M + 4.2M + 20k weights: about 10.5M parameters
-MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
+MALLOC = MALLOC_DEFAULTS  # the launcher's, for paramplane ranks only
 THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 

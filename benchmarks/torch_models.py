@@ -55,6 +55,7 @@ from typing import Any, cast
 
 from paramplane.benchmarks._gpu import peer_rank_env
 from paramplane.benchmarks._jsonl import emit
+from paramplane.launch import MALLOC_DEFAULTS
 from paramplane.local_world import json_lines, run_world
 
 MODELS = ("gpt2", "resnet")
@@ -66,7 +67,7 @@ WRAPPERS = {
     ("torch", "fsdp"): "torch FSDP2 fully_shard (gloo)",
 }
 THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-MALLOC = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
+MALLOC = MALLOC_DEFAULTS  # the launcher's, for paramplane ranks only
 SIZE_FLAGS = ("layers", "embd", "vocab", "seq", "resnet_depth", "resnet_width", "image", "local_batch")
 
 
@@ -302,6 +303,12 @@ def _row(
         "gpu_peak_max": max(r["gpu_peak"] or 0 for r in ranks) or None,
         "threads_per_rank": 1,
         "malloc_env": impl == "paramplane" and args.malloc == "launcher",
+        # the trim threshold our ranks ran with (the launcher's was 1 GiB before 2026-11-26; a user's env wins)
+        "malloc_trim": (
+            os.environ.get("MALLOC_TRIM_THRESHOLD_", MALLOC["MALLOC_TRIM_THRESHOLD_"])
+            if impl == "paramplane" and args.malloc == "launcher"
+            else None
+        ),
     }
 
 

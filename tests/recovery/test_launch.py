@@ -161,7 +161,7 @@ def test_ranks_get_their_environment_and_every_line_is_prefixed(tmp_path: Path) 
             "PARAMPLANE_JOIN_TIMEOUT": "12.0",
             "PYTHONUNBUFFERED": "1",
             "MALLOC_MMAP_THRESHOLD_": "33554432",
-            "MALLOC_TRIM_THRESHOLD_": "1073741824",
+            "MALLOC_TRIM_THRESHOLD_": "67108864",
         }
         assert partial == "partial last line"
         assert stderr[rank] == ["to stderr"]
