@@ -2,8 +2,9 @@
 
 The agent's barrier arrivals, unique-id sets and waiting gets go to the coordinator as messages on one stream
 it holds, each answered by a message with its call id: no unary call is held open until a release. The stream
-opens on the first call; when it breaks with calls unanswered, it opens again (same session) and sends those
-calls again, for ``RECONNECT_S``; then they fail with the stream's error. Every call also has its own deadline.
+opens at the agent's first join (or first call); when it breaks with calls unanswered, it opens again (same
+session) and sends those calls again, for ``RECONNECT_S``; then they fail with the stream's error. Every call
+also has its own deadline.
 A coordinator without ``HostCalls`` (UNIMPLEMENTED) makes ``supported`` false: the agent's unary calls then.
 """
 
@@ -50,6 +51,7 @@ class HostCallStream:
         self._runner: asyncio.Task[None] | None = None
         self.supported = True
         """False once the coordinator answered UNIMPLEMENTED."""
+        self._open = asyncio.Event()  # the coordinator took the session on the current stream
 
     async def call(self, message: pb.HostCall, timeout_s: float) -> pb.HostAnswer:
         """``message``'s answer; raises ``Relayed`` (no answer within ``timeout_s``, or the stream failed for
@@ -62,7 +64,7 @@ class HostCallStream:
         self._pending[message.call_id] = entry
         try:
             if self._runner is None or self._runner.done():
-                self._runner = asyncio.ensure_future(self._run())
+                self.open()
             else:
                 await self._send(entry)
             return await asyncio.wait_for(entry.fut, timeout_s)
@@ -73,6 +75,17 @@ class HostCallStream:
             ) from None
         finally:
             del self._pending[message.call_id]
+
+    def open(self) -> None:
+        """Open the stream now (if not open): the agent does at its first join, so that its ranks' first calls
+        do not wait for the stream. Without calls waiting, a broken stream is opened again at the next call."""
+        if self.supported and (self._runner is None or self._runner.done()):
+            self._runner = asyncio.ensure_future(self._run())
+
+    async def wait_open(self) -> None:
+        """Until the stream is open (or the unary calls are to be used)."""
+        if self.supported:
+            await self._open.wait()
 
     async def _send(self, entry: _Pending) -> None:
         async with self._lock:
@@ -89,7 +102,7 @@ class HostCallStream:
         """Open the stream, send the unanswered calls, hand answers to their calls; again after a break while
         calls wait (for ``RECONNECT_S``)."""
         backoff, give_up = _BACKOFF_S[0], None
-        while self._pending:
+        while True:
             stream = self._up.host_calls()
             error: Relayed
             try:
@@ -106,6 +119,7 @@ class HostCallStream:
                             await stream.write(entry.message)
                             entry.sent_on = stream
                         self._stream = stream
+                        self._open.set()
                     backoff, give_up = _BACKOFF_S[0], None
                     while (answer := await stream.read()) is not grpc.aio.EOF:
                         self._answered(answer)
@@ -122,11 +136,13 @@ class HostCallStream:
                     # INTERNAL when grpc races the refusal with the write); the unary calls tell any other error.
                     self.supported = stream is self._stream
                     self._fail(error if self.supported else Unsupported())
+                    self._open.set()  # nothing more to wait for: the calls fail or go unary
                     return
             finally:
                 stream.cancel()
                 if self._stream is stream:
                     self._stream = None
+                    self._open.clear()
             if not self._pending:
                 return  # idle: the next call opens a stream
             give_up = give_up or time.monotonic() + RECONNECT_S

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -45,6 +46,9 @@ BARRIER_WINDOW_S = 0.02
 """Arrivals at one barrier within this long go out together (at once when every local participant arrived)."""
 
 
+STREAMS_READY_S = 2.0
+"""How long a join's answer waits for the host's streams (watch, host calls) to open before going out anyway."""
+
 _BarrierKey = tuple[int, str, tuple[int, ...]]  # epoch, name, the ranks the arrival passed
 
 
@@ -66,6 +70,7 @@ class _Hub:
     queues: list[asyncio.Queue[pb.WatchEvent | Relayed]] = field(default_factory=list)
     error: Relayed | None = None
     task: asyncio.Task[None] | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)  # the first event (or the error) came
 
 
 class HostAgent(RelayServicer):
@@ -137,6 +142,12 @@ class HostAgent(RelayServicer):
                 if not fut.done():
                     fut.set_exception(Relayed.of(e))
             return
+        # The host's streams are open before its ranks start: their first calls do not wait behind the opening.
+        first = response.members[0]
+        self._host_stream.open()
+        streams = (self._hub(first.epoch, first.rank).ready.wait(), self._host_stream.wait_open())
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*streams), STREAMS_READY_S)
         peers = pb.JoinResponse(peers=response.peers).SerializeToString()
         for (request, _, fut), member in zip(batch, response.members, strict=True):
             epoch = self._epochs.get(member.epoch)
@@ -213,14 +224,7 @@ class HostAgent(RelayServicer):
     async def Watch(
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.WatchEvent]:
-        hub = self._hubs.get(request.epoch)
-        if hub is None:
-            hub = self._hubs[request.epoch] = _Hub()
-            hub.task = asyncio.ensure_future(self._relay_watch(request, hub))
-            for old in [e for e in self._hubs if e < request.epoch - 1]:
-                dropped = self._hubs.pop(old)
-                if dropped.task is not None:
-                    dropped.task.cancel()
+        hub = self._hub(request.epoch, request.rank)
         queue: asyncio.Queue[pb.WatchEvent | Relayed] = asyncio.Queue()
         for event in hub.events:
             queue.put_nowait(event)
@@ -243,11 +247,24 @@ class HostAgent(RelayServicer):
         finally:
             hub.queues.remove(queue)
 
+    def _hub(self, epoch: int, rank: int) -> _Hub:
+        """The epoch's upstream Watch stream (subscribed as ``rank``), opened if it is not yet."""
+        hub = self._hubs.get(epoch)
+        if hub is None:
+            hub = self._hubs[epoch] = _Hub()
+            hub.task = asyncio.ensure_future(self._relay_watch(pb.WatchRequest(epoch=epoch, rank=rank), hub))
+            for old in [e for e in self._hubs if e < epoch - 1]:
+                dropped = self._hubs.pop(old)
+                if dropped.task is not None:
+                    dropped.task.cancel()
+        return hub
+
     async def _relay_watch(self, request: pb.WatchRequest, hub: _Hub) -> None:
         stream = self._up.watch_as(request.epoch, request.rank)
         try:
             async for event in stream:
                 hub.events.append(event)
+                hub.ready.set()
                 if event.kind == pb.WatchEvent.ABORT and (epoch := self._epochs.get(request.epoch)):
                     epoch.abort = pb.HeartbeatResponse(
                         aborted=True, reason=event.reason, rank=event.rank, lost=event.lost
@@ -259,6 +276,7 @@ class HostAgent(RelayServicer):
             for queue in hub.queues:
                 queue.put_nowait(hub.error)
         finally:
+            hub.ready.set()
             stream.cancel()
 
     # -- barriers and waiting gets ----------------------------------------------------------------

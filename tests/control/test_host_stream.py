@@ -243,3 +243,10 @@ async def test_an_older_coordinator_without_the_stream_gets_the_unary_calls(
         assert await asyncio.wait_for(asyncio.gather(*waiting), 30) == [b"id"] * 3
         c = await calls(status)
         assert c.get("BarrierHost") == 2 and c.get("KVSet") == 1 and not c.get("HostCalls.barrier"), c
+
+
+async def test_an_agent_opens_its_hosts_streams_before_answering_its_ranks_joins() -> None:
+    """The first barrier after the joins does not wait behind every host opening its streams."""
+    async with world(num_hosts=2, per_host=2) as (status, _):
+        c = await calls(status)
+        assert (c.get("HostCalls"), c.get("Watch")) == (2, 2), c
