@@ -9,16 +9,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+from collections.abc import Iterator, Mapping
 from types import ModuleType
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
-# Wire names of the dtypes the plane moves; bfloat16 comes from ml_dtypes on the host.
-DTYPES: dict[str, np.dtype[Any]] = {
+_PLAIN: dict[str, np.dtype[Any]] = {
     "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
     "float32": np.dtype(np.float32),
     "float64": np.dtype(np.float64),
     "int8": np.dtype(np.int8),
@@ -27,6 +25,40 @@ DTYPES: dict[str, np.dtype[Any]] = {
     "uint8": np.dtype(np.uint8),
     "bool": np.dtype(np.bool_),
 }
+_WIRE_NAMES = ("float16", "bfloat16", "float32", "float64", "int8", "int32", "int64", "uint8", "bool")
+
+
+@functools.cache
+def _bfloat16() -> np.dtype[Any]:
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def _is_bfloat16(dt: np.dtype[Any]) -> bool:
+    # No array can have ml_dtypes' bfloat16 before ml_dtypes was imported: then nothing needs importing.
+    return dt.kind == "V" and "ml_dtypes" in sys.modules and dt == _bfloat16()
+
+
+class _Dtypes(Mapping[str, "np.dtype[Any]"]):
+    """Wire name -> dtype. bfloat16 comes from ml_dtypes on the host, imported on its first use (2 MB of RSS
+    that a rank which never moves bfloat16 does not hold)."""
+
+    def __getitem__(self, name: str) -> np.dtype[Any]:
+        return _bfloat16() if name == "bfloat16" else _PLAIN[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in _WIRE_NAMES
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_WIRE_NAMES)
+
+    def __len__(self) -> int:
+        return len(_WIRE_NAMES)
+
+
+# Wire names of the dtypes the plane moves.
+DTYPES: Mapping[str, np.dtype[Any]] = _Dtypes()
 
 
 @functools.cache
@@ -81,13 +113,19 @@ def array_module(x: Any) -> ModuleType:
     return _registered(x) or np
 
 
-_NAMES = {dt: name for name, dt in DTYPES.items()}
+_NAMES = {dt: name for name, dt in _PLAIN.items()}
 
 
 def is_floating(dtype: Any) -> bool:
     """numpy/cupy floating dtypes and ml_dtypes' bfloat16 (whose numpy kind is ``"V"``, not ``"f"``)."""
     dt = np.dtype(dtype)
-    return dt.kind == "f" or dt == DTYPES["bfloat16"]
+    return dt.kind == "f" or _is_bfloat16(dt)
+
+
+def is_moved(dtype: Any) -> bool:
+    """Whether the plane moves ``dtype`` (it has a wire name in ``DTYPES``)."""
+    dt = np.dtype(dtype)
+    return dt in _NAMES or _is_bfloat16(dt)
 
 
 def dtype_name(dtype: Any) -> str:
@@ -95,6 +133,8 @@ def dtype_name(dtype: Any) -> str:
     dt = np.dtype(dtype)
     name = _NAMES.get(dt)
     if name is None:
+        if _is_bfloat16(dt):
+            return "bfloat16"
         raise ValueError(f"dtype {dt} is not supported; use one of {', '.join(DTYPES)}")
     return name
 
@@ -176,6 +216,6 @@ def to_torch(array: np.ndarray[Any, Any]) -> Any:
     """A zero-copy torch tensor over a numpy array (bfloat16 included)."""
     import torch
 
-    if array.dtype == DTYPES["bfloat16"]:
+    if _is_bfloat16(array.dtype):
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(array)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from paramplane.node.arrays import DTYPES, to_torch, torch_cpu_view
+from paramplane.node.arrays import DTYPES, is_moved, to_torch, torch_cpu_view
 
 __all__ = [
     "CommStream",
@@ -73,9 +73,6 @@ class EndOfBackward:
             queue_backward_callback(self._fn)
 
 
-_MOVED = frozenset(DTYPES.values())
-
-
 def to_array(tensor: Any, what: str) -> Any:
     """A zero-copy view of a torch tensor: numpy for a CPU tensor (bfloat16 through an int16 view, as
     ml_dtypes'), cupy for a CUDA tensor. ``what`` names the tensor in errors."""
@@ -88,7 +85,7 @@ def to_array(tensor: Any, what: str) -> Any:
         view = torch_cpu_view(tensor)
     except (BufferError, TypeError, RuntimeError) as exc:
         raise ValueError(f"{what} ({tensor.dtype}) cannot be seen by numpy: {exc}") from None
-    if view.dtype not in _MOVED:
+    if not is_moved(view.dtype):
         raise ValueError(
             f"{what} is {tensor.dtype}, which the plane does not move; use one of {', '.join(DTYPES)}"
         )
@@ -109,7 +106,7 @@ def _cuda_view(tensor: Any, what: str) -> Any:
         )
     with torch_stream(tensor):  # DLPack's producer waits are then on one stream: no synchronisation
         view = cupy.from_dlpack(tensor.detach())
-    if view.dtype not in DTYPES.values():
+    if not is_moved(view.dtype):
         raise ValueError(
             f"{what} is {tensor.dtype}, which the plane does not move; use one of {', '.join(DTYPES)}"
         )
