@@ -4,12 +4,15 @@ Each simulated host runs the launcher's agent (``paramplane.host_agent.HostAgent
 coordinator through the project's ``CoordinatorClient``); its simulated ranks make the calls a rank's client
 makes (join, heartbeat with progress every interval, watch, barriers, unique-id set / waiting get) on the
 agent's service methods in process. The rank-to-agent hop (a Unix socket on a real host, on that host's own
-cores) is left out: what is measured is the coordinator's side and the agents' batching.
+cores) is left out: what is measured is the coordinator's side and the agents' batching. ``sim_agents_hop``
+puts it in: each agent serves its Unix socket and each rank is a ``CoordinatorClient`` of it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -17,9 +20,11 @@ from typing import Any
 import grpc
 
 from paramplane.benchmarks._control_plane_rounds import new_out, plan
+from paramplane.coordinator.server import add_servicer
 from paramplane.host_agent import HostAgent, Relayed
 from paramplane.node.coord_client import CoordinatorClient
 from paramplane.protos import coordinator_pb2 as pb
+from paramplane.protos.auth import TokenAuthInterceptor
 from paramplane.protos.net import prefer_control_latency
 
 
@@ -123,3 +128,43 @@ async def sim_agents(
     for agent in agents.values():
         await agent.stop()
     return out
+
+
+async def sim_agents_hop(
+    address: str, n: int, hosts: int, procs: int, index: int, steady_s: float, rounds: int
+) -> dict[str, Any]:
+    """Simulator ``index``'s hosts, each a real agent serving a Unix socket (as ``paramplane launch`` does), and
+    their ranks, each a ``CoordinatorClient`` of its host's socket: the rank-to-agent hop included."""
+    from paramplane.benchmarks.control_plane import TIMEOUT_S, _my_ranks, _sim_paramplane
+
+    prefer_control_latency()  # as ``paramplane launch`` does in the agents' process
+    plain_channel = grpc.aio.insecure_channel
+
+    def own_connection(target: str, options: Any = None, *args: Any, **kw: Any) -> Any:
+        return plain_channel(target, [*(options or []), ("grpc.use_local_subchannel_pool", 1)], *args, **kw)
+
+    grpc.aio.insecure_channel = own_connection  # one connection per host, as separate hosts have
+    folder = tempfile.mkdtemp(prefix="pp-cp-agents-")
+    agents: dict[int, HostAgent] = {}
+    servers: list[grpc.aio.Server] = []
+    sockets: dict[int, str] = {}
+    try:
+        for _, host in _my_ranks(n, hosts, procs, index):
+            if host in agents:
+                continue
+            upstream = CoordinatorClient(address, call_timeout_s=TIMEOUT_S)
+            agents[host] = HostAgent(upstream, host_id=f"sim-host-{host}", num_local=n // hosts)
+            server = grpc.aio.server(interceptors=[TokenAuthInterceptor(None)])  # as agent_server.py serves
+            add_servicer(agents[host], server, agents[host].num_calls)
+            sockets[host] = f"unix:{folder}/agent-{host}.sock"
+            server.add_insecure_port(sockets[host])
+            await server.start()
+            servers.append(server)
+            agents[host].start()
+        return await _sim_paramplane(address, n, hosts, procs, index, steady_s, rounds, agents=sockets)
+    finally:
+        for server in servers:
+            await server.stop(0)
+        for agent in agents.values():
+            await agent.stop()
+        shutil.rmtree(folder, ignore_errors=True)

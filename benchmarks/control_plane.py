@@ -20,7 +20,10 @@ spread over H simulated hosts (host ids) and P simulator processes. Per world si
 With ``--impls agent`` the same runs through host agents (``paramplane launch --coordinator``'s design): one
 ``HostAgent`` per simulated host batches its ranks' joins, heartbeats and barrier arrivals into one call per
 host, holds one Watch stream per host and shares one waiting get per key (``_control_plane_agent.py``); rows
-say ``paramplane-agent``.
+say ``paramplane-agent``. Its simulated ranks call the agent's service methods in process: the rank-to-agent
+hop (a Unix socket, on a real host run by the host's own cores) is left out. ``--impls agent-hop`` puts it in:
+each simulated rank is then a ``CoordinatorClient`` of its agent's Unix socket, as a rank process is (rows say
+``paramplane-agent-hop``); that hop's work then shares this machine's cores with the coordinator.
 
 TCPStore (libuv server in its own process; one client per simulated rank, threads in P processes) runs the
 same rendezvous (``add`` + ``wait``, as torch's static rendezvous does), barrier and unique-id fan-outs.
@@ -73,8 +76,17 @@ def _my_ranks(n: int, hosts: int, procs: int, index: int) -> list[tuple[int, int
 
 # -- paramplane simulator ---------------------------------------------------------------------------------------
 async def _sim_paramplane(
-    address: str, n: int, hosts: int, procs: int, index: int, steady_s: float = STEADY_S, rounds: int = ROUNDS
+    address: str,
+    n: int,
+    hosts: int,
+    procs: int,
+    index: int,
+    steady_s: float = STEADY_S,
+    rounds: int = ROUNDS,
+    agents: dict[int, str] | None = None,
 ) -> dict[str, Any]:
+    """The ranks of simulator ``index``, each a ``CoordinatorClient`` of ``address`` (or of its host's agent
+    socket in ``agents``, host -> address)."""
     import asyncio
 
     import grpc
@@ -91,7 +103,9 @@ async def _sim_paramplane(
     grpc.aio.insecure_channel = own_connection
     ranks = _my_ranks(n, hosts, procs, index)
     per_host = n // hosts
-    clients = {r: CoordinatorClient(address, call_timeout_s=TIMEOUT_S) for r, _ in ranks}
+    clients = {
+        r: CoordinatorClient(agents[h] if agents else address, call_timeout_s=TIMEOUT_S) for r, h in ranks
+    }
     await asyncio.get_running_loop().run_in_executor(None, _ready_then_go)
     out = new_out(rounds)
     silent = n - 1  # the rank that stops heartbeating at the end
@@ -314,7 +328,7 @@ def _measure(
             sampler.start()
             parts = _run_sims(impl, target, n, hosts, procs, steady_s, rounds)
             sampler.done.set()
-            row = _summary("paramplane-agent" if impl == "agent" else impl, n, hosts, procs, parts)
+            row = _summary(_ROW_NAMES.get(impl, impl), n, hosts, procs, parts)
             if impl != "tcpstore":
                 start, end = max(p["steady"][0] for p in parts), min(p["steady"][1] for p in parts)
                 row["cpu_steady"], row["rss_mb"] = sampler.window(start + 1.0, end)
@@ -331,6 +345,9 @@ def _measure(
     return row
 
 
+_ROW_NAMES = {"agent": "paramplane-agent", "agent-hop": "paramplane-agent-hop"}
+
+
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -342,7 +359,9 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
                ("cpu_steady", "coordinator CPU, steady (cores)"), ("rss_mb", "server memory (MB)")]  # fmt: skip
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
     for ax, (key, title) in zip(axes.flat, figures):
-        for impl, style in (("paramplane", "o-"), ("paramplane-agent", "^-"), ("tcpstore", "s--")):
+        styles = (("paramplane", "o-"), ("paramplane-agent", "^-"), ("paramplane-agent-hop", "v:"),
+                  ("tcpstore", "s--"))  # fmt: skip
+        for impl, style in styles:
             pts = sorted(
                 (r["world_size"], r[key]) for r in rows if r["impl"] == impl and r.get(key) is not None
             )
@@ -367,8 +386,9 @@ def main(argv: list[str] | None = None) -> int:
         "--impls",
         nargs="+",
         default=["paramplane", "agent", "tcpstore"],
-        choices=["paramplane", "agent", "tcpstore"],
-        help="paramplane: every rank calls the coordinator; agent: through one host agent per host",
+        choices=["paramplane", "agent", "agent-hop", "tcpstore"],
+        help="paramplane: every rank calls the coordinator; agent: through one host agent per host, the ranks "
+        "calling its methods in process; agent-hop: the same with each rank a client of its agent's Unix socket",
     )
     parser.add_argument("--out", type=Path)
     parser.add_argument(
@@ -384,7 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tcpstore-max", type=int, default=4096, help="largest world size run on TCPStore")
     parser.add_argument("--plot", type=Path, help="draw the log-log figure of --out's rows here")
     parser.add_argument("--plot-only", action="store_true", help="only draw --plot from the rows in --out")
-    parser.add_argument("--sim", choices=["paramplane", "agent", "tcpstore"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--sim", choices=["paramplane", "agent", "agent-hop", "tcpstore"], help=argparse.SUPPRESS
+    )
     parser.add_argument("--store-server", help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
@@ -400,6 +422,16 @@ def main(argv: list[str] | None = None) -> int:
 
         result = asyncio.run(
             _sim_paramplane(args.target, args.n, args.hosts, args.procs, args.index, args.steady, args.rounds)
+        )
+        print(json.dumps(result), flush=True)
+        return 0
+    if args.sim == "agent-hop":
+        import asyncio
+
+        from paramplane.benchmarks._control_plane_agent import sim_agents_hop
+
+        result = asyncio.run(
+            sim_agents_hop(args.target, args.n, args.hosts, args.procs, args.index, args.steady, args.rounds)
         )
         print(json.dumps(result), flush=True)
         return 0
