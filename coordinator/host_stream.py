@@ -33,6 +33,8 @@ SESSION_GRACE_S = 10.0
 """How long a session whose stream ended keeps its waiting calls and their answers for a new stream."""
 KEPT_ANSWERS = 1024
 """Answers a session keeps after writing them, for a call the agent sends again after a broken stream."""
+KEPT_BYTES = 16 * 1024 * 1024
+"""At most this many bytes of them (a waiting get's value may be large)."""
 
 Block = Callable[[Callable[[int], None], float], Awaitable[object]]
 Sync = Callable[[Callable[[], Any]], Awaitable[Any]]
@@ -49,6 +51,7 @@ class _Session:
         self.running: dict[int, asyncio.Task[None]] = {}
         self.unsent: dict[int, pb.HostAnswer] = {}
         self.sent: collections.OrderedDict[int, pb.HostAnswer] = collections.OrderedDict()
+        self.sent_bytes = 0
         self.expiry: asyncio.TimerHandle | None = None
 
 
@@ -181,9 +184,12 @@ class HostStreams:
                 except Exception:  # the stream broke: the answer waits for the session's next stream
                     return
                 del session.unsent[call_id]
+                if (again := session.sent.pop(call_id, None)) is not None:  # an answer sent a second time
+                    session.sent_bytes -= again.ByteSize()
                 session.sent[call_id] = answer
-                if len(session.sent) > KEPT_ANSWERS:
-                    session.sent.popitem(last=False)
+                session.sent_bytes += answer.ByteSize()
+                while len(session.sent) > KEPT_ANSWERS or session.sent_bytes > KEPT_BYTES:
+                    session.sent_bytes -= session.sent.popitem(last=False)[1].ByteSize()
 
 
 def _lost(call_id: int) -> pb.HostAnswer:

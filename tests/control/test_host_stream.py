@@ -19,6 +19,7 @@ import pytest
 
 from paramplane import CollectiveTimeout, WorldAborted
 from paramplane.agent_server import AgentThread
+from paramplane.coordinator import host_stream
 from paramplane.coordinator.server import CoordinatorConfig, CoordinatorServer
 from paramplane.coordinator.service import CoordinatorService
 from paramplane.host_agent import HostAgent, Relayed
@@ -250,3 +251,34 @@ async def test_an_agent_opens_its_hosts_streams_before_answering_its_ranks_joins
     async with world(num_hosts=2, per_host=2) as (status, _):
         c = await calls(status)
         assert (c.get("HostCalls"), c.get("Watch")) == (2, 2), c
+
+
+async def test_a_resent_call_whose_answer_is_no_longer_kept_is_answered_lost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Answers kept for calls sent again are bounded in bytes (a get's value may be large): one past the bound
+    is answered with an error at once, not done again and not left to its deadline."""
+    monkeypatch.setattr(host_stream, "KEPT_BYTES", 300)
+    server = await CoordinatorServer.start(CoordinatorConfig(port=0, world_size=1, heartbeat_timeout_s=120))
+    rank = CoordinatorClient(server.address, call_timeout_s=10.0)
+    try:
+        await rank.join(host_id="h", peer_address="127.0.0.1:7000", instance_id="i0", timeout_s=20)
+        assert rank.membership is not None
+        await rank.kv_set("uid", b"u" * 200)
+        get = pb.KVGetRequest(epoch=rank.membership.epoch, key="uid", wait=True, timeout_s=10)
+        stream = rank.host_calls()
+        await stream.write(pb.HostCall(session="s"))
+        assert await asyncio.wait_for(answer_of(stream), 30) == pb.HostAnswer()
+        for call_id in (1, 2):  # the second answer pushes the first out of the 300 bytes kept
+            await stream.write(pb.HostCall(call_id=call_id, kv_get=get))
+            answer = await asyncio.wait_for(answer_of(stream), 30)
+            assert (answer.call_id, answer.value.value) == (call_id, b"u" * 200), answer
+        await stream.write(pb.HostCall(call_id=2, resent=True, kv_get=get))
+        assert (await asyncio.wait_for(answer_of(stream), 30)).value.value == b"u" * 200
+        await stream.write(pb.HostCall(call_id=1, resent=True, kv_get=get))
+        lost = await asyncio.wait_for(answer_of(stream), 30)
+        assert (lost.call_id, lost.error.code) == (1, "UNAVAILABLE") and "lost" in lost.error.details, lost
+        stream.cancel()
+    finally:
+        await rank.close()
+        await server.stop(grace=0.1)
