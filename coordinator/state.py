@@ -660,7 +660,7 @@ class CoordinatorState:
             # Ops every rank completed can no longer make anyone wait: forget when they were issued.
             done = min(q.completed for q in per_rank.values())
             del marks[: max(bisect.bisect_right(marks, (done, math.inf)) - 1, 0)]
-            stuck: dict[int, float] = {}
+            waiting: dict[int, float] = {}
             # The most any other rank issued, for every rank at once: the top two (O(ranks) per tick, not O(ranks²)).
             top = heapq.nlargest(2, ((q.issued, r) for r, q in per_rank.items()))
             (most, leader), second = top[0], (top[1][0] if len(top) > 1 else -1)
@@ -671,17 +671,20 @@ class CoordinatorState:
                 # later: a group idle for long is not stuck the moment one rank issues the next op.
                 first = bisect.bisect_left(marks, (p.completed + 1, -math.inf))
                 since = max(p.changed_at, marks[first][1] if first < len(marks) else now)
-                if now - since > self._progress_timeout_s:
-                    stuck[rank] = now - since
-            if not stuck:
+                waiting[rank] = now - since
+            longest = max(waiting.values(), default=0.0)
+            if longest <= self._progress_timeout_s:
                 continue
-            rank = min(stuck, key=lambda r: (per_rank[r].issued, per_rank[r].completed, r))
+            # Blame the rank furthest behind among all the waited-on ones, not only those past the timeout: the
+            # ranks waiting on a laggard are waited on too, and one whose last report came in a beat earlier
+            # than the laggard's would otherwise be named first.
+            rank = min(waiting, key=lambda r: (per_rank[r].issued, per_rank[r].completed, r))
             p = per_rank[rank]
             leader = max(per_rank, key=lambda r: per_rank[r].issued)
             self._abort(
                 world,
                 rank,
-                f"rank {rank} made no progress on group {group!r} for {stuck[rank]:.1f} s "
+                f"rank {rank} made no progress on group {group!r} for {longest:.1f} s "
                 f"(issued {p.issued}, completed {p.completed}) while rank {leader} issued "
                 f"{per_rank[leader].issued}: rank {rank} is stuck or waits on something outside the plane",
                 lost=True,

@@ -440,3 +440,20 @@ def test_an_abort_reported_lost_by_a_host_agent_names_the_dead_rank_with_its_rea
     s.abort(1, 1, "rank 1 (pid 7, host a) was killed by SIGKILL", lost=True)
     [event] = s.take_effects().events
     assert (event.rank, event.lost, event.reason) == (1, True, "rank 1 (pid 7, host a) was killed by SIGKILL")
+
+
+def test_the_laggard_is_named_even_when_a_waiting_rank_reported_a_beat_earlier() -> None:
+    """Ranks 0 and 2 issue op 2 and wait; rank 1 stalls after op 1, and its report of finishing op 1 arrives a
+    beat after theirs. The first tick past the timeout names rank 1 (issued 1), not rank 0, whose own wait
+    crossed the timeout first."""
+    s = state(3, heartbeat_timeout_s=1e9, progress_timeout_s=2.0)
+    form(s, ["a", "a", "a"], now=0.0)
+    for rank in (0, 2):
+        s.heartbeat(1, rank, {"world": (2, 1)}, now=10.0)
+    s.heartbeat(1, 1, {"world": (1, 1)}, now=10.1)
+    s.tick(11.9)
+    assert not s.take_effects().events
+    s.tick(12.04)  # ranks 0 and 2 have waited 2.04 s, rank 1 has been idle 1.94 s since its report
+    [event] = s.take_effects().events
+    assert event.kind is EventKind.ABORT and event.rank == 1 and event.lost
+    assert "rank 1 made no progress on group 'world' for 2.0 s (issued 1, completed 1)" in event.reason
