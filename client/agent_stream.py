@@ -60,20 +60,20 @@ class HostCallStream:
             raise Unsupported
         self._last_id += 1
         message.call_id = self._last_id
-        entry = _Pending(message, asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        entry = _Pending(message, loop.create_future())
         self._pending[message.call_id] = entry
+        # The deadline fails the call's own future (not ``wait_for``: its extra future costs the answer one more
+        # turn of the event loop before the call resumes, on the release path of every barrier).
+        deadline = loop.call_later(timeout_s, _expire, entry.fut, message.call_id, timeout_s)
         try:
             if self._runner is None or self._runner.done():
                 self.open()
             else:
                 await self._send(entry)
-            return await asyncio.wait_for(entry.fut, timeout_s)
-        except asyncio.TimeoutError:
-            raise Relayed(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"the coordinator did not answer host call {message.call_id} within {timeout_s:.1f} s",
-            ) from None
+            return await entry.fut
         finally:
+            deadline.cancel()
             del self._pending[message.call_id]
 
     def open(self) -> None:
@@ -169,6 +169,16 @@ class HostCallStream:
         if self._runner is not None:
             self._runner.cancel()
             await asyncio.gather(self._runner, return_exceptions=True)
+
+
+def _expire(fut: asyncio.Future[pb.HostAnswer], call_id: int, timeout_s: float) -> None:
+    if not fut.done():
+        fut.set_exception(
+            Relayed(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the coordinator did not answer host call {call_id} within {timeout_s:.1f} s",
+            )
+        )
 
 
 async def upstream_kv(

@@ -90,6 +90,7 @@ class HostAgent(RelayServicer):
         self._hubs: dict[int, _Hub] = {}
         self._barriers: dict[_BarrierKey, list[tuple[pb.BarrierRequest, asyncio.Future[Relayed | None]]]] = {}
         self._barrier_flush: dict[_BarrierKey, asyncio.TimerHandle] = {}
+        self._barrier_local: dict[_BarrierKey, int] = {}  # a waiting barrier's local participants
         self._beating: asyncio.Task[None] | None = None
         self._host_stream = HostCallStream(upstream)
 
@@ -292,11 +293,13 @@ class HostAgent(RelayServicer):
         # The arrival's own future, answered with its error or None: no shield, no exception to retrieve (a
         # rank that went away cancels only its own), one wake-up per rank on release.
         fut: asyncio.Future[Relayed | None] = asyncio.get_running_loop().create_future()
-        arrivals = self._barriers.setdefault(key, [])
+        arrivals = self._barriers.get(key)
+        if arrivals is None:  # the first local arrival counts the local participants, once per barrier
+            arrivals = self._barriers[key] = []
+            everyone = set(request.ranks) if request.ranks else range(epoch.world_size)
+            self._barrier_local[key] = sum(r in everyone for r in epoch.ranks)
         arrivals.append((request, fut))
-        everyone = set(request.ranks) if request.ranks else range(epoch.world_size)
-        local = sum(r in everyone for r in epoch.ranks)
-        if len(arrivals) >= local:
+        if len(arrivals) >= self._barrier_local[key]:
             self._flush_barrier(key)
         elif key not in self._barrier_flush:
             self._barrier_flush[key] = asyncio.get_running_loop().call_later(
@@ -312,6 +315,7 @@ class HostAgent(RelayServicer):
         if timer is not None:
             timer.cancel()
         arrivals = self._barriers.pop(key, [])
+        self._barrier_local.pop(key, None)
         if arrivals:
             self._spawn(self._barrier_batch(arrivals))
 

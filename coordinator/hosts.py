@@ -160,18 +160,11 @@ async def barrier_host(
     state: CoordinatorState, block: BlockMany, request: pb.BarrierHostRequest
 ) -> pb.BarrierHostResponse:
     """Every arriving rank of the request arrives at the barrier; answers each arrival's outcome."""
+    epoch, name, ranks, timeout_s = request.epoch, request.name, list(request.ranks), request.timeout_s
 
     def arriving(rank: int) -> Callable[[int], None]:
         def register(waiter: int) -> None:
-            state.barrier(
-                request.epoch,
-                request.name,
-                rank,
-                list(request.ranks),
-                request.timeout_s,
-                waiter,
-                time.monotonic(),
-            )
+            state.barrier(epoch, name, rank, ranks, timeout_s, waiter, time.monotonic())
 
         return register
 

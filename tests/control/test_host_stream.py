@@ -19,6 +19,7 @@ import pytest
 
 from paramplane import CollectiveTimeout, WorldAborted
 from paramplane.agent_server import AgentThread
+from paramplane.agent_stream import HostCallStream
 from paramplane.coordinator import host_stream
 from paramplane.coordinator.server import CoordinatorConfig, CoordinatorServer
 from paramplane.coordinator.service import CoordinatorService
@@ -280,5 +281,40 @@ async def test_a_resent_call_whose_answer_is_no_longer_kept_is_answered_lost(
         assert (lost.call_id, lost.error.code) == (1, "UNAVAILABLE") and "lost" in lost.error.details, lost
         stream.cancel()
     finally:
+        await rank.close()
+        await server.stop(grace=0.1)
+
+
+async def test_a_host_call_the_coordinator_does_not_answer_fails_at_its_deadline_and_the_stream_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The agent's own deadline on each call of its stream: a call left unanswered fails typed
+    (DEADLINE_EXCEEDED) at its deadline, not later, and the calls after it are answered on the same stream."""
+
+    async def never(*args: Any) -> Any:
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(host_stream, "barrier_host", never)
+    server = await CoordinatorServer.start(CoordinatorConfig(port=0, world_size=1, heartbeat_timeout_s=120))
+    rank = CoordinatorClient(server.address, call_timeout_s=10.0)
+    upstream = CoordinatorClient(server.address, call_timeout_s=10.0)
+    stream = HostCallStream(upstream)
+    try:
+        await rank.join(host_id="h", peer_address="127.0.0.1:7000", instance_id="i0", timeout_s=20)
+        assert rank.membership is not None
+        epoch = rank.membership.epoch
+        barrier = pb.BarrierHostRequest(epoch=epoch, name="b", arriving=[0], timeout_s=60)
+        started = time.monotonic()
+        with pytest.raises(Relayed) as failed:
+            await asyncio.wait_for(stream.call(pb.HostCall(barrier=barrier), 0.5), 30)
+        assert failed.value.code is grpc.StatusCode.DEADLINE_EXCEEDED, failed.value
+        assert 0.4 < time.monotonic() - started < 10.0
+        kv_set = pb.HostCall(kv_set=pb.KVSetRequest(epoch=epoch, key="k", value=b"v"))
+        answer = await asyncio.wait_for(stream.call(kv_set, 10.0), 30)
+        assert not answer.HasField("error"), answer
+        assert await rank.kv_get("k") == b"v"
+    finally:
+        await stream.close()
+        await upstream.close()
         await rank.close()
         await server.stop(grace=0.1)
