@@ -28,6 +28,12 @@ included). A row reports the slowest rank's median and the
 largest peaks; paramplane rows carry ratios against torch's row of the same model, wrapper and world
 (``step_vs_torch``, ``train_peak_vs_torch``: below 1 is better). One JSON line per configuration.
 
+Rows also carry ``cpu_s_median`` (the process's CPU seconds per step, all its threads) and ``faults_median``
+(minor page faults per step), with ``cpu_vs_torch``: the work a step costs, less distorted than its wall time
+when other load shares the host. ``--phase-peaks``: each phase's resident peak as well (``phase_peaks_max``:
+forward, backward, the first optimizer step, later ones; the peak is reset at each phase's end, so a phase's
+peak starts from what the previous one left resident).
+
 ``--bucket-mb N`` (a diagnostic, not both at their defaults): both DDPs with N MiB buckets (``bucket_mb`` /
 ``bucket_cap_mb``), to see what each pays per bucket; ``--grad-as-view``: both with
 ``gradient_as_bucket_view=True``.
@@ -75,6 +81,10 @@ def _rss_peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _minflt() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _reset_hwm() -> bool:
     """Reset this process's VmHWM (Linux: ``5`` to ``clear_refs``); False where that is not possible."""
     try:
@@ -92,6 +102,16 @@ def _hwm(field: str = "VmHWM") -> int | None:
     except OSError:
         pass
     return None
+
+
+def _phase(peaks: dict[str, int], name: str, on: bool) -> None:
+    """``--phase-peaks``: record the resident peak since the last phase under ``name`` (the largest over the
+    steps) and reset it, so each phase's peak is its own."""
+    if not on:
+        return
+    peak = _hwm() or 0
+    peaks[name] = max(peaks.get(name, 0), peak)
+    _reset_hwm()
 
 
 def build(model: str, args: argparse.Namespace) -> tuple[Any, Any]:
@@ -194,21 +214,33 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     hwm_reset = _reset_hwm()
     train_rss_start = _hwm("VmRSS")
     times = []
+    phases: dict[str, int] = {}
+    cpu, faults = [], []
     for i in range(args.warmup + args.steps):
-        t = time.perf_counter()
+        t, c, f = time.perf_counter(), time.process_time(), _minflt()
         opt.zero_grad(set_to_none=True)
-        wrapped(**batch).loss.backward()
+        loss = wrapped(**batch).loss
+        _phase(phases, "forward", args.phase_peaks and hwm_reset)
+        loss.backward()
+        del loss
+        _phase(phases, "backward", args.phase_peaks and hwm_reset)
         opt.step()
+        _phase(phases, "step1" if i == 0 else "step", args.phase_peaks and hwm_reset)
         if cuda:
             torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - t)
+            cpu.append(time.process_time() - c)
+            faults.append(_minflt() - f)
     out = {
         "params": params,
         "times": times,
+        "cpu": cpu,
+        "faults": faults,
         "rss_peak": _rss_peak(),
         "rss_growth": _rss_peak() - rss_start,
-        "train_rss_peak": _hwm() if hwm_reset else None,
+        "train_rss_peak": (max([*phases.values(), _hwm() or 0]) if phases else _hwm()) if hwm_reset else None,
+        "phase_peaks": phases or None,
         "train_rss_start": train_rss_start,
         "gpu_peak": int(torch.cuda.max_memory_allocated()) if cuda else None,
     }
@@ -237,6 +269,7 @@ def _spawn(impl: str, model: str, mode: str, world: int, args: argparse.Namespac
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     cmd += ["--device", args.device, "--bucket-mb", str(args.bucket_mb)]
     cmd += ["--grad-as-view"] if args.grad_as_view else []
+    cmd += ["--phase-peaks"] if args.phase_peaks else []
     rank_env = None
     if args.device == "cuda":
         import torch
@@ -296,11 +329,16 @@ def _row(
         "warmup": args.warmup,
         "step_s_median": max(statistics.median(r["times"]) for r in ranks),
         "step_s_min": min(min(r["times"]) for r in ranks),
+        # CPU seconds of the process (all its threads) per step, and minor page faults per step: the work a
+        # step costs, less distorted by other load on the host than its wall time
+        "cpu_s_median": max(statistics.median(r["cpu"]) for r in ranks),
+        "faults_median": max(statistics.median(r["faults"]) for r in ranks),
         "train_rss_peak_max": None if None in train_peaks else max(train_peaks),
         "train_rss_start_max": max(r.get("train_rss_start") or 0 for r in ranks) or None,
         "rss_peak_max": max(r["rss_peak"] for r in ranks),
         "rss_growth_max": max(r["rss_growth"] for r in ranks),
         "gpu_peak_max": max(r["gpu_peak"] or 0 for r in ranks) or None,
+        **({"phase_peaks_max": _phase_max(ranks)} if args.phase_peaks else {}),
         "threads_per_rank": 1,
         "malloc_env": impl == "paramplane" and args.malloc == "launcher",
         # the trim threshold our ranks ran with (the launcher's was 1 GiB before 2026-11-26; a user's env wins)
@@ -310,6 +348,15 @@ def _row(
             else None
         ),
     }
+
+
+def _phase_max(ranks: list[dict[str, Any]]) -> dict[str, int]:
+    """Per phase, the largest rank's resident peak."""
+    out: dict[str, int] = {}
+    for r in ranks:
+        for name, peak in (r.get("phase_peaks") or {}).items():
+            out[name] = max(out.get(name, 0), peak)
+    return out
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
@@ -329,6 +376,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         if peer is None:
             continue
         row["step_vs_torch"] = row["step_s_median"] / peer["step_s_median"]
+        if row.get("cpu_s_median") and peer.get("cpu_s_median"):
+            row["cpu_vs_torch"] = row["cpu_s_median"] / peer["cpu_s_median"]
         row["rss_peak_vs_torch"] = row["rss_peak_max"] / peer["rss_peak_max"]
         if row["train_rss_peak_max"] and peer["train_rss_peak_max"]:
             row["train_peak_vs_torch"] = row["train_rss_peak_max"] / peer["train_rss_peak_max"]
@@ -373,6 +422,11 @@ def main(argv: list[str] | None = None) -> int:
         "--grad-as-view",
         action="store_true",
         help="both DDPs with gradient_as_bucket_view=True (not their default)",
+    )
+    parser.add_argument(
+        "--phase-peaks",
+        action="store_true",
+        help="also report each phase's resident peak (forward, backward, first and later optimizer steps)",
     )
     parser.add_argument(
         "--malloc",
