@@ -16,7 +16,11 @@ buffer and starts ``all_reduce(op, async_op=True)``. Buckets always start in the
 order (bucket i never before bucket i-1), so every rank issues the same collectives in
 the same order. ``finish_gradient_sync()`` (run by the optimizer's step pre-hook after
 ``attach``) starts the buckets that are not complete, waits for all of them and writes
-the averaged gradients into ``p.grad``.
+the averaged gradients into ``p.grad``. A host (numpy) bucket makes each ``p.grad`` a view of its slot when it
+starts (the backward's own copy is dropped then), hands its buffer over to those gradients at the end of the
+round and takes a new one when its next round packs: gradients are held once, not once in ``.grad`` and once
+in the bucket, and no later round writes into a gradient handed out. A CUDA bucket keeps its buffer and
+copies into ``p.grad``, as torch's reducer does.
 
 The first synchronised backward only counts hook calls (all its buckets are reduced at
 finish, without overlap); later ones start a bucket once each parameter has had as many
@@ -104,7 +108,9 @@ class DDP:
         ``gradient_as_bucket_view=True`` (torch's keyword, False by default as there): after a synchronised
         backward each ``p.grad`` is a view of its bucket, so the gradients are held once instead of twice (the
         backward's own gradient is copied in and dropped when its bucket starts, and no copy back is made);
-        backwards accumulate into the views in place."""
+        backwards accumulate into the views in place, and the buckets keep their buffers. With False, host
+        buckets also hold the gradients once, but hand their buffers over after each sync (module
+        docstring): what ``.grad`` holds is never written by a later round, as with torch's default."""
         torch_module = is_torch_module(module)
         if not isinstance(module, Module) and not torch_module:
             raise ValueError(
@@ -241,7 +247,7 @@ class DDP:
             p = self._params[i]
             grad, base = p.grad, self._base.get(i)
             bucket.pack(k, grad if base is None or grad is None else grad - base)
-            if self.gradient_as_bucket_view and grad is not None and not bucket.holds(k, grad):
+            if self._as_view(bucket) and grad is not None and not bucket.holds(k, grad):
                 p.grad = bucket.slot(k).reshape(p.shape)  # the backward's own copy is dropped here
         bucket.seal()
         bucket.launched = True
@@ -256,6 +262,13 @@ class DDP:
         with self._path.comm_stream():  # CUDA: beside the backward's stream, as torch's NCCL work
             bucket.work = self.group.all_reduce(wire, self.reduce_op, async_op=True)
         self._next_launch += 1
+
+    def _as_view(self, bucket: Bucket) -> bool:
+        """Whether this round's reduced gradients are views of ``bucket``: always with
+        ``gradient_as_bucket_view``; else for a host (numpy) bucket, which then hands its buffer over to them
+        at the end of the round and takes a new one for the next (so gradients are held once, not once in
+        ``.grad`` and once in the bucket, and no copy back is made). CUDA buckets keep torch's layout."""
+        return self.gradient_as_bucket_view or bucket.on_host
 
     def finish_gradient_sync(self) -> None:
         """Start the buckets still waiting, wait for every all-reduce and write ``p.grad``.
@@ -281,7 +294,9 @@ class DDP:
                 if bucket.wire is not None and bucket.wire is not bucket.flat:
                     bucket.flat[...] = bucket.wire
             for bucket in self._buckets:
-                bucket.unpack(self._params, self.gradient_as_bucket_view)
+                bucket.unpack(self._params, self._as_view(bucket))
+                if not self.gradient_as_bucket_view and self._as_view(bucket):
+                    bucket.hand_over()
             for i, base in self._base.items():
                 grad = self._params[i].grad
                 if grad is not None:

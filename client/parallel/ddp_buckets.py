@@ -97,7 +97,9 @@ class Bucket:
     index: int
     params: list[int]
     offsets: list[tuple[int, int]]
-    flat: Array
+    storage: Array | None
+    """The flat buffer (``flat``); None once :meth:`hand_over` gave it to the gradients, until the next round
+    takes a new one."""
     fired: list[int] = field(default_factory=list)
     """Grad-hook calls per parameter in the current round."""
     waiting: int = 0
@@ -110,6 +112,12 @@ class Bucket:
     missing: list[int] = field(default_factory=list)
     """Parameters packed without a gradient this round (then the flags, summed over ranks, are read back)."""
 
+    def __post_init__(self) -> None:
+        assert self.storage is not None
+        self._xp: ModuleType = array_module(self.storage)
+        self._dtype = self.storage.dtype
+        self.on_host = isinstance(self.storage, np.ndarray)
+
     @classmethod
     def build(cls, index: int, indices: list[int], all_params: Sequence[Parameter]) -> Bucket:
         first = all_params[indices[0]]
@@ -121,6 +129,19 @@ class Bucket:
             start += all_params[i].size
         flat = xp.zeros(start + len(indices), dtype=first.dtype)
         return cls(index, list(indices), offsets, flat, [0] * len(indices), len(indices))
+
+    @property
+    def flat(self) -> Array:
+        """The flat buffer: gradients, then one flag per parameter. After :meth:`hand_over`, a new one (not
+        zeroed: a round writes every element in :meth:`pack` and :meth:`seal` before it reads any)."""
+        if self.storage is None:
+            self.storage = self._xp.empty(self.num_elements + len(self.params), dtype=self._dtype)
+        return self.storage
+
+    def hand_over(self) -> None:
+        """Leave the buffer to the gradients that are views of it: the bucket takes a new one when its next
+        round packs, so the gradients are held once and no later round writes into them."""
+        self.storage = None
 
     @property
     def num_elements(self) -> int:

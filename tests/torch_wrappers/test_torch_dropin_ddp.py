@@ -96,3 +96,14 @@ def test_standard_loop_on_third_party_models_matches_one_process_and_torch_ddp(n
     env = {"PARAMPLANE_TIMEOUT": "60", **WORLDS[num_ranks]}
     out = run_world(num_ranks, "dropin_ddp.py", args=["models"], env=env, timeout=150).check_ok(min_checks=60)
     assert all(r["digests"] == out[0]["digests"] for r in out), "ranks ended with different parameters"
+
+
+def test_host_buckets_hand_their_buffers_to_the_gradients_with_torch_ddp_semantics() -> None:
+    """The default (``gradient_as_bucket_view=False``) on CPU holds gradients once: each bucket's buffer
+    becomes the gradients after a synchronised backward and the next round takes a new one. Over no_sync,
+    set_to_none=True/False and accumulation across synchronised steps the gradients equal one process and
+    torch's DDP, and gradients kept from an earlier step are never overwritten."""
+    out = run_world(2, "ddp_grad_storage.py", env={"PARAMPLANE_TIMEOUT": "30"}, timeout=90).check_ok(
+        min_checks=21
+    )
+    assert out[0]["digests"] == out[1]["digests"]
