@@ -206,6 +206,8 @@ class ProcessGroup:
 
     def recv(self, x: Any, src: int, *, async_op: bool = False) -> Any:
         """Fill ``x`` with what group rank ``src`` sends (same shape and dtype); returns ``x``."""
+        if not async_op and type(x) is np.ndarray:
+            return self._e.recv_now(x, src)  # no future: a pipeline's receives take this path per message
         arr = x if type(x) is np.ndarray else from_foreign(x)[0]
         fut = self._e.recv(arr, src, async_op=async_op)
         if arr is x:
@@ -224,6 +226,8 @@ class ProcessGroup:
 
         The result is a new numpy array, or a cupy array on the current device when ``like`` is one.
         """
+        if not async_op and like is None:
+            return self._e.recv_now(None, src)
         return self._result("recv", self._e.recv_array(src, like, async_op=async_op), async_op)
 
     # -- asyncio forms ---------------------------------------------------------------------------

@@ -93,6 +93,16 @@ class PointToPointOps:
 
         return self._on_device(self._p2p("recv", staged, src, staged), x, write_back, async_op)
 
+    def recv_now(self, x: np.ndarray | None, src: int) -> np.ndarray:
+        """A blocking ``recv`` into host array ``x`` (``recv_array`` of a numpy array when None) that returns the
+        array itself: the short path makes no future (a pipeline's receiver thread runs this once per message,
+        on cold caches, where a future's lock and condition are a good part of its cost)."""
+        if x is None or (x.flags.c_contiguous and x.flags.writeable):
+            got = self._recv_small(x, src)
+            if got is not None:
+                return got
+        return (self.recv_array(src) if x is None else self.recv(x, src)).result()
+
     def recv_array(
         self, src: int, like: Any = None, *, async_op: bool = False
     ) -> concurrent.futures.Future[Any]:
@@ -215,17 +225,21 @@ class PointToPointOps:
         """``p2p("send", x, peer)`` for a C-contiguous ``x`` of a dtype and shape sent to ``peer`` before, with
         nothing queued there: sent from this thread (``SENT``, or the future of its rest); None where the
         short path does not apply (``p2p`` then)."""
-        if self.failure is not None or self.ctx.aborted.is_set():
+        ctx = self.ctx
+        if self.failure is not None or ctx.aborted.is_set():
             return None
-        tracer = self.ctx.tracer
+        tracer = ctx.tracer
         start = time.monotonic() if tracer is not None else 0.0
         sent = self.transports.p2p.send_small(x, peer)
         if sent is None:
             return None
         seq, rest = sent
+        if rest is None and tracer is None:  # the common case, with no closure made
+            ctx.counters.count_op(ctx.plane.frames_ride, x.nbytes)
+            return SENT
 
         def trace(moved: Any) -> None:
-            self.ctx.counters.count_op(self._traced("grpc"), int(moved.nbytes))
+            ctx.counters.count_op(self._traced("grpc"), int(moved.nbytes))
             if tracer is not None:
                 tracer.record(
                     "send", self.name, seq, int(moved.nbytes), start, time.monotonic(), self._traced("grpc")

@@ -87,12 +87,13 @@ class _QueueGroup(SimpleNamespace):
     """What the receiver threads use of a group: each receive returns (or raises) the next of ``replies``."""
 
     def __init__(self, replies: list[Any]) -> None:
-        super().__init__(timeout=30.0, name="stand-in", replies=replies)
+        super().__init__(timeout=30.0, name="stand-in", replies=replies, filled=[])
 
     def recv_array(self, src: int) -> Any:
         return self._next()
 
     def recv(self, x: Any, src: int) -> Any:
+        self.filled.append(x)
         got = self._next()
         x[...] = got
         return x
@@ -105,35 +106,43 @@ class _QueueGroup(SimpleNamespace):
 
 
 def test_messages_are_converted_on_the_receiver_thread_and_its_errors_reach_take() -> None:
-    """``begin(..., convert)``: what ``take`` returns is ``convert(kind, array)``, made on the receiver thread
-    (torch stages get their tensors made there while they compute); a receive's error (a shape mismatch) and
-    a conversion's error come out of the ``take`` of that message, typed, not as a hang."""
+    """``begin(..., convert)``: what ``take`` returns is ``convert(kind, array)`` (a view of the array), made on
+    the receiver thread (torch stages get their tensors made there while they compute); after the first message
+    of a kind and stage, the next one's array and its conversion are made before the receive, which fills that
+    very array (a receive posted ahead). A receive's error (a shape mismatch) and a conversion's error come out
+    of the ``take`` of that message, typed, not as a hang."""
     from paramplane.node.errors import CollectiveMismatch
 
-    seen: list[tuple[str, str]] = []
+    seen: list[tuple[str, str, Any, int]] = []  # kind, thread, array, how many receives had filled one then
 
     def convert(kind: str, got: Any) -> Any:
-        seen.append((kind, threading.current_thread().name))
-        if got[0] < 0:
+        seen.append((kind, threading.current_thread().name, got, len(group.filled)))
+        if got.size and got[0] < 0:
             raise ValueError("cannot convert a negative message")
-        return ("converted", kind, got.tolist())
+        return ("converted", kind, got)
+
+    def took(message: Message) -> tuple[str, str, list[float]]:
+        label, kind, got = transfers.take(message)
+        return label, kind, got.tolist()
 
     f0, f1, b0 = Message(1, "F", 0, 0), Message(1, "F", 0, 1), Message(1, "B", 2, 0)
     group = _QueueGroup([np.ones(2), np.full(2, 2.0), np.full(3, 3.0)])
     transfers = Transfers(group)  # type: ignore[arg-type]
     transfers.begin({1: [f0, f1, b0]}, np.empty(0), convert)
-    assert transfers.take(b0) == ("converted", "B", [3.0, 3.0, 3.0])  # filed by name, out of order
-    assert transfers.take(f0) == ("converted", "F", [1.0, 1.0])
-    assert transfers.take(f1) == ("converted", "F", [2.0, 2.0])
-    assert seen == [
+    assert took(b0) == ("converted", "B", [3.0, 3.0, 3.0])  # filed by name, out of order
+    assert took(f0) == ("converted", "F", [1.0, 1.0])
+    assert took(f1) == ("converted", "F", [2.0, 2.0])
+    assert [(kind, thread) for kind, thread, _, _ in seen] == [
         ("F", "paramplane-pp-recv-1"),
         ("F", "paramplane-pp-recv-1"),
         ("B", "paramplane-pp-recv-1"),
     ]
+    # f1, the second F of stage 0, was posted ahead: converted first, then received into that same array.
+    assert seen[1][3] == 0 and len(group.filled) == 1 and group.filled[0] is seen[1][2]
 
     group.replies[:] = [np.ones(2), CollectiveMismatch("shape (3,) where (2,) was expected")]
     transfers.begin({1: [f0, f1]}, np.empty(0), convert)
-    assert transfers.take(f0)[0] == "converted"
+    assert took(f0) == ("converted", "F", [1.0, 1.0])
     with pytest.raises(CollectiveMismatch, match="shape"):
         transfers.take(f1)
 

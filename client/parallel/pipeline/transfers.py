@@ -8,7 +8,9 @@ what receiver threads (one per sending rank) received while it computed: each re
 sender's messages of the step in the order that rank sends them and files them by name, so a
 stage may take them in another order than they were sent; for torch stages on the host a receiver also makes
 each message's tensor (``begin``'s ``convert``), so that work is done while the stage computes and a stage
-that waited for the message does not do it after waking. Every thread uses the group's own
+that waited for the message does not do it after waking. Once a step's first message of a kind and stage
+has given the shape, the receiver makes the next one's array and tensor before that message comes (a
+receive posted ahead), so the message's arrival costs only reading it into them. Every thread uses the group's own
 ``send`` and ``recv``: headers, ordering and failures are the group's. The threads hold no
 reference to the pipeline and end when it is garbage collected; between transfers they hold no message
 either, and they are not woken at interpreter exit (a torch tensor released by one of them while the
@@ -121,7 +123,9 @@ class Transfers:
         them. The first message of each (kind, stage) takes the dtype and shape its header carries, later ones
         must match it (CollectiveMismatch otherwise). Messages arrive as host arrays and are taken on the
         device of ``like``; on the host, ``convert(kind, array)`` (if given) makes what ``take`` returns, on the
-        receiver thread as the message comes (off the training thread while it computes)."""
+        receiver thread (off the training thread while it computes). It must be a view of ``array``: after the
+        first message of a (kind, stage) in a step the receiver makes each next message's array and its
+        ``convert`` before the message comes (a receive posted ahead), and the receive fills that array."""
         self._like = like if is_device(like) else None
         convert = convert if self._like is None else None
         self._early.clear()
@@ -259,6 +263,8 @@ def _receive_plans(group: ProcessGroup, plans: queue.SimpleQueue[Any], box: _Mai
         if item is _STOP:
             return
         plan, convert = item
+        got: Any = None
+        buffer: Any = None
         shapes: dict[tuple[str, int], tuple[Any, tuple[int, ...]]] = {}
         for message in plan:
             try:
@@ -266,11 +272,17 @@ def _receive_plans(group: ProcessGroup, plans: queue.SimpleQueue[Any], box: _Mai
                 if known is None:
                     got = group.recv_array(message.src)
                     shapes[(message.kind, message.stage)] = (got.dtype, got.shape)
+                    if convert is not None:
+                        got = convert(message.kind, got)
                 else:
-                    got = group.recv(np.empty(known[1], known[0]), message.src)
-                if convert is not None:
-                    got = convert(message.kind, got)
+                    # Posted before the message comes: its array (and what ``convert`` makes of it, a view) is
+                    # made while this thread waits, and the receive only fills it.
+                    buffer = np.empty(known[1], known[0])
+                    got = convert(message.kind, buffer) if convert is not None else buffer
+                    group.recv(buffer, message.src)
+                    buffer = None
             except BaseException as exc:
+                got = buffer = None  # a tensor posted ahead is not kept past its failed receive (see _send)
                 box.items.put(_Failed(exc))
                 break  # the group has failed: no later receive of this step can succeed
             box.file(message, got)
