@@ -73,6 +73,7 @@ from paramplane.parallel.ddp_buckets import (
     Bucket,
     assign_buckets,
     broadcast_arrays,
+    release_freed_memory,
     shard_range,
 )
 from paramplane.parallel.ddp_torch import ModulePath, NNPath, TorchPath
@@ -144,6 +145,7 @@ class DDP:
             names = [n for n, _ in module.named_parameters()]
             check_same_model(group, list(zip(names, all_params, strict=True)), "DDP")
             self._sync_state(all_params)
+            release_freed_memory()  # the broadcast's temporary buckets, else resident for the whole run
         self._params: list[Parameter] = [p for p in all_params if p.requires_grad]
         bucket_bytes = max(1, int(self.bucket_mb * MIB))
         self._buckets = [

@@ -10,6 +10,8 @@ says some rank produced one, so a parameter that no rank touched keeps
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -38,6 +40,25 @@ def broadcast_arrays(group: ProcessGroup, arrays: list[Any]) -> None:
             tmp = buf.copy()
             group.broadcast(tmp, src=0)
             buf[...] = tmp
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc
+    except (OSError, AttributeError):
+        return None
+
+
+def release_freed_memory() -> bool:
+    """Return the memory freed on the C heap to the OS (glibc's ``malloc_trim(0)``, which also releases free
+    pages inside the heap); False where the C library has no such call. Freed blocks below the trim threshold
+    (the launcher's 64 MiB) otherwise stay resident, a one-off temporary's included."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 def shard_range(num_items: int, num_shards: int, index: int) -> tuple[int, int]:
