@@ -234,16 +234,15 @@ class PointToPointOps:
         if sent is None:
             return None
         seq, rest = sent
+        label = self._traced("grpc")
         if rest is None and tracer is None:  # the common case, with no closure made
-            ctx.counters.count_op(ctx.plane.frames_ride, x.nbytes)
+            ctx.counters.count_op(label, x.nbytes)
             return SENT
 
         def trace(moved: Any) -> None:
-            ctx.counters.count_op(self._traced("grpc"), int(moved.nbytes))
+            ctx.counters.count_op(label, int(moved.nbytes))
             if tracer is not None:
-                tracer.record(
-                    "send", self.name, seq, int(moved.nbytes), start, time.monotonic(), self._traced("grpc")
-                )
+                tracer.record("send", self.name, seq, int(moved.nbytes), start, time.monotonic(), label)
 
         if rest is None:
             trace(x)
