@@ -12,6 +12,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev,demo,test]'
 	# torch's CPU build only for the cross-checks against torch (they skip without it); never required.
 	$(BIN)/python -m pip install -q torch==2.13.0 || echo "torch not installed: the torch cross-checks skip"
+	# torchvision 0.28 (torch 2.13's pair) for its ResNet-18 in the drop-in tests (left out without it), in a folder of
+	# its own, not site-packages: its compiled operators do not load into torch's CPU build, and transformers imports
+	# torchvision wherever it finds one (tests/workers/_torch_models.py loads it without those operators).
+	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(VENV)/torchvision torchvision==0.28.0 \
+	  || echo "torchvision not installed: the drop-in tests leave its ResNet-18 out"
 	touch $(STAMP)
 
 install: $(STAMP)

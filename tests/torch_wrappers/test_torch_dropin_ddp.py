@@ -90,7 +90,8 @@ WORLDS = {2: {"PARAMPLANE_TRANSPORT": "shm"}, 3: {"PARAMPLANE_TRANSPORT": "grpc"
 @pytest.mark.timeout(210)  # its own bounds (150 s), not the global 120 s
 @pytest.mark.parametrize("num_ranks", sorted(WORLDS), ids=lambda n: f"world{n}")
 def test_standard_loop_on_third_party_models_matches_one_process_and_torch_ddp(num_ranks: int) -> None:
-    """GPT-2, Llama and ResNet from transformers with the standard torch loop (kwargs in, ModelOutput out,
+    """GPT-2, Llama and ResNet from transformers (and torchvision's ResNet-18: one positional input, logits out)
+    with the standard torch loop (kwargs in, ModelOutput out,
     clipping, AdamW param groups, LR scheduler) equal one process and torch's DDP over gloo every step; then
     no_sync, unused submodules, positional and keyword arguments, and bfloat16 autocast in the same world."""
     env = {"PARAMPLANE_TIMEOUT": "60", **WORLDS[num_ranks]}

@@ -1,4 +1,5 @@
-"""pp.FSDP as a drop-in for torch's FSDP on third-party model code (transformers GPT-2, Llama, ResNet).
+"""pp.FSDP as a drop-in for torch's FSDP on third-party model code (transformers GPT-2, Llama, ResNet; torchvision's
+ResNet-18 where ``make install`` put torchvision).
 
 Each launch trains every model under several strategies with the default units and with
 ``units_by_class(block)``, in the standard torch loop, and every rank checks losses, gradient norms and the

@@ -1,9 +1,11 @@
 """Model code the project did not write, for the torch drop-in tests: tiny configs built from scratch.
 
 ``transformers`` GPT-2 and Llama (tied input embedding and output head, attention masks, keyword arguments,
-``ModelOutput`` results) and ResNet (BatchNorm buffers). torchvision is not used: no torchvision release
-loads its operators into torch 2.13's CPU build (0.28's extension fails to register, 0.29 needs torch 2.14);
-transformers' ResNet is the same architecture family with BatchNorm2d buffers.
+``ModelOutput`` results) and ResNet (BatchNorm buffers, keyword arguments); ``torchvision``'s ResNet-18 itself
+(``resnet18``: BatchNorm buffers, in-place ReLUs, one positional input, plain logits out; the loss is the
+training loop's ``cross_entropy``). torchvision 0.28 is the release paired with torch 2.13; its compiled
+operators (detection ops such as ``nms``) do not load into torch 2.13's CPU build, so ``torchvision_models``
+imports it without their fake-kernel registrations, which the classification models never use.
 
 Every rank can build every other rank's batch (seeded by step and rank), so a rank checks the wrapper
 against one process on the whole global batch without extra communication. ``init_gloo`` starts torch's
@@ -14,6 +16,7 @@ with torch's DDP and FSDP2.
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -22,7 +25,28 @@ import numpy as np
 
 VOCAB = 64
 SEQ = 8
-MODELS = ("gpt2", "llama", "resnet")
+TORCHVISION = Path(sys.prefix) / "torchvision"
+"""Where ``make install`` puts torchvision 0.28 (torch 2.13's pair): a folder of its own, outside site-packages,
+because transformers imports torchvision wherever it finds one, and this one fails to import as it is."""
+MODELS = ("gpt2", "llama", "resnet") + (("resnet18",) if (TORCHVISION / "torchvision").is_dir() else ())
+"""torchvision's ResNet-18 where ``make install`` installed torchvision (as torch: the cross-checks' peers)."""
+IMAGE_MODELS = ("resnet", "resnet18")
+"""The models with BatchNorm: statistics are per rank under DDP (torch's too)."""
+
+
+def torchvision_models() -> Any:
+    """``torchvision.models`` from ``TORCHVISION``. Its compiled operators (detection ops such as ``nms``) do not
+    load into torch 2.13's CPU build, and ``torchvision._meta_registrations`` (their fake kernels) would fail
+    the import ("operator torchvision::nms does not exist"): it is imported without that module. The model
+    definitions are plain torch code and never use those operators."""
+    import types
+
+    if "torchvision" not in sys.modules:
+        sys.modules["torchvision._meta_registrations"] = types.ModuleType("torchvision._meta_registrations")
+        sys.path.append(str(TORCHVISION))
+    import torchvision
+
+    return torchvision.models
 
 
 def build(name: str, seed: int = 0, dtype: Any = None, layers: int = 2) -> Any:
@@ -71,6 +95,8 @@ def build(name: str, seed: int = 0, dtype: Any = None, layers: int = 2) -> Any:
             num_labels=5, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic"
         )
         model = ResNetForImageClassification(cfg)
+    elif name == "resnet18":
+        model = torchvision_models().resnet18(num_classes=5)
     else:
         raise ValueError(f"unknown model {name!r}; one of {MODELS}")
     return model.to(dtype or torch.float64)
@@ -83,6 +109,8 @@ def block_class(model: Any) -> type:
         return type(model.transformer.h[0])
     if name.startswith("Llama"):
         return type(model.model.layers[0])
+    if name == "ResNet":  # torchvision's: BasicBlock
+        return type(model.layer1[0])
     return type(model.resnet.encoder.stages[0].layers[0])
 
 
@@ -91,17 +119,37 @@ def batch(name: str, step: int, rank: int, size: int = 2) -> dict[str, Any]:
     import torch
 
     rng = np.random.default_rng(step * 1000 + rank)
-    if name == "resnet":
-        return {
-            "pixel_values": torch.from_numpy(rng.standard_normal((size, 3, 16, 16))),
-            "labels": torch.from_numpy(rng.integers(0, 5, size)),
-        }
+    if name in IMAGE_MODELS:
+        # ResNet-18 downsamples 32x: at 64 px its last BatchNorms see 2x2 positions an image. At 16 px they would
+        # see one, two images' values normalised to +-1: gradient norms near 1e6, where the summation order of
+        # three ranks' gradients (paramplane's against gloo's) shows in the third digit after two Adam steps.
+        side = 16 if name == "resnet" else 64
+        images = torch.from_numpy(rng.standard_normal((size, 3, side, side)))
+        labels = torch.from_numpy(rng.integers(0, 5, size))
+        # transformers' keyword; torchvision's model takes the images alone (``images``: see ``image_loss``)
+        return {"pixel_values" if name == "resnet" else "images": images, "labels": labels}
     ids = torch.from_numpy(rng.integers(0, VOCAB, (size, SEQ)))
     mask = torch.ones(size, SEQ, dtype=torch.long)
     mask[0, -2:] = 0  # padding in one row: the attention mask is honoured
     labels = ids.clone()
     labels[0, -2:] = -100
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def image_loss(model: Any, kwargs: dict[str, Any]) -> Any:
+    """An image model's loss on a batch as its library's users compute it: transformers' ResNet takes the batch
+    as keywords and returns a ``ModelOutput`` with the loss; torchvision's takes the images positionally and
+    returns logits, and the loop applies ``cross_entropy``."""
+    import torch
+
+    if "images" in kwargs:
+        return torch.nn.functional.cross_entropy(model(kwargs["images"]), kwargs["labels"])
+    return model(**kwargs).loss
+
+
+def image_logits(model: Any, kwargs: dict[str, Any]) -> Any:
+    """An image model's logits on a batch (see ``image_loss``)."""
+    return model(kwargs["images"]) if "images" in kwargs else model(**kwargs).logits
 
 
 def left_padded_batch(seed: int, rows: int, pad_every: int = 2) -> dict[str, Any]:
