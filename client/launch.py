@@ -48,6 +48,18 @@ MALLOC_DEFAULTS = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_
 # BLAS pools sized for the whole machine in every rank oversubscribe the cores (a 4-rank demo on
 # 2 cores ran 5x slower); ranks get cores // ranks threads unless the user chose.
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def thread_env(num_local_ranks: int) -> dict[str, str]:
+    """The intra-op thread counts (OpenMP, OpenBLAS, MKL) for each of ``num_local_ranks`` ranks sharing this
+    machine's cores: an equal share, at least one. A rank left at the libraries' default (every core) with
+    others beside it oversubscribes the cores, and OpenMP's spinning workers then slow every rank down many
+    times over; torchrun sets ``OMP_NUM_THREADS=1`` for the same reason. Callers ``setdefault`` these: an
+    explicit setting wins."""
+    threads = str(max(1, (os.cpu_count() or 1) // max(1, num_local_ranks)))
+    return {var: threads for var in THREAD_VARS}
+
+
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _MAX_LINE = 1 << 16
 _POLL_S = 0.05
@@ -465,8 +477,7 @@ class Launcher:
             env.pop(stale, None)  # an outer rank hint would be wrong here; the token is resolved already
         for key, value in MALLOC_DEFAULTS.items():
             env.setdefault(key, value)
-        threads = str(max(1, (os.cpu_count() or 1) // config.num_ranks))
-        for var in THREAD_VARS:
+        for var, threads in thread_env(config.num_ranks).items():
             env.setdefault(var, threads)
         env.update(
             PARAMPLANE_COORDINATOR=address,

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from paramplane import local_world
+from paramplane.launch import thread_env
 
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -124,7 +125,8 @@ def run_world(
     """Run ``target`` as ranks 0..n-1 of one world (``paramplane.local_world``) and collect what each left.
 
     ``env`` is added to every rank's environment, ``rank_env[r]`` to rank r's only; the ranks also get
-    PARAMPLANE_TEST_OUT (the folder for their JSON results). After ``timeout`` seconds the ranks still
+    PARAMPLANE_TEST_OUT (the folder for their JSON results) and, as ``paramplane launch`` gives its ranks, an
+    equal share of the cores as their intra-op thread count (``launch.thread_env``). After ``timeout`` seconds the ranks still
     running are killed and ``timed_out`` is set. ``replace`` as in ``local_world.run_world``.
     """
     options: dict[str, Any] = {
@@ -140,7 +142,8 @@ def run_world(
         run = local_world.run_world(
             n,
             lambda _rank: _command(target, args),
-            env={**os.environ, **common, **(env or {})},
+            # the launcher's thread share per rank, unless this process's environment sets one
+            env={**thread_env(n), **os.environ, **common, **(env or {})},
             rank_env=lambda rank: (rank_env or {}).get(rank, {}),
             timeout_s=timeout,
             coordinator_options=options,
