@@ -118,8 +118,6 @@ class HostAgent(RelayServicer):
         as the wire bytes of a JoinResponse holding only it (concatenated, they are the rank's answer)."""
         fut: asyncio.Future[tuple[pb.JoinResponse, bytes]] = quiet(asyncio.get_running_loop().create_future())
         self._joins.append((request, time.monotonic() + timeout_s, fut))
-        # The host stream needs no epoch: open while the world forms, not in the burst of streams after it.
-        self._host_stream.open()
         if len(self._joins) >= self._num_local:
             self._flush_joins()
         elif self._join_flush is None:

@@ -254,41 +254,6 @@ async def test_an_agent_opens_its_hosts_streams_before_answering_its_ranks_joins
         assert (c.get("HostCalls"), c.get("Watch")) == (2, 2), c
 
 
-async def test_an_agent_opens_its_host_stream_while_the_world_still_forms() -> None:
-    """The host stream needs no epoch: it opens at the host's first join, not in the burst of every host's
-    streams once the world formed (the Watch stream, which names the epoch, waits for the world)."""
-    server = await CoordinatorServer.start(CoordinatorConfig(port=0, world_size=3, heartbeat_timeout_s=120))
-    agent = AgentThread(server.address, host_id="host-0", num_local=2, token=None)
-    socket = agent.start()
-    clients = [CoordinatorClient(socket, call_timeout_s=10.0) for _ in range(2)]
-    clients += [CoordinatorClient(server.address, call_timeout_s=10.0) for _ in range(2)]  # rank 2, status
-    status = clients[-1]
-    try:
-
-        def join(r: int) -> Awaitable[Any]:
-            host = "host-0" if r < 2 else "direct"
-            return clients[r].join(
-                host_id=host,
-                peer_address=f"127.0.0.1:{7000 + r}",
-                instance_id=f"i{r}",
-                rank_hint=r,
-                timeout_s=20,
-            )
-
-        waiting = [asyncio.ensure_future(join(r)) for r in range(2)]
-        await until(lambda: _has(status, "HostCalls", 1), "the host stream open before the world formed")
-        assert not any(w.done() for w in waiting) and not (await calls(status)).get("Watch")
-        await asyncio.wait_for(asyncio.gather(join(2), *waiting), 30)
-        assert [c.membership.rank if c.membership else -1 for c in clients[:3]] == [0, 1, 2]
-        c = await calls(status)
-        assert (c.get("HostCalls"), c.get("Watch")) == (1, 1), c
-    finally:
-        for client in clients:
-            await client.close()
-        agent.stop()
-        await server.stop(grace=0.1)
-
-
 async def test_a_resent_call_whose_answer_is_no_longer_kept_is_answered_lost(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
