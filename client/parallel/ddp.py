@@ -9,8 +9,10 @@ Usage::
     optimizer.step()
 
 How it works: parameters are packed, in reverse order (the order backward produces
-their gradients), into flat buckets of at most ``bucket_mb`` MiB, one dtype and array
-library (numpy / cupy) per bucket. Each parameter's grad hook counts its calls; when
+their gradients), into flat buckets of about ``bucket_mb`` MiB, one dtype and array
+library (numpy / cupy) per bucket, by torch DDP's rule: a bucket closes once it holds
+``bucket_mb`` or more, and at the default size (25 MiB) the first closes at 1 MiB, so the
+last layers' gradients start their all-reduce early. Each parameter's grad hook counts its calls; when
 every parameter of a bucket has its gradient, the bucket copies the gradients into its
 buffer and starts ``all_reduce(op, async_op=True)``. Buckets always start in the same
 order (bucket i never before bucket i-1), so every rank issues the same collectives in
@@ -69,6 +71,8 @@ from paramplane.nn.module import Array, LoadResult, Module, Parameter
 from paramplane.node.arrays import DTYPES, is_floating
 from paramplane.parallel.ddp_buckets import (
     COMM_DTYPES,
+    DEFAULT_BUCKET_MB,
+    FIRST_BUCKET_BYTES,
     MIB,
     Bucket,
     assign_buckets,
@@ -92,7 +96,7 @@ class DDP:
         self,
         module: Module,
         group: ProcessGroup,
-        bucket_mb: float = 25.0,
+        bucket_mb: float | None = None,
         broadcast_buffers: bool = True,
         *,
         reduce_op: str = "mean",
@@ -101,7 +105,8 @@ class DDP:
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
     ) -> None:
-        """``init_sync=False`` skips the wrap-time broadcast of parameters and buffers from group rank 0
+        """``bucket_mb`` is torch's ``bucket_cap_mb``: None gives 25 MiB buckets after a 1 MiB first one, a
+        number gives buckets of that size from the first (module docstring). ``init_sync=False`` skips the wrap-time broadcast of parameters and buffers from group rank 0
         (a collective every rank must join): a replacement rank wrapping its model after
         ``World.reform()`` gets its state from ``pp.checkpoint.sync`` instead, as the survivors do not
         wrap again. ``find_unused_parameters`` is torch's keyword, accepted so torch calls run unchanged:
@@ -119,7 +124,7 @@ class DDP:
             )
         if not isinstance(group, ProcessGroup):
             raise ValueError(f"DDP needs a ProcessGroup, got {type(group).__name__}")
-        if not bucket_mb > 0:
+        if bucket_mb is not None and not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb!r}")
         if reduce_op not in _REDUCE_OPS:
             raise ValueError(f"reduce_op must be 'mean' or 'sum', got {reduce_op!r}")
@@ -135,7 +140,7 @@ class DDP:
         self.comm_dtype = np.dtype(DTYPES[comm_dtype]) if comm_dtype is not None else None
         self.module = module
         self.group = group
-        self.bucket_mb = float(bucket_mb)
+        self.bucket_mb = DEFAULT_BUCKET_MB if bucket_mb is None else float(bucket_mb)
         self.broadcast_buffers = broadcast_buffers
         self.reduce_op = reduce_op
         self._tracer = _tracer_of(group)
@@ -148,9 +153,10 @@ class DDP:
             release_freed_memory()  # the broadcast's temporary buckets, else resident for the whole run
         self._params: list[Parameter] = [p for p in all_params if p.requires_grad]
         bucket_bytes = max(1, int(self.bucket_mb * MIB))
+        first_bytes = FIRST_BUCKET_BYTES if bucket_mb is None else bucket_bytes
         self._buckets = [
             Bucket.build(n, idx, self._params)
-            for n, idx in enumerate(assign_buckets(self._params, bucket_bytes))
+            for n, idx in enumerate(assign_buckets(self._params, bucket_bytes, first_bytes))
         ]
         where = {i: (b, k) for b in self._buckets for k, i in enumerate(b.params)}
         self._where: list[tuple[Bucket, int]] = [where[i] for i in range(len(self._params))]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -26,20 +26,35 @@ from paramplane.node.spec import split_bounds
 from paramplane.work import Work
 
 MIB = 1 << 20
+DEFAULT_BUCKET_MB = 25.0
+"""DDP's bucket size when none is given (torch DDP's ``bucket_cap_mb`` default)."""
+FIRST_BUCKET_BYTES = MIB
+"""The first bucket's size at the default bucket size (torch's ``_DEFAULT_FIRST_BUCKET_BYTES``)."""
 COMM_DTYPES = (None, "bfloat16", "float16")
 """Wire dtypes of gradient compression (DDP's buckets, FSDP's inter-host all-reduce), like torch's
 ``bf16_compress_hook`` / ``fp16_compress_hook``."""
 
 
-def broadcast_arrays(group: ProcessGroup, arrays: list[Any]) -> None:
-    """Overwrite each array in place with group rank 0's (a non-contiguous one through a copy)."""
-    for buf in arrays:
-        if buf.flags.c_contiguous:
-            group.broadcast(buf, src=0)
-        else:
-            tmp = buf.copy()
-            group.broadcast(tmp, src=0)
-            buf[...] = tmp
+def broadcast_arrays(group: ProcessGroup, arrays: Sequence[Any], bucket_bytes: int = 25 * MIB) -> None:
+    """Overwrite each array in place with group rank 0's, coalesced as torch's ``_broadcast_coalesced``: arrays
+    of one dtype and library share flat buffers of about ``bucket_bytes`` (one broadcast each, not one per
+    array: a ResNet's 60 BatchNorm buffers are two broadcasts); an array alone in its buffer and contiguous is
+    broadcast in place."""
+    arrays = list(arrays)
+    keyed = [((array_module(a).__name__, a.dtype.str), int(a.nbytes)) for a in arrays]
+    for indices in bucket_by_size(keyed, bucket_bytes):
+        only = arrays[indices[0]]
+        if len(indices) == 1 and only.flags.c_contiguous:
+            group.broadcast(only, src=0)
+            continue
+        xp = array_module(only)
+        flat = xp.concatenate([arrays[i].reshape(-1) for i in indices])
+        group.broadcast(flat, src=0)
+        start = 0
+        for i in indices:
+            a = arrays[i]
+            a[...] = flat[start : start + a.size].reshape(a.shape)
+            start += a.size
 
 
 @functools.cache
@@ -80,34 +95,50 @@ def shard_range(num_items: int, num_shards: int, index: int) -> tuple[int, int]:
     return split_bounds(num_items, num_shards)[index]
 
 
-def assign_buckets(params: Sequence[Parameter], bucket_bytes: int) -> list[list[int]]:
-    """Indices of ``params`` per bucket: reverse order, one dtype and array library per bucket.
+def assign_buckets(
+    params: Sequence[Parameter], bucket_bytes: int, first_bucket_bytes: int | None = None
+) -> list[list[int]]:
+    """Indices of ``params`` per bucket: reverse order (the order backward produces their gradients), one dtype
+    and array library per bucket, by :func:`bucket_by_size`: torch DDP's rule, the first bucket of each kind
+    closing at ``first_bucket_bytes`` (torch's small first bucket that starts the last layers' all-reduce
+    early). Every rank with the same model gets the same list."""
+    walk = list(reversed(range(len(params))))
+    keyed = [
+        (
+            (array_module(params[i].data).__name__, params[i].dtype.str),
+            params[i].size * params[i].dtype.itemsize,
+        )
+        for i in walk
+    ]
+    return [[walk[j] for j in bucket] for bucket in bucket_by_size(keyed, bucket_bytes, first_bucket_bytes)]
 
-    Walking the parameters from last to first (the order backward produces their
-    gradients), each (library, dtype) keeps one open bucket; a parameter that would take
-    it past ``bucket_bytes`` closes it first (a single larger parameter gets a bucket of
-    its own). Buckets are ordered by their first parameter in that walk, so every rank
-    with the same model gets the same list.
-    """
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
+
+def bucket_by_size(
+    items: Sequence[tuple[Hashable, int]], bucket_bytes: int, first_bucket_bytes: int | None = None
+) -> list[list[int]]:
+    """Indices of ``items`` (each a (kind, bytes) pair) per bucket, by torch's rule
+    (``torch.distributed._compute_bucket_assignment_by_size``): walking the items in order, each kind keeps
+    one open bucket, which closes once it holds ``bucket_bytes`` or more; the item that reaches the limit stays
+    in it, so a bucket exceeds the limit by less than its last item. The first bucket of each kind closes at
+    ``first_bucket_bytes`` instead (default: ``bucket_bytes``). Buckets are ordered by their first item."""
+    first_bucket_bytes = bucket_bytes if first_bucket_bytes is None else first_bucket_bytes
+    if bucket_bytes < 1 or first_bucket_bytes < 1:
+        raise ValueError(
+            f"bucket sizes must be positive, got {bucket_bytes} and {first_bucket_bytes} (first) bytes"
+        )
     done: list[list[int]] = []
-    open_: dict[tuple[str, str], list[int]] = {}
-    sizes: dict[tuple[str, str], int] = {}
-    for i in reversed(range(len(params))):
-        p = params[i]
-        key = (array_module(p.data).__name__, p.dtype.str)
-        nbytes = p.size * p.dtype.itemsize
-        if key in open_ and sizes[key] + nbytes > bucket_bytes:
+    open_: dict[Hashable, list[int]] = {}
+    sizes: dict[Hashable, int] = {}
+    limits: dict[Hashable, int] = {}
+    for j, (key, nbytes) in enumerate(items):
+        open_.setdefault(key, []).append(j)
+        sizes[key] = sizes.get(key, 0) + nbytes
+        if sizes[key] >= limits.setdefault(key, first_bucket_bytes):
             done.append(open_.pop(key))
-        if key not in open_:
-            open_[key] = []
             sizes[key] = 0
-        open_[key].append(i)
-        sizes[key] += nbytes
+            limits[key] = bucket_bytes
     done.extend(open_.values())
-    order = {i: n for n, i in enumerate(reversed(range(len(params))))}
-    done.sort(key=lambda b: order[b[0]])
+    done.sort(key=lambda b: b[0])
     return done
 
 

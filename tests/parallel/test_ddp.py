@@ -80,7 +80,7 @@ def test_bucket_all_reduce_overlaps_backward(tmp_path: Path) -> None:
                 f"rank {rank}: no all-reduce issued during backward: {issued}"
             )
         buckets = eval((tmp_path / f"buckets{rank}.txt").read_text())
-        assert buckets[0][0] == "8.bias" and buckets[-1] == ["0.weight"], buckets
+        assert buckets[0][0] == "8.bias" and buckets[-1][-1] == "0.weight", buckets
 
 
 # -- single-rank world: the rules that need no peers ----------------------------------------------
@@ -155,11 +155,60 @@ def test_buckets_reverse_order_by_dtype_and_size() -> None:
         Parameter(np.zeros(600, np.float32)),  # 2400 B
         Parameter(np.zeros(3, np.float64)),
     ]
-    buckets = assign_buckets(params, 4500)
-    assert buckets == [[4, 1], [3, 2], [0]]
+    # A bucket closes once it reaches the limit, keeping the parameter that reached it (torch's rule).
+    assert assign_buckets(params, 4400) == [[4, 1], [3, 2], [0]]
+    assert assign_buckets(params, 4401) == [[4, 1], [3, 2, 0]]
     assert assign_buckets(params, 25 * MIB) == [[4, 1], [3, 2, 0]]
+    # A small first bucket per dtype, then the usual size.
+    assert assign_buckets(params, 25 * MIB, first_bucket_bytes=2000) == [[4, 1], [3], [2, 0]]
     with pytest.raises(ValueError):
         assign_buckets(params, 0)
+    with pytest.raises(ValueError):
+        assign_buckets(params, MIB, first_bucket_bytes=0)
+
+
+@pytest.mark.parametrize("limits", [(25 * MIB, MIB), (MIB, MIB), (3000, 800), (1, 1)])
+def test_buckets_are_torch_ddps(limits: tuple[int, int]) -> None:
+    """The assignment is torch DDP's (``_compute_bucket_assignment_by_size`` on the parameters in backward
+    order, as DDP's reducer rebuilds its buckets after the first step), mixed dtypes included."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    rng = np.random.default_rng(0)
+    dtypes = [np.float32, np.float32, np.float64, np.float16]
+    arrays = [
+        np.zeros(int(rng.integers(1, 400_000)) // rng.choice([1, 1000]) + 1, rng.choice(dtypes))
+        for _ in range(40)
+    ]
+    bucket_bytes, first = limits
+    torch_limits = [first, bucket_bytes] if first < bucket_bytes else [bucket_bytes]
+    in_backward_order = [torch.from_numpy(a) for a in reversed(arrays)]
+    theirs, _ = dist._compute_bucket_assignment_by_size(
+        in_backward_order, torch_limits, [False] * len(arrays)
+    )
+    last = len(arrays) - 1
+    expected = [[last - j for j in bucket] for bucket in theirs]
+    got = assign_buckets([Parameter(a) for a in arrays], bucket_bytes, first)
+    assert got == expected
+    assert len(got) > 3  # several buckets of each dtype: the comparison is not trivial
+
+
+def test_default_buckets_start_with_a_small_one(solo: pp.World) -> None:
+    """``bucket_mb=None`` (the default) is torch's: a 1 MiB first bucket, then 25 MiB; a given size holds from
+    the first bucket."""
+    rng = np.random.default_rng(0)
+    layers: list[Any] = []
+    for _ in range(8):
+        layers += [Linear(1024, 1024, rng=rng), ReLU()]  # 4 MiB weights
+    model = Sequential(*layers[:-1])
+    names = [[n.split(".")[0] for n in b] for b in DDP(model, solo.group).bucket_params()]
+    # The last layer's bias and weight reach 1 MiB; the other seven layers' weights (28 MiB) pass 25 MiB only
+    # with the first layer's.
+    assert names == [
+        ["14", "14"],
+        ["12"] * 2 + ["10"] * 2 + ["8"] * 2 + ["6"] * 2 + ["4"] * 2 + ["2"] * 2 + ["0"] * 2,
+    ]
+    assert len(DDP(model, solo.group, bucket_mb=4).bucket_params()) == 8
 
 
 @pytest.mark.parametrize("mode", ["mismatch", "sum_untouched", "buffers"])

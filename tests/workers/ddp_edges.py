@@ -5,7 +5,9 @@ naming the parameter when DDP wraps them, before any training; different numbers
 ``sum_untouched``: with ``reduce_op="sum"`` and no zero_grad between synchronised rounds, a parameter that gets
 no gradient in the second round keeps the first round's sum (not that sum once per rank), with and without
 ``gradient_as_bucket_view``.
-``buffers``: a forward re-broadcasts rank 0's buffers only in training mode outside ``no_sync`` (as torch DDP).
+``buffers``: a forward re-broadcasts rank 0's buffers only in training mode outside ``no_sync`` (as torch DDP);
+many buffers of two dtypes (0-d and non-contiguous ones among them) take one broadcast per dtype (coalesced, as
+torch's ``_broadcast_coalesced``), every one then rank 0's.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from _common import Report, run_rank
 
 import paramplane as pp
 from paramplane.nn import Linear, Module, Parameter
+from paramplane.parallel.ddp_buckets import broadcast_arrays
 
 
 def mismatch(world: Any, rep: Report) -> None:
@@ -77,6 +80,24 @@ def buffers(world: Any, rep: Report) -> None:
     m.train()
     ddp.forward(np.ones(3))
     rep.equal("training forward takes rank 0's buffers", m.stat, np.full(3, 10.0))
+
+    rng = np.random.default_rng(world.rank)
+    floats = [rng.standard_normal(shape).astype(np.float32) for shape in [(), (3,), (4, 5)] * 10]
+    counts = [np.array(rng.integers(0, 100)) for _ in range(10)]  # BatchNorm's num_batches_tracked: 0-d int64
+    base = rng.standard_normal((4, 6))
+    strided = base[:, ::2].T  # not contiguous: written through, the other columns kept
+    kept = base[:, 1::2].copy()
+    before = world.group._e.progress()[0]
+    broadcast_arrays(world.group, [*floats, *counts, strided])
+    issued = world.group._e.progress()[0] - before
+    rep.check("one broadcast per dtype (float32, int64, float64)", issued == 3, f"{issued} broadcasts")
+    want = np.random.default_rng(0)
+    for k, a in enumerate(floats):
+        rep.equal(f"float buffer {k} is rank 0's", a, want.standard_normal(a.shape).astype(np.float32))
+    for k, a in enumerate(counts):
+        rep.equal(f"count buffer {k} is rank 0's", a, np.array(want.integers(0, 100)))
+    rep.equal("strided buffer is rank 0's", strided, want.standard_normal((4, 6))[:, ::2].T)
+    rep.equal("the rest of its base is kept", base[:, 1::2], kept)
 
 
 MODES = {"mismatch": mismatch, "sum_untouched": sum_untouched, "buffers": buffers}
