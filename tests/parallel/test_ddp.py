@@ -23,7 +23,7 @@ import paramplane as pp
 from paramplane.nn import CrossEntropyLoss, Linear, Parameter, ReLU, Sequential
 from paramplane.optim import SGD
 from paramplane.parallel.ddp import DDP
-from paramplane.parallel.ddp_buckets import MIB, assign_buckets, shard_range
+from paramplane.parallel.ddp_buckets import MIB, Bucket, assign_buckets, shard_range
 
 # world size -> (env for every rank, per-rank env, global batch). World 3 runs on gRPC streams (lanes off: the
 # path TLS uses); world 4 spans two fake hosts (2 host ids x 2 ranks), so its gradient all-reduces take the
@@ -259,3 +259,35 @@ def test_release_freed_memory_returns_heap_pages_a_temporary_left_resident() -> 
     if out[0] != "True":
         pytest.skip("the C library has no malloc_trim (not glibc)")
     assert int(out[1]) > 60 * MIB, f"released {int(out[1]) / MIB:.1f} MiB of ~100"
+
+
+def _vma_flags(address: int) -> list[str]:
+    """The kernel's VmFlags of this process's mapping that holds ``address`` (/proc/self/smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+def test_host_buckets_are_made_without_huge_pages() -> None:
+    """A host bucket's buffer, made anew each step, asks the kernel for no transparent huge pages (numpy asks
+    for them at 4 MiB and more; their faults made pp.DDP's CPU per step 1.2x torch DDP's, torch_models.py)."""
+    from paramplane.parallel.ddp_buckets import host_buffer
+
+    big = host_buffer(4 * MIB, np.float32)  # 16 MiB
+    assert big.shape == (4 * MIB,) and big.dtype == np.float32
+    inner = -(-big.ctypes.data // (2 * MIB)) * (2 * MIB)  # a huge-page-aligned address inside it
+    assert "nh" in _vma_flags(inner)
+    plain = np.empty(4 * MIB, np.float32)
+    assert "nh" not in _vma_flags(-(-plain.ctypes.data // (2 * MIB)) * (2 * MIB))
+    bucket = Bucket.build(0, [0], [Parameter(np.zeros(4 * MIB, np.float32))])
+    assert not bucket.flat.any()
+    bucket.hand_over()
+    assert "nh" in _vma_flags(-(-bucket.flat.ctypes.data // (2 * MIB)) * (2 * MIB))
