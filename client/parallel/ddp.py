@@ -106,7 +106,8 @@ class DDP:
         gradient_as_bucket_view: bool = False,
     ) -> None:
         """``bucket_mb`` is torch's ``bucket_cap_mb``: None gives 25 MiB buckets after a 1 MiB first one, a
-        number gives buckets of that size from the first (module docstring). ``init_sync=False`` skips the wrap-time broadcast of parameters and buffers from group rank 0
+        number gives buckets of that size from the first (module docstring).
+        ``init_sync=False`` skips the wrap-time broadcast of parameters and buffers from group rank 0
         (a collective every rank must join): a replacement rank wrapping its model after
         ``World.reform()`` gets its state from ``pp.checkpoint.sync`` instead, as the survivors do not
         wrap again. ``find_unused_parameters`` is torch's keyword, accepted so torch calls run unchanged:
