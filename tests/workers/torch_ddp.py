@@ -41,7 +41,7 @@ def scenario(world: Any, rep: Report) -> None:
 
     g, n = world.group, world.world_size
     model = _model(seed=world.rank)  # different on every rank: the wrap-time broadcast makes them rank 0's
-    ddp = pp.DDP(model, g, bucket_mb=0.0005)  # small buckets: several all-reduces overlap the backward
+    ddp = pp.DDP(model, g, bucket_mb=0.0002)  # small buckets: several all-reduces overlap the backward
     rep.check("several buckets", ddp.num_buckets > 1, str(ddp.num_buckets))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     ddp.attach(opt)
