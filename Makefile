@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml
 	# torchvision wherever it finds one (tests/workers/_torch_models.py loads it without those operators).
 	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(VENV)/torchvision torchvision==0.28.0 \
 	  || echo "torchvision not installed: the drop-in tests leave its ResNet-18 out"
+	# timm for its Vision Transformer in the drop-in tests, beside torchvision and for the same reason (it requires
+	# torchvision; tests/workers/_torch_models.py loads it after torchvision). Its other needs come with transformers.
+	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(VENV)/timm timm==1.0.31 \
+	  || echo "timm not installed: the drop-in tests leave its ViT out"
 	touch $(STAMP)
 
 install: $(STAMP)

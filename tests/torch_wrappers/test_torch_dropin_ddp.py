@@ -6,6 +6,8 @@ what the ranks reported.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,6 +15,9 @@ import pytest
 from _world import run_world
 
 import paramplane as pp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workers"))
+import _torch_models as tm
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -97,6 +102,7 @@ def test_standard_loop_on_third_party_models_matches_one_process_and_torch_ddp(n
     env = {"PARAMPLANE_TIMEOUT": "60", **WORLDS[num_ranks]}
     out = run_world(num_ranks, "dropin_ddp.py", args=["models"], env=env, timeout=150).check_ok(min_checks=60)
     assert all(r["digests"] == out[0]["digests"] for r in out), "ranks ended with different parameters"
+    assert set(tm.MODELS) <= set(out[0]["digests"]), "a model did not train"
 
 
 def test_host_buckets_hand_their_buffers_to_the_gradients_with_torch_ddp_semantics() -> None:

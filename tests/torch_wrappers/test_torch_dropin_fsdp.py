@@ -1,5 +1,5 @@
 """pp.FSDP as a drop-in for torch's FSDP on third-party model code (transformers GPT-2, Llama, ResNet; torchvision's
-ResNet-18 where ``make install`` put torchvision).
+ResNet-18 and timm's ViT where ``make install`` put torchvision and timm).
 
 Each launch trains every model under several strategies with the default units and with
 ``units_by_class(block)``, in the standard torch loop, and every rank checks losses, gradient norms and the
@@ -11,9 +11,14 @@ over gloo. ``focused`` holds the cases that failed before the drop-in work: tied
 from __future__ import annotations
 
 import importlib.util
+import sys
+from pathlib import Path
 
 import pytest
 from _world import run_world
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workers"))
+import _torch_models as tm
 
 pytestmark = [
     pytest.mark.skipif(
@@ -26,8 +31,12 @@ pytestmark = [
 def _run(n: int, mode: str, transport: str, min_checks: int, **kw: object) -> None:
     env = {"PARAMPLANE_TIMEOUT": "60", "PARAMPLANE_TRANSPORT": transport}
     world = run_world(n, "dropin_fsdp.py", args=[mode], env=env, timeout=240, **kw)
-    world.check_ok(min_checks=min_checks)
+    out = world.check_ok(min_checks=min_checks)
     assert world.shm_leaks() == set()
+    if mode != "focused":  # every model trained under every strategy, to the same parameters on every rank
+        want = {f"{m}/{s}/{u}" for m in tm.MODELS for s in mode.split(",") for u in ("default", "by_class")}
+        assert set(out[0]["digests"]) == want, sorted(want ^ set(out[0]["digests"]))
+        assert all(r["digests"] == out[0]["digests"] for r in out), "ranks ended with different parameters"
 
 
 def test_gpt2_llama_resnet_every_strategy_world_2_shm() -> None:

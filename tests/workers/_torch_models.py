@@ -3,7 +3,8 @@
 ``transformers`` GPT-2 and Llama (tied input embedding and output head, attention masks, keyword arguments,
 ``ModelOutput`` results) and ResNet (BatchNorm buffers, keyword arguments); ``torchvision``'s ResNet-18 itself
 (``resnet18``: BatchNorm buffers, in-place ReLUs, one positional input, plain logits out; the loss is the
-training loop's ``cross_entropy``). torchvision 0.28 is the release paired with torch 2.13; its compiled
+training loop's ``cross_entropy``); ``timm``'s Vision Transformer (``vit``: parameters on the root module itself,
+the class token and position embedding, blocks in an ``nn.Sequential``, fused QKV attention, logits out). torchvision 0.28 is the release paired with torch 2.13; its compiled
 operators (detection ops such as ``nms``) do not load into torch 2.13's CPU build, so ``torchvision_models``
 imports it without their fake-kernel registrations, which the classification models never use.
 
@@ -25,12 +26,24 @@ import numpy as np
 
 VOCAB = 64
 SEQ = 8
+IMAGE_SIDE = {"resnet": 16, "resnet18": 64, "vit": 16}
+"""Image side in pixels per image model (see ``batch``; the ViT cuts 16 px into 4x4 patches of 4 px)."""
 TORCHVISION = Path(sys.prefix) / "torchvision"
 """Where ``make install`` puts torchvision 0.28 (torch 2.13's pair): a folder of its own, outside site-packages,
 because transformers imports torchvision wherever it finds one, and this one fails to import as it is."""
-MODELS = ("gpt2", "llama", "resnet") + (("resnet18",) if (TORCHVISION / "torchvision").is_dir() else ())
-"""torchvision's ResNet-18 where ``make install`` installed torchvision (as torch: the cross-checks' peers)."""
-IMAGE_MODELS = ("resnet", "resnet18")
+TIMM = Path(sys.prefix) / "timm"
+"""Where ``make install`` puts timm (``--no-deps``: it requires torchvision, which lives in ``TORCHVISION``)."""
+_HAS_TORCHVISION = (TORCHVISION / "torchvision").is_dir()
+MODELS = (
+    ("gpt2", "llama", "resnet")
+    + (("resnet18",) if _HAS_TORCHVISION else ())
+    + (("vit",) if _HAS_TORCHVISION and (TIMM / "timm").is_dir() else ())
+)
+"""torchvision's ResNet-18 and timm's ViT where ``make install`` installed them (as torch: the cross-checks'
+peers)."""
+IMAGE_MODELS = ("resnet", "resnet18", "vit")
+"""The models that take images (and labels for a cross-entropy)."""
+BATCHNORM_MODELS = ("resnet", "resnet18")
 """The models with BatchNorm: statistics are per rank under DDP (torch's too)."""
 
 
@@ -47,6 +60,16 @@ def torchvision_models() -> Any:
     import torchvision
 
     return torchvision.models
+
+
+def timm_module() -> Any:
+    """``timm`` from ``TIMM``, after ``torchvision`` (which it imports) from ``TORCHVISION``."""
+    torchvision_models()
+    if str(TIMM) not in sys.path:
+        sys.path.append(str(TIMM))
+    import timm
+
+    return timm
 
 
 def build(name: str, seed: int = 0, dtype: Any = None, layers: int = 2) -> Any:
@@ -97,6 +120,17 @@ def build(name: str, seed: int = 0, dtype: Any = None, layers: int = 2) -> Any:
         model = ResNetForImageClassification(cfg)
     elif name == "resnet18":
         model = torchvision_models().resnet18(num_classes=5)
+    elif name == "vit":
+        model = timm_module().create_model(
+            "vit_tiny_patch16_224",
+            pretrained=False,
+            img_size=IMAGE_SIDE["vit"],
+            patch_size=4,
+            embed_dim=16,
+            depth=layers,
+            num_heads=2,
+            num_classes=5,
+        )
     else:
         raise ValueError(f"unknown model {name!r}; one of {MODELS}")
     return model.to(dtype or torch.float64)
@@ -111,6 +145,8 @@ def block_class(model: Any) -> type:
         return type(model.model.layers[0])
     if name == "ResNet":  # torchvision's: BasicBlock
         return type(model.layer1[0])
+    if name == "VisionTransformer":  # timm's: Block
+        return type(model.blocks[0])
     return type(model.resnet.encoder.stages[0].layers[0])
 
 
@@ -123,10 +159,10 @@ def batch(name: str, step: int, rank: int, size: int = 2) -> dict[str, Any]:
         # ResNet-18 downsamples 32x: at 64 px its last BatchNorms see 2x2 positions an image. At 16 px they would
         # see one, two images' values normalised to +-1: gradient norms near 1e6, where the summation order of
         # three ranks' gradients (paramplane's against gloo's) shows in the third digit after two Adam steps.
-        side = 16 if name == "resnet" else 64
+        side = IMAGE_SIDE[name]
         images = torch.from_numpy(rng.standard_normal((size, 3, side, side)))
         labels = torch.from_numpy(rng.integers(0, 5, size))
-        # transformers' keyword; torchvision's model takes the images alone (``images``: see ``image_loss``)
+        # transformers' keyword; torchvision's and timm's take the images alone (``images``: see ``image_loss``)
         return {"pixel_values" if name == "resnet" else "images": images, "labels": labels}
     ids = torch.from_numpy(rng.integers(0, VOCAB, (size, SEQ)))
     mask = torch.ones(size, SEQ, dtype=torch.long)
@@ -138,8 +174,8 @@ def batch(name: str, step: int, rank: int, size: int = 2) -> dict[str, Any]:
 
 def image_loss(model: Any, kwargs: dict[str, Any]) -> Any:
     """An image model's loss on a batch as its library's users compute it: transformers' ResNet takes the batch
-    as keywords and returns a ``ModelOutput`` with the loss; torchvision's takes the images positionally and
-    returns logits, and the loop applies ``cross_entropy``."""
+    as keywords and returns a ``ModelOutput`` with the loss; torchvision's and timm's take the images
+    positionally and return logits, and the loop applies ``cross_entropy``."""
     import torch
 
     if "images" in kwargs:

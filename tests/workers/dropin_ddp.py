@@ -4,6 +4,7 @@
 ``clip_grad_norm_`` between backward and step clips the averaged gradient and the step uses it.
 
 ``models``: for transformers GPT-2, Llama (tied embeddings, ``ModelOutput``) and ResNet (BatchNorm buffers),
+torchvision's ResNet-18 and timm's ViT (``tm.MODELS``),
 ``out = ddp(**batch)``, ``out.loss.backward()``, ``clip_grad_norm_`` (really clipping), AdamW with a decay
 and a no-decay group and an LR scheduler, ``zero_grad(set_to_none=True)``; every step's losses and the final
 parameters equal one process on the whole batch and torch's own DDP over gloo. Then ``no_sync``
@@ -32,7 +33,7 @@ CLIP = 0.05  # far below every model's gradient norm here: clipping happens in e
 # Tolerance against one process: Llama's RMSNorm, rotary embedding and eager softmax compute in float32
 # whatever the model's dtype, so a different batch split rounds differently there (torch's DDP, doing the
 # same local arithmetic, is held to 1e-12 for every model).
-ONE_PROCESS_RTOL = {"gpt2": 1e-9, "llama": 1e-5, "resnet": 1e-9, "resnet18": 1e-9}
+ONE_PROCESS_RTOL = {"gpt2": 1e-9, "llama": 1e-5, "resnet": 1e-9, "resnet18": 1e-9, "vit": 1e-9}
 BUCKET_MB = 0.002  # several buckets, so all-reduces start while backward runs
 
 
@@ -252,8 +253,10 @@ def _build(name: str, seed: int) -> Any:
 def _one_process_loss(model: Any, name: str, step: int, n: int) -> Any:
     """One process on the whole batch: BatchNorm's statistics are per rank in DDP (torch's too), so ResNet's
     reference runs each rank's shard in its own forward and averages the losses."""
-    if name in tm.IMAGE_MODELS:
+    if name in tm.BATCHNORM_MODELS:
         return sum(tm.image_loss(model, tm.batch(name, step, r)) for r in range(n)) / n
+    if name in tm.IMAGE_MODELS:
+        return tm.image_loss(model, tm.global_batch(name, step, n))
     return model(**tm.global_batch(name, step, n)).loss
 
 
@@ -304,7 +307,7 @@ def _standard_loop(world: Any, rep: Report, name: str) -> None:
         # relative to the buffer's norm: running means have entries near zero, where three ranks' summation
         # orders (ours, gloo's) leave differences in the last digits
         rep.close(f"{name}: buffer {key} equals torch DDP's", b.double().numpy(), t.double().numpy(), 1e-12)
-    if name in tm.IMAGE_MODELS:  # an eval forward after training: torch's rule broadcasts rank 0's statistics
+    if name in tm.BATCHNORM_MODELS:  # an eval forward after training: torch broadcasts rank 0's statistics
         ddp.eval()
         theirs.eval()
         with torch.no_grad():

@@ -1,9 +1,9 @@
 """pp.FSDP as a drop-in for torch's FSDP on model code the project did not write (transformers GPT-2, Llama,
-ResNet): the standard loop (``out = fsdp(**batch)``, ``loss.backward()``, ``fsdp.clip_grad_norm_``,
+ResNet, torchvision's ResNet-18, timm's ViT: ``tm.MODELS``): the standard loop (``out = fsdp(**batch)``, ``loss.backward()``, ``fsdp.clip_grad_norm_``,
 torch AdamW with param groups, ``step``, ``zero_grad(set_to_none=True)``) under each strategy given, with the
 default units and with ``units_by_class(block)``. Every rank checks losses, gradient norms and the final
-``fsdp.state_dict()`` against one process on the whole global batch (GPT-2, Llama) and against torch's FSDP2
-``fully_shard`` over gloo on the same data (GPT-2, ResNet: its BatchNorm statistics are per rank).
+``fsdp.state_dict()`` against one process on the whole global batch (the models without BatchNorm, whose
+statistics are per rank) and against torch's FSDP2 ``fully_shard`` over gloo on the same data (every model).
 
 ``focused``: the failures the drop-in fixes (tied weights in two units, the tied alias key, gradients final
 when ``loss.backward()`` returns, a sharded parameter read outside its unit, checkpoint to a plain module).
@@ -21,13 +21,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _torch_models as tm
-from _common import Report, run_rank
+from _common import Report, digest, run_rank
 
 import paramplane as pp
 
 STEPS = 3
 CLIP = 0.5
-RTOL = {"gpt2": 1e-9, "resnet": 1e-9, "resnet18": 1e-9, "llama": 1e-5}
+RTOL = {"gpt2": 1e-9, "resnet": 1e-9, "resnet18": 1e-9, "vit": 1e-9, "llama": 1e-5}
 """float64 models; Llama's RMSNorm computes in float32 (its rounding depends on the batch shape): float32 tolerance."""
 ROOT = {"lr": 0.01, "weight_decay": 0.0}
 BLOCKS = {"lr": 0.02, "weight_decay": 0.1}
@@ -157,13 +157,13 @@ def _train(world: Any, rep: Report, name: str, strategy: str, by_class: bool) ->
     blocks = _block_names(model)
     kinds = {u.name: {nm in blocks for nm in u.names} for u in fsdp.units}
     what = f"{name}/{strategy}/{'by_class' if by_class else 'default'}"
-    if by_class or name != "resnet18":
+    if by_class or name not in ("resnet18", "vit"):
         rep.check(
             f"{what}: root unit holds the rest, block units their blocks",
             all(k == ({False} if u == "<root>" else {True}) for u, k in kinds.items()),
             str(kinds),
         )
-    else:  # torchvision's ResNet has no ModuleList: by default a unit per child with parameters (documented)
+    else:  # torchvision's ResNet and timm's ViT have no ModuleList: by default a unit per child with parameters
         want = {n for n, m in model.named_children() if any(True for _ in m.parameters())}
         rep.check(f"{what}: a unit per child with parameters", set(kinds) - {"<root>"} == want, str(kinds))
         rep.check(f"{what}: no unit mixes blocks and the rest", all(len(k) <= 1 for k in kinds.values()))
@@ -190,12 +190,19 @@ def train(world: Any, rep: Report, strategies: list[str]) -> None:
     n = world.world_size
     for name in tm.MODELS:
         tol = RTOL[name]
-        ref = _reference(name, n) if name not in tm.IMAGE_MODELS else None
+        ref = _reference(name, n) if name not in tm.BATCHNORM_MODELS else None
         theirs = _fsdp2(world, name)
+        trained = {k for k, _ in tm.build(name).named_parameters(remove_duplicate=False)}
         for strategy in strategies:
             for by_class in (False, True):
                 what = f"{name}/{strategy}/{'by_class' if by_class else 'default'}"
                 means, local, norms, state = _train(world, rep, name, strategy, by_class)
+                # the trained parameters, alike on every rank (the test compares; BatchNorm's statistics are not)
+                rep.digests[what] = digest(
+                    np.concatenate(
+                        [state[k].double().reshape(-1).numpy() for k in sorted(state) if k in trained]
+                    )
+                )
                 rep.check(f"{what}: clipping happened", all(x > CLIP for x in norms), str(norms))
                 if ref is not None:
                     rep.check(
