@@ -38,6 +38,11 @@ peak starts from what the previous one left resident).
 ``bucket_cap_mb``), to see what each pays per bucket; ``--grad-as-view``: both with
 ``gradient_as_bucket_view=True``.
 
+``--repeats N``: every configuration N times, the two implementations taking turns to go first (ours first in
+even repeats), each row tagged with its ``repeat``; ratios pair the rows of one repeat, and a ``summary`` row per
+configuration gives the median and the range of each ratio over the repeats: on two shared cores one pair of
+runs of four ranks each varies by several percent, more than the differences it is run to find.
+
 ``--device cuda`` (a GPU machine): the same on CUDA, torch's peers on NCCL instead of gloo. Each rank takes
 its GPU (``world.use_gpu()``; ranks share GPU 0 where there are fewer GPUs, and torch's ranks then get the
 same ``NCCL_HOSTID`` per rank that paramplane's runtime sets, see ``_gpu.peer_rank_env``); a step ends with
@@ -359,8 +364,15 @@ def _phase_max(ranks: list[dict[str, Any]]) -> dict[str, int]:
     return out
 
 
+def _config(row: dict[str, Any]) -> tuple[Any, ...]:
+    return row["model"], row["mode"], row["world_size"]
+
+
+RATIOS = ("step_vs_torch", "cpu_vs_torch", "train_peak_vs_torch", "rss_peak_vs_torch", "gpu_peak_vs_torch")
+
+
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Give each paramplane row its ratios against torch's row of the same model, mode and world."""
+    """Give each paramplane row its ratios against torch's row of the same model, mode, world and repeat."""
     for row in rows:
         if row["impl"] != "paramplane":
             continue
@@ -369,7 +381,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
                 r
                 for r in rows
                 if r["impl"] == "torch"
-                and (r["model"], r["mode"], r["world_size"]) == (row["model"], row["mode"], row["world_size"])
+                and _config(r) == _config(row)
+                and r.get("repeat", 0) == row.get("repeat", 0)
             ),
             None,
         )
@@ -383,6 +396,35 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
             row["train_peak_vs_torch"] = row["train_rss_peak_max"] / peer["train_rss_peak_max"]
         if row.get("gpu_peak_max") and peer.get("gpu_peak_max"):  # CUDA rows only
             row["gpu_peak_vs_torch"] = row["gpu_peak_max"] / peer["gpu_peak_max"]
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per configuration run more than once (``--repeats``): each ratio's median, lowest and highest
+    over the repeats."""
+    configs: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for row in rows:
+        if row["impl"] == "paramplane" and "step_vs_torch" in row:
+            configs.setdefault(_config(row), []).append(row)
+    out = []
+    for (model, mode, world), runs in configs.items():
+        if len(runs) < 2:
+            continue
+        summary: dict[str, Any] = {
+            "bench": "torch_models",
+            "summary": True,
+            "model": model,
+            "mode": mode,
+            "world_size": world,
+            "device": runs[0]["device"],
+            "repeats": len(runs),
+        }
+        for key in RATIOS:
+            values = [r[key] for r in runs if key in r]
+            if values:
+                summary[f"{key}_median"] = statistics.median(values)
+                summary[f"{key}_range"] = [min(values), max(values)]
+        out.append(summary)
+    return out
 
 
 def _csv(text: str, allowed: tuple[str, ...], flag: str, parser: argparse.ArgumentParser) -> list[str]:
@@ -434,6 +476,13 @@ def main(argv: list[str] | None = None) -> int:
         default="launcher",
         help="paramplane ranks' MALLOC_* env: the launcher's (default) or glibc's own, as torch's ranks",
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every configuration this many times, taking turns to go first (default 1); "
+        "adds a summary row of the ratios' medians",
+    )
     parser.add_argument("--out", type=Path, help="append the JSON lines here too")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--impl", choices=("paramplane", "torch"), help=argparse.SUPPRESS)
@@ -443,8 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sizes = [getattr(args, f) for f in SIZE_FLAGS] + [args.steps]
-    if min(sizes) < 1 or args.warmup < 0:
-        parser.error("--steps and the model sizes must be positive, --warmup at least 0")
+    if min(sizes) < 1 or args.warmup < 0 or args.repeats < 1:
+        parser.error("--steps, --repeats and the model sizes must be positive, --warmup at least 0")
     if args.bucket_mb < 0:
         parser.error("--bucket-mb must be at least 0 (0: each DDP's default)")
     models = _csv(args.models, MODELS, "--models", parser)
@@ -472,10 +521,13 @@ def main(argv: list[str] | None = None) -> int:
     for model in models:
         for world in worlds:
             for mode in modes:
-                for impl in ("paramplane", "torch"):
-                    rows.append(_row(impl, model, mode, world, _spawn(impl, model, mode, world, args), args))
+                for repeat in range(args.repeats):
+                    impls = ("paramplane", "torch") if repeat % 2 == 0 else ("torch", "paramplane")
+                    for impl in impls:
+                        row = _row(impl, model, mode, world, _spawn(impl, model, mode, world, args), args)
+                        rows.append(row | ({"repeat": repeat} if args.repeats > 1 else {}))
     add_ratios(rows)
-    emit([json.dumps(r) for r in rows], args.out)
+    emit([json.dumps(r) for r in rows + summarize(rows)], args.out)
     return 0
 
 

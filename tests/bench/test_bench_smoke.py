@@ -233,6 +233,38 @@ def test_torch_models_ratios_pair_rows_of_the_same_model_mode_and_world() -> Non
     assert "step_vs_torch" not in rows[4] and "step_vs_torch" not in rows[1]
 
 
+def test_torch_models_repeats_pair_within_a_repeat_and_summarize_the_medians() -> None:
+    tm = _load_torch_models()
+
+    def row(impl: str, repeat: int, step: float, peak: int) -> dict[str, Any]:
+        keys = {"impl": impl, "model": "gpt2", "mode": "ddp", "world_size": 4, "device": "cpu"}
+        return {
+            **keys,
+            "repeat": repeat,
+            "step_s_median": step,
+            "rss_peak_max": peak,
+            "train_rss_peak_max": peak,
+        }
+
+    rows = [
+        row("paramplane", 0, 1.0, 100),
+        row("torch", 0, 2.0, 100),
+        row("torch", 1, 1.0, 100),  # torch first in odd repeats
+        row("paramplane", 1, 1.5, 150),
+        row("paramplane", 2, 3.0, 100),
+        row("torch", 2, 4.0, 200),
+    ]
+    tm.add_ratios(rows)
+    assert [r["step_vs_torch"] for r in rows if r["impl"] == "paramplane"] == pytest.approx([0.5, 1.5, 0.75])
+    (summary,) = tm.summarize(rows)
+    assert summary["summary"] is True and summary["repeats"] == 3
+    assert (summary["model"], summary["mode"], summary["world_size"]) == ("gpt2", "ddp", 4)
+    assert summary["step_vs_torch_median"] == pytest.approx(0.75)
+    assert summary["step_vs_torch_range"] == pytest.approx([0.5, 1.5])
+    assert summary["train_peak_vs_torch_median"] == pytest.approx(1.0)
+    assert tm.summarize(rows[:2]) == []  # one repeat: nothing to summarize
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -240,6 +272,7 @@ def test_torch_models_ratios_pair_rows_of_the_same_model_mode_and_world() -> Non
         (["--modes", "zero3"], "--modes takes"),
         (["--worlds", "two"], "--worlds takes"),
         (["--steps", "0"], "must be positive"),
+        (["--repeats", "0"], "must be positive"),
     ],
 )
 def test_torch_models_bad_arguments_are_refused_with_a_message(
