@@ -250,12 +250,14 @@ class DDP:
             self._launch(self._buckets[self._next_launch])
 
     def _launch(self, bucket: Bucket) -> None:
+        # a mean divides in the copy into the bucket and sums (torch's reducer: one pass over the gradients less)
+        scale = 1.0 / self.group.size if self.reduce_op == "mean" else None
         for k, i in enumerate(bucket.params):
             if i in self._synced:  # no contribution since the last sync: what it holds is reduced already
                 self._before_grad(i, self._params[i])
             p = self._params[i]
             grad, base = p.grad, self._base.get(i)
-            bucket.pack(k, grad if base is None or grad is None else grad - base)
+            bucket.pack(k, grad if base is None or grad is None else grad - base, scale)
             if self._as_view(bucket) and grad is not None and not bucket.holds(k, grad):
                 p.grad = bucket.slot(k).reshape(p.shape)  # the backward's own copy is dropped here
         bucket.seal()
@@ -269,7 +271,7 @@ class DDP:
             wire = bucket.flat.astype(self.comm_dtype)  # compressed on the wire, cast back in finish
         bucket.wire = wire
         with self._path.comm_stream():  # CUDA: beside the backward's stream, as torch's NCCL work
-            bucket.work = self.group.all_reduce(wire, self.reduce_op, async_op=True)
+            bucket.work = self.group.all_reduce(wire, "sum", async_op=True)
         self._next_launch += 1
 
     def _as_view(self, bucket: Bucket) -> bool:

@@ -244,15 +244,22 @@ class Bucket:
         a, b = self.offsets[k]
         return self.flat[a:b]
 
-    def pack(self, k: int, grad: Array | None) -> None:
-        """Copy one parameter's gradient (or zeros when it has none) into the buffer; :meth:`seal` flags them.
-        A gradient that is this slot already (``gradient_as_bucket_view``) is not copied."""
+    def pack(self, k: int, grad: Array | None, scale: float | None = None) -> None:
+        """Copy one parameter's gradient (or zeros when it has none) into the buffer, times ``scale`` if given
+        (a mean's ``1/n`` applied in the copy, as torch's reducer does, instead of in a pass of its own after
+        the sum); :meth:`seal` flags them. A gradient that is this slot already (``gradient_as_bucket_view``)
+        is not copied, only scaled."""
         view = self.slot(k)
         if grad is None:
             view[...] = 0
             self.missing.append(k)
-        elif not self.holds(k, grad):
+        elif self.holds(k, grad):
+            if scale is not None:
+                view *= scale
+        elif scale is None:
             view[...] = grad.reshape(-1)
+        else:
+            self._xp.multiply(grad.reshape(-1), scale, out=view)
 
     def holds(self, k: int, array: Array) -> bool:
         """Whether ``array`` is slot ``k`` itself (a view of it, as a gradient kept as a bucket view is)."""
