@@ -6,13 +6,19 @@ tests launch the worlds and look at what the ranks reported.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 from _world import run_world
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workers"))
+import _torch_models as tm
+
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
+
+VIT = "vit" in tm.MODELS
 
 
 @pytest.mark.timeout(360)  # its own bounds (300 s), not the global 120 s
@@ -68,3 +74,14 @@ def test_tp2_t5_with_cross_attention_trains_like_one_process() -> None:
     world = run_world(2, "tp_torch_encdec.py", args=["t5"], env={"PARAMPLANE_TIMEOUT": "60"}, timeout=180)
     counts = [r["num_checks"] for r in world.check_ok()]
     assert min(counts) >= 100, counts
+
+
+@pytest.mark.skipif(not VIT, reason="timm not installed (make install puts it in .venv/timm)")
+@pytest.mark.timeout(240)  # its own bounds (180 s), not the global 120 s
+def test_tp2_timm_vit_trains_like_one_process() -> None:
+    """tp_plan_for on timm's Vision Transformer (fused qkv split by heads, proj row-wise, MLP column/row; the
+    class token, position and patch embeddings replicated): losses, gradients and final parameters equal the
+    dense model's; heads that do not divide, and a norm over every head, are refused."""
+    world = run_world(2, "tp_torch_vit.py", env={"PARAMPLANE_TIMEOUT": "60"}, timeout=180)
+    counts = [r["num_checks"] for r in world.check_ok()]
+    assert min(counts) >= 60, counts

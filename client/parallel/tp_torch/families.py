@@ -32,6 +32,13 @@ the ranks' parts. What each family needs, as torchtitan's ``parallelize_llama`` 
   Under sequence parallel only the decoder's states are split along the sequence; ``ln_cross_attn`` is a
   sequence-parallel norm and the cross ``c_attn`` reads the whole encoder states.
 
+- timm Vision Transformers (``timm.layers.Attention``: a fused ``qkv`` Linear read as (3, heads, head_dim),
+  ``proj``): ``qkv`` split as 3 blocks (``ColwiseParallel(parts=3)``), ``proj`` row-wise, the blocks' ``Mlp``
+  ``fc1``/``fc2`` column/row; ``num_heads`` and ``attn_dim`` (read by its forward) divided by tp. The patch
+  embedding, class token, position embedding, norms and classifier head stay replicated. Attention with a norm
+  over all heads' outputs (``scale_norm``) or a gate (``gated``) is refused (both span every head). No
+  sequence-, vocabulary- or loss-parallel plan.
+
 Other attention modules are not adjusted (a plan that splits the projections of an unknown one does not
 know its head count: write it with care, or add the family here).
 """
@@ -60,6 +67,12 @@ _QKV = ("q_proj", "k_proj", "v_proj")
 
 def _family(module: Any) -> str | None:
     names = {n for n, _ in module.named_children()}
+    if (
+        type(module).__module__.startswith("timm.")
+        and {"qkv", "proj"} <= names
+        and all(hasattr(module, a) for a in ("num_heads", "head_dim", "attn_dim"))
+    ):
+        return "timm"
     if type(module).__name__.startswith("T5Attention") and {"q", "k", "v", "o"} <= names:
         return "t5"
     if type(module).__name__.startswith("GPT2Attention") and "c_attn" in names:
@@ -112,6 +125,29 @@ def check_attention(root: Any, styles: dict[str, Style], tp: int) -> None:
                 )
             if module.num_heads % tp:
                 raise _heads_error(name, "attention heads", module.num_heads, tp)
+        elif family == "timm":
+            style = _style_of(styles, prefix + "qkv")
+            if style is None:
+                continue
+            if not isinstance(style, ColwiseParallel) or style.parts != 3 or style.gather_output:
+                raise ValueError(
+                    f"{name!r}: timm's fused qkv holds q, k and v side by side; split it with "
+                    "pp.ColwiseParallel(parts=3) (see pp.tp_plan_for)"
+                )
+            if not isinstance(styles.get(prefix + "proj"), RowwiseParallel):
+                raise ValueError(f"{name!r}: split qkv column-wise and proj row-wise together")
+            spanning = [
+                a
+                for a in ("norm", "gate")
+                if type(getattr(module, a, None)).__name__ not in ("Identity", "NoneType")
+            ]
+            if spanning:
+                raise ValueError(
+                    f"{name!r}: its {' and '.join(spanning)} spans every head's output (timm's scale_norm / "
+                    "gated attention), which tensor parallel does not split"
+                )
+            if module.num_heads % tp:
+                raise _heads_error(name, "attention heads", module.num_heads, tp)
         elif family == "t5":
             split = [p for p in "qkv" if _style_of(styles, prefix + p) is not None]
             if not split:
@@ -151,6 +187,9 @@ def adjust_attention(root: Any, styles: dict[str, Style], group: ProcessGroup) -
             if bias is not None:
                 _swap(bias, "weight", TPShard(tuple(bias.weight.shape), 1, 1, group), {})
                 bias.embedding_dim //= tp
+        if family == "timm" and prefix + "qkv" in styles:
+            module.num_heads //= tp
+            module.attn_dim //= tp
         if family == "gpt2" and prefix + "c_attn" in styles:
             module.num_heads //= tp
             module.embed_dim //= tp
@@ -207,6 +246,14 @@ _PLANS: dict[str, dict[str, Style]] = {
 }
 
 
+_PLANS["timm"] = {
+    "*attn.qkv": ColwiseParallel(parts=3),
+    "*attn.proj": RowwiseParallel(),
+    "*mlp.fc1": ColwiseParallel(),
+    "*mlp.fc2": RowwiseParallel(),
+}
+
+
 _SEQUENCE = {
     "gpt2": ("GPT2Block", ("*ln_1", "*ln_2", "*ln_cross_attn"), "ln_f"),
     "llama": ("DecoderLayer", ("*input_layernorm", "*post_attention_layernorm"), "norm"),
@@ -247,8 +294,9 @@ def _sequence_plan(model: Any, family: str, plan: dict[str, Style]) -> dict[str,
 def tp_plan_for(
     model: Any, *, loss_parallel: bool = False, vocab: bool = True, sequence_parallel: bool = False
 ) -> dict[str, Style]:
-    """The tensor-parallel plan for a transformers GPT-2, Llama-family, BART or T5 model (or a part of one: a
-    pipeline stage holding some blocks), with only the entries that match a module of ``model``.
+    """The tensor-parallel plan for a transformers GPT-2, Llama-family, BART or T5 model or a timm Vision
+    Transformer (or a part of one: a pipeline stage holding some blocks), with only the entries that match a
+    module of ``model``.
 
     ``loss_parallel``: the head's logits stay split over the vocabulary (for ``pp.vocab_parallel_cross_entropy``);
     by default they are gathered, so the model's own loss (``labels=``) works unchanged. ``vocab=False``
@@ -259,15 +307,26 @@ def tp_plan_for(
     families = {_family(m) for _, m in model.named_modules()} - {None}
     if not families:
         raise ValueError(
-            f"tp_plan_for knows transformers GPT-2, Llama-family, BART and T5 attention; {type(model).__name__} "
+            f"tp_plan_for knows transformers GPT-2, Llama-family, BART and T5 and timm ViT attention; "
+            f"{type(model).__name__} "
             "has none: write the plan (module name globs -> 'colwise' / 'rowwise' / 'vocab')"
         )
     bart = any(n.endswith("attn.out_proj") for n in names)
-    family = "gpt2" if "gpt2" in families else "t5" if "t5" in families else "bart" if bart else "llama"
-    if family in ("bart", "t5") and (sequence_parallel or loss_parallel):
+    family = (
+        "gpt2"
+        if "gpt2" in families
+        else "t5"
+        if "t5" in families
+        else "timm"
+        if "timm" in families
+        else "bart"
+        if bart
+        else "llama"
+    )
+    if family in ("bart", "t5", "timm") and (sequence_parallel or loss_parallel):
         raise ValueError(
             f"tp_plan_for has no sequence-parallel or loss-parallel plan for {family.upper()} (BART adds "
-            "final_logits_bias to the whole logits): use the defaults"
+            "final_logits_bias to the whole logits; a ViT has no vocabulary): use the defaults"
         )
     plan: dict[str, Style] = {}
     for pattern, style in _PLANS[family].items():
