@@ -20,6 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Report, run_rank
+from _tp_dense import train_against_dense
 
 import paramplane as pp
 
@@ -124,38 +125,22 @@ def scenario(world: Any, rep: Report) -> None:
             if pname.endswith("k_proj.bias"):
                 p.requires_grad_(False)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (dense, model)]
-    for step in range(STEPS):
+    split = ("proj.weight", "fc1.weight", "fc2.weight", "shared.weight", "wi_0.weight", "wo.weight")
+
+    def losses(step: int) -> tuple[Any, Any]:
         b = batch(step)
-        want, got = dense(**b).loss, model(**b).loss
-        want.backward()
-        got.backward()
-        rep.close(f"loss step {step}", got.item(), want.item(), TOL)
-        if step == 0:
-            dense_params = dict(dense.named_parameters())
-            for pname, p in model.named_parameters():
-                g = dense_params[pname].grad
-                if g is None:
-                    rep.check(f"{pname} frozen alike", p.grad is None, pname)
-                    continue
-                spec = getattr(p, "tp_shard", None)
-                split = (
-                    "proj.weight",
-                    "fc1.weight",
-                    "fc2.weight",
-                    "shared.weight",
-                    "wi_0.weight",
-                    "wo.weight",
-                )
-                if pname.endswith(split) or pname.endswith((".q.weight", ".k.weight", ".o.weight")):
-                    rep.check(f"{pname} split", spec is not None, pname)
-                rep.close(f"grad {pname}", p.grad, spec.local_of(g) if spec else g, TOL)
-        for opt in opts:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    full, plain = model.full_state_dict(), dense.state_dict()
-    rep.check("full_state_dict keys", list(full) == list(plain), f"{list(full)[:3]}")
-    for key, t in plain.items():
-        rep.close(f"final {key}", full[key], t, TOL)
+        return dense(**b).loss, model(**b).loss
+
+    train_against_dense(
+        rep,
+        dense,
+        model,
+        opts,
+        losses,
+        lambda n: n.endswith(split) or n.endswith((".q.weight", ".k.weight", ".o.weight")),
+        STEPS,
+        TOL,
+    )
 
 
 if __name__ == "__main__":

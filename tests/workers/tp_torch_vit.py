@@ -20,6 +20,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _torch_models as tm
 from _common import Report, run_rank
+from _tp_dense import train_against_dense
 
 import paramplane as pp
 
@@ -73,28 +74,14 @@ def scenario(world: Any, rep: Report) -> None:
         )
         for m in (dense, model)
     ]
-    for step in range(STEPS):
+
+    def losses(step: int) -> tuple[Any, Any]:
         images, labels = batch(step)
-        want = torch.nn.functional.cross_entropy(dense(images), labels)
-        got_loss = torch.nn.functional.cross_entropy(model(images), labels)
-        want.backward()
-        got_loss.backward()
-        rep.close(f"loss step {step}", got_loss.item(), want.item(), TOL)
-        if step == 0:
-            dense_params = dict(dense.named_parameters())
-            for pname, p in model.named_parameters():
-                g = dense_params[pname].grad
-                spec = getattr(p, "tp_shard", None)
-                if pname.endswith(("attn.qkv.weight", "attn.proj.weight", "fc1.weight", "fc2.weight")):
-                    rep.check(f"{pname} split", spec is not None, pname)
-                rep.close(f"grad {pname}", p.grad, spec.local_of(g) if spec else g, TOL)
-        for opt in opts:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    full, plain = model.full_state_dict(), dense.state_dict()
-    rep.check("full_state_dict keys", list(full) == list(plain), f"{list(full)[:3]}")
-    for key, t in plain.items():
-        rep.close(f"final {key}", full[key], t, TOL)
+        cross_entropy = torch.nn.functional.cross_entropy
+        return cross_entropy(dense(images), labels), cross_entropy(model(images), labels)
+
+    split = ("attn.qkv.weight", "attn.proj.weight", "fc1.weight", "fc2.weight")
+    train_against_dense(rep, dense, model, opts, losses, lambda n: n.endswith(split), STEPS, TOL)
 
     for label, kw, message in (
         ("3 heads over tp 2", {"heads": 3}, "3 attention heads"),
