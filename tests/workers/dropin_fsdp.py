@@ -43,6 +43,10 @@ def _block_names(model: Any) -> set[str]:
     }
 
 
+def _num_blocks(model: Any) -> int:
+    return sum(1 for m in model.modules() if isinstance(m, tm.block_class(model)))
+
+
 def _groups(model: Any, blocks: set[str] | None = None) -> list[dict[str, Any]]:
     """AdamW param groups of a plain (or FSDP2) model: block parameters and the rest."""
     blocks = _block_names(model) if blocks is None else blocks
@@ -157,16 +161,13 @@ def _train(world: Any, rep: Report, name: str, strategy: str, by_class: bool) ->
     blocks = _block_names(model)
     kinds = {u.name: {nm in blocks for nm in u.names} for u in fsdp.units}
     what = f"{name}/{strategy}/{'by_class' if by_class else 'default'}"
-    if by_class or name not in ("resnet18", "vit"):
-        rep.check(
-            f"{what}: root unit holds the rest, block units their blocks",
-            all(k == ({False} if u == "<root>" else {True}) for u, k in kinds.items()),
-            str(kinds),
-        )
-    else:  # torchvision's ResNet and timm's ViT have no ModuleList: by default a unit per child with parameters
-        want = {n for n, m in model.named_children() if any(True for _ in m.parameters())}
-        rep.check(f"{what}: a unit per child with parameters", set(kinds) - {"<root>"} == want, str(kinds))
-        rep.check(f"{what}: no unit mixes blocks and the rest", all(len(k) <= 1 for k in kinds.values()))
+    # by default (blocks in a ModuleList, or in Sequentials: torchvision's ResNet, timm's ViT) as by class
+    rep.check(
+        f"{what}: root unit holds the rest, block units their blocks",
+        all(k == ({False} if u == "<root>" else {True}) for u, k in kinds.items()),
+        str(kinds),
+    )
+    rep.check(f"{what}: a unit per block", len(kinds) - 1 == _num_blocks(model), str(kinds))
     # AdamW groups as the reference's: a unit's shard goes with its parameters' group (blocks or the rest)
     shards = {u.name: p for u, p in zip(fsdp.units, fsdp.parameters())}
     opt = torch.optim.AdamW(

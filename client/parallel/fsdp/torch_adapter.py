@@ -6,8 +6,10 @@ at a zero-stride placeholder of NaNs of its shape: a computation that reads a sh
 never plausible values, and a forward that did not call some unit's module raises naming the unit.
 
 Units (``units=``): by default every element of the outermost ``nn.ModuleList``s (a transformer's blocks,
-as torchtitan applies ``fully_shard`` per block; or ``nn.ModuleDict``s: a ``pipeline_split`` stage's blocks), the root unit keeping the rest (embeddings, final norm,
-a tied head); a model without a ModuleList gets one unit per child with parameters of an ``nn.Sequential``
+as torchtitan applies ``fully_shard`` per block; or ``nn.ModuleDict``s: a ``pipeline_split`` stage's blocks), and
+of the outermost ``nn.Sequential``s of two or more blocks of one class defined outside ``torch.nn`` (timm's
+ViT ``blocks``, torchvision's ResNet ``layer1``..``layer4``), the root unit keeping the rest (embeddings,
+final norm, a tied head); a model with neither gets one unit per child with parameters of an ``nn.Sequential``
 (or of a module with several). ``pp.units_by_class(Block)`` makes every module of those classes a unit
 (torch's ``ModuleWrapPolicy``); units may nest (the inner unit owns its parameters, the outer the rest).
 A parameter is owned by the innermost unit around the modules that register it; one registered by modules
@@ -116,17 +118,25 @@ class TorchPath:
         return named
 
     def _children(self) -> list[tuple[str, Any]]:
-        """The default units: the elements of the outermost ModuleLists (ModuleDicts), else the children of a
-        Sequential."""
+        """The default units: the elements of the outermost ModuleLists (ModuleDicts) and Sequentials of
+        blocks, else the children of a Sequential."""
         import torch
 
         module = self.module
         paths = {id(m): path for path, m in module.named_modules()}
         lists: list[Any] = []
 
+        def blocks_in_sequence(m: Any) -> bool:
+            """A Sequential of two or more blocks (modules with parameters) of one class not from torch.nn."""
+            if not isinstance(m, torch.nn.Sequential):
+                return False
+            kinds = {type(c) for c in m.children() if any(True for _ in c.parameters())}
+            count = sum(1 for c in m.children() if any(True for _ in c.parameters()))
+            return count >= 2 and len(kinds) == 1 and not next(iter(kinds)).__module__.startswith("torch.nn")
+
         def find(m: Any) -> None:
             for child in m.children():
-                if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+                if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)) or blocks_in_sequence(child):
                     lists.append(child)
                 else:
                     find(child)
