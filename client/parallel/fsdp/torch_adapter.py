@@ -130,9 +130,10 @@ class TorchPath:
             """A Sequential of two or more blocks (modules with parameters) of one class not from torch.nn."""
             if not isinstance(m, torch.nn.Sequential):
                 return False
-            kinds = {type(c) for c in m.children() if any(True for _ in c.parameters())}
-            count = sum(1 for c in m.children() if any(True for _ in c.parameters()))
-            return count >= 2 and len(kinds) == 1 and not next(iter(kinds)).__module__.startswith("torch.nn")
+            blocks = [type(c) for c in m.children() if any(True for _ in c.parameters())]
+            return (
+                len(blocks) >= 2 and len(set(blocks)) == 1 and not blocks[0].__module__.startswith("torch.nn")
+            )
 
         def find(m: Any) -> None:
             for child in m.children():

@@ -243,14 +243,12 @@ _PLANS: dict[str, dict[str, Style]] = {
         "*DenseReluDense.wo": RowwiseParallel(),
         "lm_head": ColwiseParallel(),
     },
-}
-
-
-_PLANS["timm"] = {
-    "*attn.qkv": ColwiseParallel(parts=3),
-    "*attn.proj": RowwiseParallel(),
-    "*mlp.fc1": ColwiseParallel(),
-    "*mlp.fc2": RowwiseParallel(),
+    "timm": {
+        "*attn.qkv": ColwiseParallel(parts=3),
+        "*attn.proj": RowwiseParallel(),
+        "*mlp.fc1": ColwiseParallel(),
+        "*mlp.fc2": RowwiseParallel(),
+    },
 }
 
 
@@ -307,22 +305,12 @@ def tp_plan_for(
     families = {_family(m) for _, m in model.named_modules()} - {None}
     if not families:
         raise ValueError(
-            f"tp_plan_for knows transformers GPT-2, Llama-family, BART and T5 and timm ViT attention; "
-            f"{type(model).__name__} "
-            "has none: write the plan (module name globs -> 'colwise' / 'rowwise' / 'vocab')"
+            f"tp_plan_for knows transformers GPT-2, Llama-family, BART and T5 and timm's ViT attention; "
+            f"{type(model).__name__} has none: write the plan (module name globs -> 'colwise' / 'rowwise' / "
+            "'vocab')"
         )
     bart = any(n.endswith("attn.out_proj") for n in names)
-    family = (
-        "gpt2"
-        if "gpt2" in families
-        else "t5"
-        if "t5" in families
-        else "timm"
-        if "timm" in families
-        else "bart"
-        if bart
-        else "llama"
-    )
+    family = next((f for f in ("gpt2", "t5", "timm") if f in families), "bart" if bart else "llama")
     if family in ("bart", "t5", "timm") and (sequence_parallel or loss_parallel):
         raise ValueError(
             f"tp_plan_for has no sequence-parallel or loss-parallel plan for {family.upper()} (BART adds "
