@@ -26,6 +26,7 @@ from paramplane.optim.optimizer import Optimizer
 from paramplane.parallel.torch_params import (
     CommStream,
     EndOfBackward,
+    output_tensors,
     torch_buffers,
     torch_params,
     torch_stream,
@@ -122,7 +123,8 @@ class TorchPath:
         self.module = module
         self._sync_next_forward = True  # torch's require_forward_param_sync
         self._sync_backward = True  # whether the last forward with grad enabled ran outside no_sync
-        self._end_of_backward: EndOfBackward | None = None
+        self._finish: Callable[[], None] | None = None  # the DDP's, given with the first gradient
+        self._end_of_backward = EndOfBackward(self._finish_sync)
         anchor = next(iter(module.parameters()), None)
         self._cuda_anchor = anchor if anchor is not None and anchor.device.type == "cuda" else None
         self._comm = CommStream(anchor) if self._cuda_anchor is not None else None
@@ -138,11 +140,26 @@ class TorchPath:
         import torch
 
         grad_enabled = torch.is_grad_enabled()
+        self._end_of_backward.reset()
         out = self.module(*args, **kwargs)
         self._sync_next_forward = grad_enabled and not no_sync
         if grad_enabled:
             self._sync_backward = not no_sync
+            if not no_sync:
+                # the sync's end is requested from the outermost backward, which the output starts (before a
+                # reentrant checkpoint's nested backward produces the first gradient)
+                for t in output_tensors(out):
+                    if t.requires_grad:
+                        t.register_hook(lambda _g: self._request())
         return out
+
+    def _request(self) -> None:
+        if self._sync_backward:
+            self._end_of_backward.request()
+
+    def _finish_sync(self) -> None:
+        if self._finish is not None:
+            self._finish()
 
     def syncs_buffers(self, no_sync: bool) -> bool:
         return self._sync_next_forward
@@ -151,8 +168,7 @@ class TorchPath:
         return self._sync_backward
 
     def on_grad(self, finish: Callable[[], None]) -> None:
-        if self._end_of_backward is None:
-            self._end_of_backward = EndOfBackward(finish)
+        self._finish = finish
         self._end_of_backward.request()  # finish runs when this backward ends, before loss.backward() returns
 
     def attach(self, optimizer: Any, finish: Callable[[], None]) -> Any:

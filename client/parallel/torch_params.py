@@ -29,6 +29,7 @@ __all__ = [
     "TorchFlatParam",
     "TorchParam",
     "is_torch_module",
+    "output_tensors",
     "queue_backward_callback",
     "to_array",
     "to_tensor",
@@ -55,22 +56,48 @@ def queue_backward_callback(fn: Callable[[], None]) -> None:
     Variable._execution_engine.queue_callback(fn)
 
 
+def output_tensors(value: Any) -> list[Any]:
+    """The tensors in a module's output (a tensor, tuples, lists, dicts and ``ModelOutput``s of them)."""
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in output_tensors(v)]
+    if isinstance(value, dict):  # transformers' ModelOutput is an OrderedDict
+        return [t for v in value.values() for t in output_tensors(v)]
+    return [value] if hasattr(value, "register_hook") else []
+
+
 class EndOfBackward:
     """Runs ``fn`` once at the end of each backward in which ``request()`` is called (from autograd hooks), as
-    torch's DDP reducer and FSDP2 finish their gradient sync: once per graph task, so a backward that raised
-    (its callback never ran) cannot make the next one skip its own."""
+    torch's DDP reducer and FSDP2 finish their gradient sync.
+
+    Once per outermost backward: a request from a backward that runs inside another one whose callback is still
+    to run (a reentrant activation checkpoint recomputes its blocks and runs their backward as a graph task of its
+    own, nested in the outer one) queues nothing, so the sync is not finished before the outer backward's other
+    gradients arrived. The wrappers call ``reset()`` at each forward (no backward runs then): a backward that
+    raised, whose callback never ran, cannot make the next one skip its own."""
 
     def __init__(self, fn: Callable[[], None]) -> None:
         self._fn = fn
         self._task: int | None = None
+        self._pending = False
 
     def request(self) -> None:
         import torch
 
         task = int(torch._C._current_graph_task_id())
-        if task != self._task:
-            self._task = task
-            queue_backward_callback(self._fn)
+        if task == self._task or self._pending:
+            return
+        self._task = task
+        self._pending = True
+        queue_backward_callback(self._run)
+
+    def _run(self) -> None:
+        self._pending = False
+        self._fn()
+
+    def reset(self) -> None:
+        """No backward is running (a forward starts): forget a callback that a raised backward never ran."""
+        self._pending = False
+        self._task = None
 
 
 def to_array(tensor: Any, what: str) -> Any:

@@ -33,7 +33,7 @@ def _run(n: int, mode: str, transport: str, min_checks: int, **kw: object) -> No
     world = run_world(n, "dropin_fsdp.py", args=[mode], env=env, timeout=240, **kw)
     out = world.check_ok(min_checks=min_checks)
     assert world.shm_leaks() == set()
-    if mode != "focused":  # every model trained under every strategy, to the same parameters on every rank
+    if mode not in ("focused", "checkpointing"):  # every model under every strategy, alike on every rank
         want = {f"{m}/{s}/{u}" for m in tm.MODELS for s in mode.split(",") for u in ("default", "by_class")}
         assert set(out[0]["digests"]) == want, sorted(want ^ set(out[0]["digests"]))
         assert all(r["digests"] == out[0]["digests"] for r in out), "ranks ended with different parameters"
@@ -62,3 +62,9 @@ def test_tied_weights_state_dicts_and_final_gradients() -> None:
     dropped, and gradients were reduced only by an attached optimizer's step. Also use_orig_params (param
     groups by name equal one process) and a torch optimizer's state through checkpoints (fsdp.optim_state)."""
     _run(2, "focused", "shm", min_checks=23)
+
+
+def test_activation_checkpointing_under_ddp_and_fsdp_matches_one_process() -> None:
+    """transformers' gradient_checkpointing_enable (blocks recomputed inside the backward, reentrant and not) on
+    GPT-2 under pp.DDP, full_shard and shard_grad_op: losses and final parameters equal one process."""
+    _run(2, "checkpointing", "shm", min_checks=56)

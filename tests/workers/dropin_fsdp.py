@@ -425,10 +425,73 @@ def focused(world: Any, rep: Report) -> None:
         shutil.rmtree(root_dir, ignore_errors=True)
 
 
+def checkpointing(world: Any, rep: Report) -> None:
+    """Activation checkpointing as transformers users turn it on (``gradient_checkpointing_enable``: each
+    block's forward runs again inside the backward), reentrant and not, under pp.DDP and pp.FSDP: every step's
+    loss and the final parameters equal one process on the whole batch with the same checkpointing."""
+    import torch
+
+    n = world.world_size
+    for reentrant in (False, True):
+        for how in ("ddp", "full_shard", "shard_grad_op", "full_shard/mlp"):
+            what = f"checkpointed ({'reentrant' if reentrant else 'non-reentrant'}) {how}"
+            models = [tm.build("gpt2"), tm.build("gpt2")]
+            for m in models:
+                m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+                m.train()
+            ref, model = models
+            calls: list[int] = []
+            # transformers checkpoints a block's forward, not its call: hooks on the block run once, on what it
+            # calls again in the backward (its attention) twice
+            model.transformer.h[0].attn.register_forward_hook(lambda *_, c=calls: c.append(1))
+            if how == "ddp":
+                wrapped = pp.DDP(model, world.group)
+            else:  # "/mlp": units inside the checkpointed blocks, so their hooks run again in the backward
+                mlp = type(model.transformer.h[0].mlp)
+                units = pp.units_by_class(mlp) if how.endswith("/mlp") else None
+                wrapped = pp.FSDP(model, world.group, how.split("/")[0], units=units)
+            finishes: list[int] = []
+            inner_finish = wrapped.finish_gradient_sync
+
+            def finish(f: list[int] = finishes, inner: Any = inner_finish) -> None:
+                f.append(1)
+                inner()
+
+            wrapped.finish_gradient_sync = finish  # type: ignore[method-assign]
+            opts = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (ref, wrapped)]
+            for s in range(STEPS):
+                losses = [
+                    _loss(ref, tm.global_batch("gpt2", s, n)),
+                    _loss(wrapped, tm.batch("gpt2", s, world.rank)),
+                ]
+                for loss, opt in zip(losses, opts):
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                total = np.array([float(losses[1].detach())])
+                world.group.all_reduce(total, "sum")
+                rep.check(
+                    f"{what}: loss {s} = one process",
+                    _close(float(total[0]) / n, float(losses[0].detach())),
+                    f"{total[0] / n} {float(losses[0])}",
+                )
+            rep.check(f"{what}: blocks ran again in the backward", len(calls) == 2 * STEPS, str(len(calls)))
+            # once per backward, at its end: not at the end of each block's nested backward (reentrant)
+            rep.check(
+                f"{what}: the sync finished once per backward", len(finishes) == STEPS, str(len(finishes))
+            )
+            state = wrapped.state_dict() if how != "ddp" else model.state_dict()
+            _same_state(rep, f"{what} vs one process", state, ref.state_dict())
+            if how == "ddp":
+                wrapped.remove_hooks()
+
+
 def scenario(world: Any, rep: Report) -> None:
     mode = sys.argv[1]
     if mode == "focused":
         focused(world, rep)
+    elif mode == "checkpointing":
+        checkpointing(world, rep)
     else:
         train(world, rep, mode.split(","))
     rep.values["num_checks"] = rep.num_checks

@@ -52,6 +52,7 @@ from paramplane.parallel.torch_params import (
     EndOfBackward,
     TorchFlatParam,
     TorchParam,
+    output_tensors,
     to_array,
     to_tensor,
     to_torch,
@@ -63,15 +64,6 @@ if TYPE_CHECKING:
     from paramplane.parallel.fsdp.wrapper import FSDP
 
 __all__ = ["TorchPath"]
-
-
-def _tensors(value: Any) -> list[Any]:
-    """The tensors in a module's output (a tensor, tuples, lists, dicts and ``ModelOutput``s of them)."""
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):  # transformers' ModelOutput is an OrderedDict
-        return [t for v in value.values() for t in _tensors(v)]
-    return [value] if hasattr(value, "register_hook") else []
 
 
 def _torch_dtype(dtype: Any) -> Any:
@@ -218,7 +210,7 @@ class TorchPath:
             if fsdp.reshard_after_forward:
                 gather.release(unit)
             unit.extra["pre_backward"] = False
-            for t in _tensors(output):
+            for t in output_tensors(output):
                 if t.requires_grad:
                     t.register_hook(lambda _g: self._pre_backward(unit))
 
@@ -248,6 +240,7 @@ class TorchPath:
                 gather.prefetch(gather.prev_in_forward(unit))
 
     def _root_pre_backward(self, root: FlatUnit) -> None:
+        self._queue_finish()  # from the outermost backward, which the root's output starts
         with self._stream():
             self.fsdp._gather.ensure_gathered(root)
 
@@ -284,6 +277,7 @@ class TorchPath:
         import torch
 
         fsdp = self.fsdp
+        self._finish.reset()
         for u in fsdp.units:
             u.forward_done = False
             u.extra["ready"] = 0
@@ -303,7 +297,7 @@ class TorchPath:
         fsdp._forward_open = torch.is_grad_enabled()
         root = fsdp._root
         if root is not None and fsdp._forward_open:  # gathered again for the backward of this output (the
-            for t in _tensors(y):  # backward of an earlier forward, as a pipeline runs, released it)
+            for t in output_tensors(y):  # backward of an earlier forward, as a pipeline runs, released it)
                 if t.requires_grad:
                     t.register_hook(lambda _g: self._root_pre_backward(root))
         if fsdp.output_dtype is not None and torch.is_tensor(y) and y.is_floating_point():
