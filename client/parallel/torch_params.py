@@ -77,16 +77,11 @@ class EndOfBackward:
 
     def __init__(self, fn: Callable[[], None]) -> None:
         self._fn = fn
-        self._task: int | None = None
         self._pending = False
 
     def request(self) -> None:
-        import torch
-
-        task = int(torch._C._current_graph_task_id())
-        if task == self._task or self._pending:
+        if self._pending:  # queued in this backward, or in the one this backward runs inside
             return
-        self._task = task
         self._pending = True
         queue_backward_callback(self._run)
 
@@ -97,7 +92,6 @@ class EndOfBackward:
     def reset(self) -> None:
         """No backward is running (a forward starts): forget a callback that a raised backward never ran."""
         self._pending = False
-        self._task = None
 
 
 def to_array(tensor: Any, what: str) -> Any:

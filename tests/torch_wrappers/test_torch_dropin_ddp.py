@@ -114,3 +114,44 @@ def test_host_buckets_hand_their_buffers_to_the_gradients_with_torch_ddp_semanti
         min_checks=21
     )
     assert out[0]["digests"] == out[1]["digests"]
+
+
+def test_end_of_backward_runs_once_per_outermost_backward_and_after_a_raised_one() -> None:
+    """The wrappers' end-of-backward callback: once per backward, also when a reentrant checkpoint runs nested
+    backwards inside it (each requesting), and again in the next backward after one that raised (the wrappers
+    reset it at each forward)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from paramplane.parallel.torch_params import EndOfBackward
+
+    runs: list[int] = []
+    end = EndOfBackward(lambda: runs.append(1))
+
+    def requesting(t: Any) -> Any:
+        if t.requires_grad:  # not in a reentrant checkpoint's first (no-grad) forward
+            t.register_hook(lambda g: (end.request(), g)[1])
+        return t
+
+    x = torch.ones(3, requires_grad=True)
+    requesting(x * 2).sum().backward()
+    assert runs == [1]
+
+    def block(t: Any) -> Any:
+        return requesting(t * 3)
+
+    out = requesting(checkpoint(block, requesting(x * 2), use_reentrant=True))
+    out.sum().backward()  # the block's backward is a nested graph task that requests too
+    assert runs == [1, 1] and x.grad is not None
+
+    def fail(g: Any) -> Any:
+        end.request()
+        raise RuntimeError("a hook failed")
+
+    y = x * 2
+    y.register_hook(fail)
+    with pytest.raises(RuntimeError, match="a hook failed"):
+        y.sum().backward()
+    assert runs == [1, 1]  # the failed backward's callback never ran
+    end.reset()  # the next forward
+    requesting(x * 2).sum().backward()
+    assert runs == [1, 1, 1]
