@@ -62,7 +62,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -82,7 +82,7 @@ from paramplane.parallel.ddp_buckets import (
 )
 from paramplane.parallel.ddp_torch import ModulePath, NNPath, TorchPath
 from paramplane.parallel.fsdp.units import check_same_model
-from paramplane.parallel.torch_params import is_torch_module
+from paramplane.parallel.torch_params import is_torch_module, module_attribute
 
 __all__ = ["DDP", "broadcast_arrays", "shard_range"]
 
@@ -352,7 +352,25 @@ class DDP:
         finally:
             self._no_sync = previous
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's flag, which ``no_sync()`` clears inside: set False, backwards of the forwards that run
+        meanwhile accumulate locally (nanoGPT's loop sets it before each micro-step's forward)."""
+        return not self._no_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise ValueError(f"require_backward_grad_sync must be a bool, got {value!r}")
+        self._no_sync = not value
+
     # -- pass-through ------------------------------------------------------------------------------
+    if not TYPE_CHECKING:  # (hidden from mypy, which would otherwise accept any attribute of a DDP)
+
+        def __getattr__(self, name: str) -> Any:
+            """A torch module's attributes the wrapper lacks (``torch_params.module_attribute``)."""
+            return module_attribute(self, name)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward on every argument, its output unchanged. First re-broadcasts buffers from
         rank 0 when ``broadcast_buffers``: for a torch module when the previous forward ran with grad

@@ -24,11 +24,13 @@ import numpy as np
 from paramplane.node.arrays import DTYPES, is_moved, to_torch, torch_cpu_view
 
 __all__ = [
+    "MOVES",
     "CommStream",
     "EndOfBackward",
     "TorchFlatParam",
     "TorchParam",
     "is_torch_module",
+    "module_attribute",
     "output_tensors",
     "queue_backward_callback",
     "to_array",
@@ -43,6 +45,39 @@ __all__ = [
 def is_torch_module(module: Any) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(module, torch.nn.Module)
+
+
+MOVES = frozenset(
+    ("to", "to_empty", "cuda", "cpu", "xpu", "type", "float", "double", "half", "bfloat16", "share_memory")
+)
+"""Module methods that move or cast parameters: a wrapper holds views of them, so it refuses these."""
+
+
+def module_attribute(wrapper: Any, name: str) -> Any:
+    """An attribute a wrapper of a torch module lacks is its module's, as with FSDP1's wrapper:
+    ``model.config``, ``model.generate(...)``, ``model.named_modules()``, ``model.training``. A method that
+    returns the module itself (``apply``, ``requires_grad_``) returns the wrapper instead, so that
+    ``model = model.method(...)`` keeps the wrapper; moving or casting (``MOVES``) is refused: do it before
+    wrapping. Private names (``_x``) are not passed on."""
+    module = wrapper.__dict__.get("module")
+    if module is None or name.startswith("_") or not is_torch_module(module):
+        raise AttributeError(f"{type(wrapper).__name__!r} object has no attribute {name!r}")
+    if name in MOVES:
+        raise RuntimeError(
+            f"{type(wrapper).__name__}.{name}(): move or cast the module before wrapping it (the wrapper "
+            "holds views of its parameters and gradients)"
+        )
+    value = getattr(module, name)
+    if not callable(value) or getattr(value, "__self__", None) is not module:
+        return value
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        out = value(*args, **kwargs)
+        return wrapper if out is module else out
+
+    call.__name__ = name
+    call.__doc__ = value.__doc__
+    return call
 
 
 def queue_backward_callback(fn: Callable[[], None]) -> None:

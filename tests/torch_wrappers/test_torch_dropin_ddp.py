@@ -105,6 +105,17 @@ def test_standard_loop_on_third_party_models_matches_one_process_and_torch_ddp(n
     assert set(tm.MODELS) <= set(out[0]["digests"]), "a model did not train"
 
 
+def test_nanogpt_accumulation_flag_and_the_modules_attributes_through_the_wrapper() -> None:
+    """nanoGPT's loop sets ``model.require_backward_grad_sync`` per micro-step (it used to be ignored: every
+    micro-step all-reduced): the micro-steps' backwards stay local as with torch's DDP, and the parameters equal
+    one process; ``config``, ``named_modules``, ``training`` and ``generate`` reach the module, methods that
+    return it return the wrapper, and moving the model after wrapping is refused."""
+    out = run_world(2, "dropin_loop.py", args=["ddp"], env={"PARAMPLANE_TIMEOUT": "30"}, timeout=90).check_ok(
+        min_checks=21
+    )
+    assert out[0]["digests"] == out[1]["digests"]
+
+
 def test_host_buckets_hand_their_buffers_to_the_gradients_with_torch_ddp_semantics() -> None:
     """The default (``gradient_as_bucket_view=False``) on CPU holds gradients once: each bucket's buffer
     becomes the gradients after a synchronised backward and the next round takes a new one. Over no_sync,

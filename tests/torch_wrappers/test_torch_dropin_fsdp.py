@@ -68,3 +68,14 @@ def test_activation_checkpointing_under_ddp_and_fsdp_matches_one_process() -> No
     """transformers' gradient_checkpointing_enable (blocks recomputed inside the backward, reentrant and not) on
     GPT-2 under pp.DDP, full_shard and shard_grad_op: losses and final parameters equal one process."""
     _run(2, "checkpointing", "shm", min_checks=56)
+
+
+def test_the_module_called_directly_gathers_and_placeholders_are_never_read() -> None:
+    """``fsdp.module(...)`` and ``fsdp.generate(...)`` (transformers' GPT-2) used to compute with NaN
+    placeholders, and ``module.state_dict()`` to return them: now the module's own forward gathers, a sharded
+    submodule called alone and ``module.state_dict()`` raise, rank 0 samples alone inside
+    ``summon_full_params()``; FSDP2's ``set_requires_gradient_sync`` accumulates like one process, and mixed
+    precision casts keyword inputs."""
+    out = run_world(2, "dropin_loop.py", args=["fsdp"], env={"PARAMPLANE_TIMEOUT": "30"}, timeout=120)
+    results = out.check_ok(min_checks=12)
+    assert results[0]["digests"] == results[1]["digests"]

@@ -215,6 +215,13 @@ def flat_params(model: Any) -> np.ndarray:
     return np.concatenate([p.detach().double().reshape(-1).numpy() for p in model.parameters()])
 
 
+def flat_grads(model: Any) -> np.ndarray:
+    """Every gradient of ``model`` (those that are not None), flattened into one float64 vector."""
+    return np.concatenate(
+        [p.grad.detach().double().reshape(-1).numpy() for p in model.parameters() if p.grad is not None]
+    )
+
+
 def init_gloo(world: Any) -> Any:
     """torch.distributed (gloo) over the same ranks, through a file store in the test's output folder."""
     import torch.distributed as dist

@@ -20,7 +20,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _torch_models as tm
 from _common import Report, digest, run_rank
-from dropin_ddp import _grads, _small, _xy
+from dropin_ddp import _small, _xy
 
 import paramplane as pp
 
@@ -56,9 +56,9 @@ def storage(world: Any, rep: Report) -> None:
                     torch.nn.functional.mse_loss(wrapper(x), y).div(micro).backward()
             xs, ys = zip(*(_xy(10 * step + k, r) for r in range(n)))
             torch.nn.functional.mse_loss(ref(torch.cat(xs)), torch.cat(ys)).div(micro).backward()
-        got = _grads(model.parameters())
-        rep.equal(f"step {step}: grads equal one process", got, _grads(ref.parameters()), rtol=1e-10)
-        rep.equal(f"step {step}: grads equal torch DDP", got, _grads(theirs.module.parameters()), rtol=1e-12)
+        got = tm.flat_grads(model)
+        rep.equal(f"step {step}: grads equal one process", got, tm.flat_grads(ref), rtol=1e-10)
+        rep.equal(f"step {step}: grads equal torch DDP", got, tm.flat_grads(theirs.module), rtol=1e-12)
         rep.check(
             f"step {step}: gradients held once (no bucket keeps a buffer)",
             all(b.storage is None for b in ddp._buckets),

@@ -37,12 +37,6 @@ ONE_PROCESS_RTOL = {"gpt2": 1e-9, "llama": 1e-5, "resnet": 1e-9, "resnet18": 1e-
 BUCKET_MB = 0.002  # several buckets, so all-reduces start while backward runs
 
 
-def _grads(params: Any) -> np.ndarray:
-    return np.concatenate(
-        [p.grad.detach().double().reshape(-1).numpy() for p in params if p.grad is not None]
-    )
-
-
 # -- issue 25 items 1-2 ---------------------------------------------------------------------------------
 def _small(seed: int) -> Any:
     import torch
@@ -73,8 +67,8 @@ def issue(world: Any, rep: Report) -> None:
         torch.nn.functional.mse_loss(ddp(x), y).backward()
         xs, ys = zip(*(_xy(step, r) for r in range(n)))
         torch.nn.functional.mse_loss(ref(torch.cat(xs)), torch.cat(ys)).backward()
-        rep.equal(f"step {step}: grads averaged when backward returns", _grads(model.parameters()),
-                  _grads(ref.parameters()), rtol=1e-10)  # fmt: skip
+        rep.equal(f"step {step}: grads averaged when backward returns", tm.flat_grads(model),
+                  tm.flat_grads(ref), rtol=1e-10)  # fmt: skip
         norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), CLIP)
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
         rep.check(f"step {step}: clipping happens", float(norm) > 2 * CLIP, f"norm {float(norm)}")

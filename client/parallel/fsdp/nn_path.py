@@ -47,6 +47,10 @@ class ModulePath(Protocol):
         """Bracket each use of ``unit``'s module: gather before its forward and backward, and so on."""
         ...
 
+    def wrap_root(self, units: list[FlatUnit]) -> None:
+        """Every unit is wrapped: bracket the module's own forward (a torch module's root hooks)."""
+        ...
+
     @property
     def forward(self) -> Callable[..., Any]:
         """Runs the module (``fsdp(...)``'s arguments), each unit gathered when it is used."""
@@ -132,6 +136,9 @@ class NNPath:
 
     def adopt(self, units: list[FlatUnit]) -> None:
         pass
+
+    def wrap_root(self, units: list[FlatUnit]) -> None:
+        """Nothing: ``FSDP.forward`` brackets the module's forward."""
 
     def wrap(self, unit: FlatUnit) -> None:
         m = unit.module

@@ -20,6 +20,9 @@ gathered for the whole forward and backward.
 ``TorchFSDP``, the wrapper with this path). Its hooks do what ``NNPath``'s wrapped ``forward``/``backward`` do
 for paramplane modules:
 
+- the module's own forward pre-hook and forward hook are the wrapper's forward (as FSDP2's root hooks), so
+  ``fsdp.module(...)`` and ``fsdp.generate(...)`` gather as ``fsdp(...)`` does; a submodule whose parameters are
+  sharded refuses to run alone, and to give its state dict (placeholders are never read silently);
 - a unit's forward pre-hook gathers it and prefetches the next unit; its forward hook reshards it
   (full_shard, hybrid_shard) and hooks its outputs' gradients, which gather it again just before its
   backward (and prefetch the previous unit: ``backward_prefetch="pre"``);
@@ -200,11 +203,15 @@ class TorchPath:
         fsdp, gather = self.fsdp, self.fsdp._gather
 
         def before(_m: Any, _args: Any) -> None:
+            if fsdp._summoned:  # every unit is whole: nothing to gather or reshard
+                return
             with self._stream():
                 gather.enter_unit(unit)
             unit.extra["forward_start"] = time.monotonic()
 
         def after(_m: Any, _args: Any, output: Any) -> None:
+            if fsdp._summoned:
+                return
             fsdp._mark(f"forward {unit.name}", unit.extra.pop("forward_start"))
             unit.forward_done = True
             if fsdp.reshard_after_forward:
@@ -273,20 +280,58 @@ class TorchPath:
         return ready
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the torch module; each unit is gathered when its module is called (and prefetched)."""
+        """Run the torch module: its root hooks (``wrap_root``) gather and check around its forward."""
+        return self.module(*args, **kwargs)
+
+    def wrap_root(self, units: list[FlatUnit]) -> None:
+        """The wrapper's forward is the module's own, as with FSDP2's root hooks: ``fsdp.module(...)`` and
+        ``fsdp.module.generate(...)`` gather like ``fsdp(...)``. Every module that registers a parameter of a
+        unit refuses to run, or to give a state dict, while that unit is sharded (its tensors are
+        placeholders), so that a direct call of a submodule or ``module.state_dict()`` raises instead of
+        computing with NaNs or saving them. Runs after every unit's hooks are registered."""
+        module = self.module
+        module.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self._root_post_forward)
+        unit_of = {id(cast(TorchParam, p).tensor): u for u in units for p in u.params}
+        for name, sub in module.named_modules():
+            owned = [(k, unit_of[id(t)]) for k, t in sub._parameters.items() if id(t) in unit_of]
+            if owned:
+                sub.register_forward_pre_hook(self._sharded_call_check(name, owned))
+                sub.register_state_dict_post_hook(self._sharded_state_check(owned))
+
+    def _root_pre_forward(self, _m: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         import torch
 
         fsdp = self.fsdp
+        if fsdp._summoned:
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    "FSDP: a forward inside summon_full_params() runs on the full parameters without "
+                    "gathering, for inference on any rank alone (e.g. rank 0 sampling): wrap it in "
+                    "torch.no_grad(); train outside the context"
+                )
+            return None
         self._finish.reset()
         for u in fsdp.units:
             u.forward_done = False
             u.extra["ready"] = 0
         with self._stream():
             fsdp._gather.begin_forward()
-        if fsdp.param_dtype != fsdp.master_dtype:
-            compute = _torch_dtype(fsdp.param_dtype)
-            args = tuple(a.to(compute) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
-        y = self.module(*args, **kwargs)
+        if fsdp.param_dtype == fsdp.master_dtype:
+            return None
+        compute = _torch_dtype(fsdp.param_dtype)
+
+        def cast_input(a: Any) -> Any:
+            return a.to(compute) if torch.is_tensor(a) and a.is_floating_point() else a
+
+        return tuple(cast_input(a) for a in args), {k: cast_input(v) for k, v in kwargs.items()}
+
+    def _root_post_forward(self, _m: Any, _args: Any, y: Any) -> Any:
+        import torch
+
+        fsdp = self.fsdp
+        if fsdp._summoned:
+            return None
         missed = [u.name for u in fsdp._wrapped if not u.forward_done]
         if missed:
             raise RuntimeError(
@@ -301,8 +346,37 @@ class TorchPath:
                 if t.requires_grad:
                     t.register_hook(lambda _g: self._root_pre_backward(root))
         if fsdp.output_dtype is not None and torch.is_tensor(y) and y.is_floating_point():
-            y = y.to(_torch_dtype(fsdp.output_dtype))
-        return y
+            return y.to(_torch_dtype(fsdp.output_dtype))
+        return None
+
+    @staticmethod
+    def _sharded_call_check(name: str, owned: list[tuple[str, FlatUnit]]) -> Callable[[Any, Any], None]:
+        def check(_m: Any, _args: Any) -> None:
+            for key, unit in owned:
+                if not unit.gathered:
+                    raise RuntimeError(
+                        f"FSDP: {name or 'the root module'} was called while its parameter {key!r} is "
+                        f"sharded (unit {unit.name!r} is not gathered: it holds a placeholder). Call the "
+                        "wrapped model (fsdp(...) or fsdp.module(...)), whose forward gathers each unit, or "
+                        "call it inside fsdp.summon_full_params() under torch.no_grad()"
+                    )
+
+        return check
+
+    @staticmethod
+    def _sharded_state_check(owned: list[tuple[str, FlatUnit]]) -> Callable[..., None]:
+        def check(m: Any, state: Any, prefix: str, _meta: Any) -> None:
+            for key, unit in owned:
+                # keep_vars=True hands out the parameters themselves (who asks knows what they hold)
+                if not unit.gathered and state.get(prefix + key) is not m._parameters[key]:
+                    raise RuntimeError(
+                        f"FSDP: module.state_dict() would hold a placeholder for {prefix + key!r}, which is "
+                        f"sharded (unit {unit.name!r}). Use fsdp.state_dict() on every rank (the full state, "
+                        "module.state_dict()'s keys), fsdp.sharded_state_dict() / pp.checkpoint, or "
+                        "module.state_dict() inside fsdp.summon_full_params()"
+                    )
+
+        return check
 
     def backward(self, grad_out: Any) -> Any:
         raise RuntimeError(

@@ -35,7 +35,7 @@ import contextlib
 import math
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -65,7 +65,7 @@ from paramplane.parallel.fsdp.units import (
     units_by_class,
 )
 from paramplane.parallel.sharding import ShardedArray
-from paramplane.parallel.torch_params import is_torch_module
+from paramplane.parallel.torch_params import is_torch_module, module_attribute
 
 __all__ = ["FSDP", "STRATEGIES", "CPUOffload", "MixedPrecision", "TorchFSDP", "units_by_class"]
 
@@ -179,7 +179,10 @@ class FSDP:
         self._root = self._gather.root
         for u in self._wrapped:
             path.wrap(u)
+        path.wrap_root(self.units)
         self._forward_open = False
+        self._summoned = False
+        """Inside ``summon_full_params``: every unit is whole, and a forward gathers and reshards nothing."""
         self.memory.update()
 
     def reform(self, group: ProcessGroup | None = None) -> None:
@@ -233,6 +236,13 @@ class FSDP:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
 
+    if not TYPE_CHECKING:  # (hidden from mypy, which would otherwise accept any attribute of an FSDP)
+
+        def __getattr__(self, name: str) -> Any:
+            """A torch module's attributes the wrapper lacks (``torch_params.module_attribute``):
+            ``fsdp.generate(...)`` runs the module's forward, which gathers as ``fsdp(...)`` does."""
+            return module_attribute(self, name)
+
     def backward(self, grad_out: Array) -> Array:
         """Run the module's backward; each unit's gradient reduce-scatter starts as soon as it is ready.
 
@@ -280,6 +290,14 @@ class FSDP:
             yield
         finally:
             self._reducer.no_sync = previous
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """FSDP2's switch for accumulation: False makes the backwards that follow accumulate full gradients
+        locally, as inside ``no_sync()``; set it True before the last micro-step's backward. ``recurse`` is
+        FSDP2's keyword (its units are modules of their own): here it is always every unit."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise ValueError(f"requires_gradient_sync must be a bool, got {requires_gradient_sync!r}")
+        self._reducer.no_sync = not requires_gradient_sync
 
     # -- gradients ---------------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Any:
@@ -392,11 +410,22 @@ class FSDP:
         self._gather.discard_prefetches()
         fsdp_state.load_sharded(self.sharded_state_dict(), state)
 
-    def summon_full_params(self) -> contextlib.AbstractContextManager[None]:
-        """Full parameters (master dtype) in the module inside; writes are kept; resharded after."""
-        return fsdp_state.summon_full_params(
+    @contextlib.contextmanager
+    def summon_full_params(self) -> Iterator[None]:
+        """Full parameters (master dtype) in the module inside; writes are kept; resharded after (a
+        collective on entry and exit). Inside, a torch module's forward under ``torch.no_grad()`` runs on
+        the full parameters without gathering, on any rank alone: ``if rank == 0: fsdp.module.generate(...)``;
+        ``module.state_dict()`` holds the full values."""
+        if self._summoned:
+            raise RuntimeError("FSDP.summon_full_params() is already active")
+        with fsdp_state.summon_full_params(
             self.units, self._gather, self.master_dtype, self._xp, self.finish_gradient_sync
-        )
+        ):
+            self._summoned = True
+            try:
+                yield
+            finally:
+                self._summoned = False
 
     def __repr__(self) -> str:
         return (

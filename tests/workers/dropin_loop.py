@@ -1,0 +1,206 @@
+"""What users' loops do with a wrapped model beyond forward/backward/step, on transformers' GPT-2 (world 2).
+
+``ddp``: nanoGPT's accumulation (``model.require_backward_grad_sync = last_micro_step``) against one process and
+torch's DDP doing the same (a micro-step's backward stays local, the last one averages the sum); the module's
+attributes through the wrapper (``config``, ``named_modules``, ``training``, ``generate``), methods returning
+the module keep the wrapper, moving it after wrapping is refused.
+
+``fsdp``: the module called directly (``fsdp.module(...)``, ``fsdp.generate(...)``) gathers as ``fsdp(...)``
+does (it used to compute with NaN placeholders); a sharded submodule called alone and ``module.state_dict()``
+raise instead of computing with or saving placeholders; inside ``summon_full_params()`` rank 0 alone samples
+and ``module.state_dict()`` holds the full state; FSDP2's ``set_requires_gradient_sync`` accumulates like one
+process; mixed precision casts keyword inputs too (GPT-2's ``inputs_embeds=``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _torch_models as tm
+from _common import Report, digest, run_rank
+
+import paramplane as pp
+
+MICRO = 2  # micro-steps per optimizer step
+STEPS = 2
+
+
+def _micro(step: int, micro: int, rank: int) -> dict[str, Any]:
+    return tm.batch("gpt2", 100 * step + micro, rank)
+
+
+def _reference_step(ref: Any, opt: Any, step: int, num_ranks: int) -> None:
+    """One process on every rank's micro-batches: the mean of their losses (each micro-batch's loss divided
+    by the number of micro-steps, as nanoGPT does, and averaged over ranks, as DDP does)."""
+    for micro in range(MICRO):
+        for r in range(num_ranks):
+            (ref(**_micro(step, micro, r)).loss / (MICRO * num_ranks)).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _grad_sum(model: Any) -> float:
+    return float(sum(float(p.grad.sum()) for p in model.parameters() if p.grad is not None))
+
+
+def _differs_across_ranks(world: Any, value: float) -> bool:
+    got = world.group.all_gather(np.array([value]))
+    return bool(got.max() - got.min() > 1e-9 * max(1.0, abs(float(got.max()))))
+
+
+def ddp_loop(world: Any, rep: Report) -> None:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    tm.init_gloo(world)
+    n = world.world_size
+    model = tm.build("gpt2", seed=0)
+    ddp = pp.DDP(model, world.group)
+    theirs = DistributedDataParallel(tm.build("gpt2", seed=0))
+    ref = tm.build("gpt2", seed=0)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ddp, theirs, ref)]
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            last = micro == MICRO - 1
+            for wrapped in (ddp, theirs):  # nanoGPT's loop, word for word
+                wrapped.require_backward_grad_sync = last
+                (wrapped(**_micro(step, micro, world.rank)).loss / MICRO).backward()
+            if not last:
+                local = _grad_sum(model)
+                rep.check(
+                    f"step {step}: a micro-step's backward stays local", _differs_across_ranks(world, local)
+                )
+                rep.equal(f"step {step}: local gradient as torch's DDP", np.array([local]),
+                          np.array([_grad_sum(theirs.module)]), rtol=1e-10)  # fmt: skip
+        rep.check(f"step {step}: flag reads back", ddp.require_backward_grad_sync is True)
+        rep.equal(f"step {step}: averaged gradients as torch's DDP", tm.flat_grads(model),
+                  tm.flat_grads(theirs.module), rtol=1e-10)  # fmt: skip
+        for opt in opts[:2]:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        _reference_step(ref, opts[2], step, n)
+        rep.close(
+            f"step {step}: parameters equal one process", tm.flat_params(model), tm.flat_params(ref), 1e-9
+        )
+    try:
+        ddp.require_backward_grad_sync = 1  # type: ignore[assignment]
+        rep.check("a non-bool flag is refused", False)
+    except ValueError:
+        rep.check("a non-bool flag is refused", True)
+
+    # the module's own attributes through the wrapper
+    rep.check("config", ddp.config is model.config)
+    rep.check("named_modules", [k for k, _ in ddp.named_modules()] == [k for k, _ in model.named_modules()])
+    ddp.eval()
+    rep.check("training follows eval()", ddp.training is False and model.training is False)
+    ddp.train()
+    rep.check("apply returns the wrapper", ddp.apply(lambda _m: None) is ddp)
+    rep.check("requires_grad_ returns the wrapper", ddp.requires_grad_(True) is ddp)
+    for move in (lambda: ddp.to(torch.float32), lambda: ddp.double()):
+        try:
+            move()
+            rep.check("moving after wrapping is refused", False)
+        except RuntimeError as e:
+            rep.check("moving after wrapping is refused", "before wrapping" in str(e), str(e))
+    rep.check("private names stay the wrapper's", not hasattr(ddp, "_modules"))
+    rep.check("a missing attribute is an AttributeError", not hasattr(ddp, "no_such_attribute"))
+    ids = _micro(9, 0, world.rank)["input_ids"][:, :3]
+    with torch.no_grad():
+        got = ddp.generate(ids, max_new_tokens=3, do_sample=False)
+        want = ref.generate(ids, max_new_tokens=3, do_sample=False)
+    rep.check("generate through the wrapper", torch.equal(got, want), f"{got.tolist()} vs {want.tolist()}")
+    rep.digests["ddp"] = digest(tm.flat_params(model))
+
+
+def _expect_error(rep: Report, name: str, fn: Any, words: str) -> None:
+    try:
+        fn()
+        rep.check(name, False, "no error")
+    except RuntimeError as e:
+        rep.check(name, words in str(e), str(e))
+
+
+def fsdp_loop(world: Any, rep: Report) -> None:
+    import torch
+
+    n = world.world_size
+    model = tm.build("gpt2", seed=0)
+    fsdp = pp.FSDP(model, world.group, "full_shard")
+    ref = tm.build("gpt2", seed=0)
+    b = _micro(0, 0, world.rank)
+
+    # before any fsdp(...) call: the module called directly gathers its units (NaN logits before)
+    with torch.no_grad():
+        got, want = model(**b).logits, ref(**b).logits
+    rep.equal("module called directly", got.numpy(), want.numpy(), rtol=1e-12)
+    ids = b["input_ids"][:, :3]
+    with torch.no_grad():
+        got = fsdp.generate(ids, max_new_tokens=3, do_sample=False)
+        want = ref.generate(ids, max_new_tokens=3, do_sample=False)
+    rep.check("generate through the wrapper", torch.equal(got, want), f"{got.tolist()} vs {want.tolist()}")
+
+    opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(STEPS):  # FSDP2's accumulation switch
+        for micro in range(MICRO):
+            fsdp.set_requires_gradient_sync(micro == MICRO - 1)
+            (fsdp(**_micro(step, micro, world.rank)).loss / MICRO).backward()
+        fsdp.clip_grad_norm_(1e9)  # the global norm: a collective every rank joins
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _reference_step(ref, ref_opt, step, n)
+    with fsdp.summon_full_params():
+        rep.close("accumulation equals one process", tm.flat_params(model), tm.flat_params(ref), 1e-9)
+
+    # after a step the units are resharded: their modules refuse to run alone, the state dict to hold NaNs
+    x = torch.zeros(1, 2, model.config.n_embd, dtype=torch.float64)
+    _expect_error(rep, "a sharded block's layer called alone", lambda: model.transformer.h[0].attn.c_attn(x),
+                  "sharded")  # fmt: skip
+    _expect_error(rep, "the tied embedding called alone", lambda: model.transformer.wte(ids), "sharded")
+    _expect_error(rep, "module.state_dict() while sharded", model.state_dict, "fsdp.state_dict()")
+    _expect_error(rep, "a submodule's state_dict() while sharded", model.transformer.h[1].state_dict,
+                  "fsdp.state_dict()")  # fmt: skip
+    keys = list(model.state_dict(keep_vars=True))
+    rep.check("keep_vars=True (keys) still answers", keys == list(ref.state_dict()))
+    full = fsdp.state_dict()
+    with fsdp.summon_full_params():
+        inside = model.state_dict()
+        rep.check("state_dict() inside summon_full_params", list(inside) == list(full) and all(
+            torch.equal(inside[k], full[k]) for k in full))  # fmt: skip
+        if world.rank == 0:  # one rank alone: no collective inside
+            with torch.no_grad():
+                got = fsdp.generate(ids, max_new_tokens=3, do_sample=False)
+                want = ref.generate(ids, max_new_tokens=3, do_sample=False)
+            rep.check("rank 0 alone samples inside summon_full_params", torch.equal(got, want))
+        _expect_error(rep, "a grad-enabled forward inside summon_full_params", lambda: fsdp(**b), "no_grad")
+    world.group.barrier()
+    loss = fsdp(**_micro(5, 0, world.rank)).loss
+    loss.backward()
+    ref_loss = ref(**_micro(5, 0, world.rank)).loss
+    rep.equal(
+        "a forward after summon_full_params", loss.detach().numpy(), ref_loss.detach().numpy(), rtol=1e-9
+    )
+    opt.zero_grad(set_to_none=True)
+    rep.digests["fsdp"] = digest(fsdp.state_dict()["lm_head.weight"].numpy())
+
+    # mixed precision casts keyword inputs too (float32 inputs_embeds met bfloat16 layers and raised before)
+    half = tm.build("gpt2", seed=0, dtype=torch.float32)
+    plain = tm.build("gpt2", seed=0, dtype=torch.float32)
+    mp = pp.FSDP(half, world.group, mixed_precision=pp.MixedPrecision(param_dtype="bfloat16"))
+    embeds = torch.from_numpy(np.random.default_rng(world.rank).standard_normal((2, tm.SEQ, 16), np.float32))
+    kw = {"inputs_embeds": embeds, "labels": b["input_ids"]}
+    got = float(mp(**kw).loss)
+    with torch.no_grad():
+        want = float(plain(**kw).loss)
+    rep.check(
+        "bfloat16 compute from float32 keyword inputs", abs(got - want) <= 3e-2 * abs(want), f"{got} {want}"
+    )
+
+
+if __name__ == "__main__":
+    run_rank({"ddp": ddp_loop, "fsdp": fsdp_loop}[sys.argv[1]])
