@@ -396,12 +396,13 @@ class DDP:
             if self._tracer is not None:
                 self._tracer.mark("backward", start, time.monotonic())
 
-    def parameters(self) -> list[Any]:
-        """The module's parameters (torch tensors for a torch module, to hand to a torch optimizer)."""
-        return list(self.module.parameters())
+    def parameters(self) -> Iterator[Any]:
+        """The module's parameters (torch tensors for a torch module, to hand to a torch optimizer); an
+        iterator, as torch's (``next(model.parameters())`` works; take a ``list`` to use them twice)."""
+        return iter(self.module.parameters())
 
-    def named_parameters(self) -> list[tuple[str, Any]]:
-        return list(self.module.named_parameters())
+    def named_parameters(self) -> Iterator[tuple[str, Any]]:
+        return iter(self.module.named_parameters())
 
     def state_dict(self) -> dict[str, Array]:
         return self.module.state_dict()

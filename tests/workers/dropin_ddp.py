@@ -186,7 +186,7 @@ def _autocast(world: Any, rep: Report) -> None:
     model = tm.build("gpt2", seed=world.rank, dtype=torch.float32)
     ddp = pp.DDP(model, world.group, bucket_mb=BUCKET_MB)
     theirs = DistributedDataParallel(tm.build("gpt2", seed=0, dtype=torch.float32))
-    losses, _ = _loop(model, ddp.parameters(), loss_of(ddp), steps=2)
+    losses, _ = _loop(model, list(ddp.parameters()), loss_of(ddp), steps=2)
     t_losses, _ = _loop(theirs.module, list(theirs.parameters()), loss_of(theirs), steps=2)
     rep.equal("autocast: losses equal torch DDP", losses, t_losses, rtol=1e-2)
     rep.close(
@@ -278,7 +278,7 @@ def _standard_loop(world: Any, rep: Report, name: str) -> None:
     model = _build(name, seed=rank)  # differs per rank: the wrap-time broadcast makes it rank 0's
     ddp = pp.DDP(model, g, bucket_mb=BUCKET_MB)
     rep.check(f"{name}: several buckets", ddp.num_buckets > 1, str(ddp.num_buckets))
-    losses, norms = _loop(model, ddp.parameters(), lambda s: _loss(ddp, name, s, rank))
+    losses, norms = _loop(model, list(ddp.parameters()), lambda s: _loss(ddp, name, s, rank))
     ref = _build(name, seed=0)
     ref_losses, ref_norms = _loop(ref, list(ref.parameters()), lambda s: _one_process_loss(ref, name, s, n))
     theirs = DistributedDataParallel(_build(name, seed=0))

@@ -280,7 +280,7 @@ def focused(world: Any, rep: Report) -> None:
         sorted(n for n, _ in fsdp.named_parameters()) == sorted(n for n, _ in ref.named_parameters()),
         str([n for n, _ in fsdp.named_parameters()][:3]),
     )
-    opt = torch.optim.AdamW(by_name(fsdp.named_parameters()), lr=0.01)
+    opt = torch.optim.AdamW(by_name(list(fsdp.named_parameters())), lr=0.01)
     ref_opt = torch.optim.AdamW(by_name(list(ref.named_parameters())), lr=0.01)
     for step in range(STEPS):
         loss, _ = _step(fsdp, opt, tm.batch("gpt2", step, world.rank), fsdp.clip_grad_norm_)
@@ -300,7 +300,7 @@ def focused(world: Any, rep: Report) -> None:
     orig_dir = Path(tempfile.gettempdir()) / f"pp-dropin-orig-{world.job_id}"
     saved = pp.checkpoint.save({"model": fsdp, "optim": fsdp.optim_state(opt)}, orig_dir, g)
     again = pp.FSDP(tm.build("gpt2", seed=4), g, "full_shard", use_orig_params=True)
-    again_opt = torch.optim.AdamW(by_name(again.named_parameters()), lr=0.01)
+    again_opt = torch.optim.AdamW(by_name(list(again.named_parameters())), lr=0.01)
     pp.checkpoint.load({"model": again, "optim": again.optim_state(again_opt)}, saved, g)
     _same_adamw_state(
         rep, "use_orig_params: optimizer state round-trips by parameter", (fsdp, opt), (again, again_opt)

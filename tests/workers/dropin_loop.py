@@ -94,6 +94,7 @@ def ddp_loop(world: Any, rep: Report) -> None:
         rep.check("a non-bool flag is refused", True)
 
     # the module's own attributes through the wrapper
+    rep.check("parameters() is an iterator, as torch's", next(ddp.parameters()) is next(model.parameters()))
     rep.check("config", ddp.config is model.config)
     rep.check("named_modules", [k for k, _ in ddp.named_modules()] == [k for k, _ in model.named_modules()])
     ddp.eval()
@@ -144,6 +145,7 @@ def fsdp_loop(world: Any, rep: Report) -> None:
         want = ref.generate(ids, max_new_tokens=3, do_sample=False)
     rep.check("generate through the wrapper", torch.equal(got, want), f"{got.tolist()} vs {want.tolist()}")
 
+    rep.check("parameters() is an iterator, as torch's", next(fsdp.parameters()).ndim == 1)  # a flat shard
     opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for step in range(STEPS):  # FSDP2's accumulation switch

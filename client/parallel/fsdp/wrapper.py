@@ -327,13 +327,14 @@ class FSDP:
         return self._path.norm(norm)
 
     # -- inspection --------------------------------------------------------------------------------
-    def parameters(self) -> list[Any]:
+    def parameters(self) -> Iterator[Any]:
         """This rank's flat shards (what an optimizer should step; torch Parameters for a torch module, one
-        piece per original parameter with ``use_orig_params``)."""
-        return [p for _, p in self.named_parameters()]
+        piece per original parameter with ``use_orig_params``); an iterator, as torch's (take a ``list`` to
+        use them twice)."""
+        return (p for _, p in self.named_parameters())
 
-    def named_parameters(self) -> list[tuple[str, Any]]:
-        return self._path.named_parameters(self.units)
+    def named_parameters(self) -> Iterator[tuple[str, Any]]:
+        return iter(self._path.named_parameters(self.units))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for unit in self.units:
