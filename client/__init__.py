@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from paramplane.parallel.fsdp import FSDP, CPUOffload, MixedPrecision, units_by_class
     from paramplane.parallel.mesh import Mesh
     from paramplane.parallel.pipeline import Pipeline, causal_lm_loss, pipeline_optim_state, pipeline_split
+    from paramplane.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
     from paramplane.parallel.tensor import ColumnParallelLinear, RowParallelLinear
     from paramplane.parallel.tensor_attention import TensorParallelAttention
     from paramplane.parallel.tp_torch import (
@@ -73,6 +74,8 @@ _LAZY = {
     "tp_plan_for": "paramplane.parallel.tp_torch",
     "vocab_parallel_cross_entropy": "paramplane.parallel.tp_torch",
     "CPUOffload": "paramplane.parallel.fsdp",
+    "SyncBatchNorm": "paramplane.parallel.sync_batchnorm",
+    "convert_sync_batchnorm": "paramplane.parallel.sync_batchnorm",
     "nn": "paramplane.nn",
     "checkpoint": "paramplane.checkpoint",
     "optim": "paramplane.optim",
@@ -123,6 +126,7 @@ __all__ = [
     "RowParallelLinear",
     "RowwiseParallel",
     "SequenceParallel",
+    "SyncBatchNorm",
     "TensorParallelAttention",
     "TransportError",
     "VocabParallel",
@@ -131,6 +135,7 @@ __all__ = [
     "WorldAborted",
     "causal_lm_loss",
     "checkpoint",
+    "convert_sync_batchnorm",
     "init",
     "nn",
     "optim",
