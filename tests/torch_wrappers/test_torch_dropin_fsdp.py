@@ -79,3 +79,17 @@ def test_the_module_called_directly_gathers_and_placeholders_are_never_read() ->
     out = run_world(2, "dropin_loop.py", args=["fsdp"], env={"PARAMPLANE_TIMEOUT": "30"}, timeout=120)
     results = out.check_ok(min_checks=13)
     assert results[0]["digests"] == results[1]["digests"]
+
+
+@pytest.mark.timeout(200)
+def test_bert_t5_mixtral_gptneox_under_ddp_and_fsdp_match_one_process() -> None:
+    """More of transformers' architectures, once each under pp.DDP and full_shard with clipping: BERT's tied
+    masked-LM decoder, T5's embedding tied three ways, Mixtral's experts (some unused on a rank in a step) and
+    GPT-NeoX; parameters and buffers equal one process on the whole batch after 3 steps."""
+    out = run_world(2, "dropin_loop.py", args=["more"], env={"PARAMPLANE_TIMEOUT": "60"}, timeout=180)
+    results = out.check_ok(min_checks=5 * len(tm.MORE_MODELS))
+    want = {f"{m}/{h}" for m in tm.MORE_MODELS for h in ("ddp", "full_shard")}
+    assert set(results[0]["digests"]) == want, sorted(want ^ set(results[0]["digests"]))
+    assert all(r["digests"] == results[0]["digests"] for r in results), (
+        "ranks ended with different parameters"
+    )

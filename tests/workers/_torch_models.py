@@ -136,6 +136,91 @@ def build(name: str, seed: int = 0, dtype: Any = None, layers: int = 2) -> Any:
     return model.to(dtype or torch.float64)
 
 
+MORE_MODELS = ("bert", "t5", "mixtral", "gptneox")
+"""transformers' models checked once each under DDP and FSDP (``build_more``): BERT's masked LM (decoder tied to
+the embedding), T5 (the shared embedding tied three ways, encoder and decoder), Mixtral (a mixture of experts:
+experts unused on some ranks in a step) and GPT-NeoX (untied head, parallel attention and MLP)."""
+
+
+def build_more(name: str, seed: int = 0) -> Any:
+    """A fresh tiny ``name`` (one of ``MORE_MODELS``): float64, but Mixtral in float32 (its grouped expert
+    matmul has no float64 kernel)."""
+    import torch
+    import transformers as t
+
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(seed)
+    ids = {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
+    if name == "bert":
+        model = t.BertForMaskedLM(
+            t.BertConfig(
+                vocab_size=VOCAB,
+                hidden_size=16,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                intermediate_size=32,
+                max_position_embeddings=SEQ,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+            )
+        )
+    elif name == "t5":
+        model = t.T5ForConditionalGeneration(
+            t.T5Config(
+                vocab_size=VOCAB,
+                d_model=16,
+                d_kv=8,
+                d_ff=32,
+                num_layers=2,
+                num_heads=2,
+                dropout_rate=0.0,
+                decoder_start_token_id=0,
+                pad_token_id=0,
+            )
+        )
+    elif name == "mixtral":
+        model = t.MixtralForCausalLM(
+            t.MixtralConfig(
+                vocab_size=VOCAB,
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                num_local_experts=4,
+                num_experts_per_tok=1,
+                max_position_embeddings=SEQ,
+                **ids,
+            )
+        )
+        return model.float()
+    elif name == "gptneox":
+        model = t.GPTNeoXForCausalLM(
+            t.GPTNeoXConfig(
+                vocab_size=VOCAB,
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                max_position_embeddings=SEQ,
+                **ids,
+            )
+        )
+    else:
+        raise ValueError(f"unknown model {name!r}; one of {MORE_MODELS}")
+    return model.double()  # fmt: skip
+
+
+def more_batch(name: str, step: int, rank: int, size: int = 2) -> dict[str, Any]:
+    """Rank ``rank``'s keyword arguments for a ``MORE_MODELS`` model (T5: its own decoder targets)."""
+    import torch
+
+    rng = np.random.default_rng(step * 1000 + rank)
+    ids = torch.from_numpy(rng.integers(1, VOCAB, (size, SEQ)))
+    labels = torch.from_numpy(rng.integers(1, VOCAB, (size, SEQ))) if name == "t5" else ids.clone()
+    return {"input_ids": ids, "labels": labels}
+
+
 def block_class(model: Any) -> type:
     """The transformer block (or ResNet stage layer) class: the unit class FSDP users wrap by."""
     name = type(model).__name__

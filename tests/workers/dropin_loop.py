@@ -204,5 +204,47 @@ def fsdp_loop(world: Any, rep: Report) -> None:
     )
 
 
+def more_models(world: Any, rep: Report) -> None:
+    """``tm.MORE_MODELS`` under pp.DDP and pp.FSDP (full_shard, default units) with clipping: every parameter
+    and buffer equals one process on the whole batch after 3 AdamW steps."""
+    import torch
+
+    n, rank = world.world_size, world.rank
+    for name in tm.MORE_MODELS:
+        for how in ("ddp", "full_shard"):
+            model = tm.build_more(name)
+            wrapped = pp.DDP(model, world.group) if how == "ddp" else pp.FSDP(model, world.group, how)
+            ref = tm.build_more(name)
+            opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+            ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+            for step in range(3):
+                wrapped(**tm.more_batch(name, step, rank)).loss.backward()
+                if how == "ddp":
+                    torch.nn.utils.clip_grad_norm_(wrapped.parameters(), 0.5)
+                else:
+                    wrapped.clip_grad_norm_(0.5)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                parts = [tm.more_batch(name, step, r) for r in range(n)]
+                ref(**{k: torch.cat([p[k] for p in parts]) for k in parts[0]}).loss.backward()
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+                ref_opt.step()
+                ref_opt.zero_grad(set_to_none=True)
+            state = wrapped.state_dict() if how != "ddp" else model.state_dict()
+            want = ref.state_dict()
+            rep.check(f"{name} {how}: keys", list(state) == list(want))
+            rtol = 1e-4 if name == "mixtral" else 1e-9  # float32 (Mixtral: no float64 expert kernel)
+            rep.close(f"{name} {how}: state = one process",
+                      np.concatenate([v.double().reshape(-1).numpy() for v in state.values()]),
+                      np.concatenate([want[k].double().reshape(-1).numpy() for k in state]), rtol)  # fmt: skip
+            if how != "ddp":
+                rep.check(
+                    f"{name}: one unit per block and the root",
+                    len(wrapped.units) > 2,
+                    str(len(wrapped.units)),
+                )
+            rep.digests[f"{name}/{how}"] = digest(tm.flat_params(model if how == "ddp" else ref))
+
+
 if __name__ == "__main__":
-    run_rank({"ddp": ddp_loop, "fsdp": fsdp_loop}[sys.argv[1]])
+    run_rank({"ddp": ddp_loop, "fsdp": fsdp_loop, "more": more_models}[sys.argv[1]])
