@@ -111,6 +111,30 @@ def build(name: str, seed: int = 0, dtype: Any = None, layers: int = 2) -> Any:
             pad_token_id=0,
         )
         model = LlamaForCausalLM(cfg)
+    elif name in (
+        "mistral",
+        "qwen2",
+    ):  # Llama's layout with sliding-window attention (pipeline_split's tests)
+        from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+        common = dict(
+            num_hidden_layers=layers,
+            hidden_size=16,
+            intermediate_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=SEQ,
+            tie_word_embeddings=True,
+            sliding_window=SEQ // 2,  # shorter than the sequence: the window changes the result
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
+        if name == "mistral":  # every layer sliding
+            model = MistralForCausalLM(MistralConfig(**common))
+        else:  # the first layer full, the rest sliding (per-layer masks)
+            model = Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=True, max_window_layers=1))
     elif name == "resnet":
         from transformers import ResNetConfig, ResNetForImageClassification
 

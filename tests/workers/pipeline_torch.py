@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS, MICROBATCHES, PER_MB = 3, 4, 2
 # Llama's RMSNorm, rotary embedding and eager softmax compute in float32 whatever the model's dtype: a
 # microbatch rounds differently from the whole batch there (as in the DDP drop-in tests).
-RTOL = {"gpt2": 1e-9, "llama": 1e-5, "tinygpt": 1e-9}
+RTOL = {"gpt2": 1e-9, "llama": 1e-5, "mistral": 1e-5, "qwen2": 1e-5, "tinygpt": 1e-9}
 
 
 def tiny_gpt(layers: int) -> Any:
@@ -115,9 +115,10 @@ def equivalence(world: Any, rep: Report, schedule: str, name: str) -> None:
 
 
 # Every schedule on GPT-2 and the project's GPT; Llama (grouped-query attention, rotary embedding) on the
-# schedule with the most stages.
+# schedule with the most stages, and the models laid out as Llama with sliding-window attention shorter than the
+# sequence: Mistral (every layer) and Qwen2 (the first layer full, the rest sliding: per-layer masks).
 RUNS = [(s, n) for s in ("gpipe", "1f1b", "interleaved_1f1b") for n in ("gpt2", "tinygpt")]
-RUNS.append(("interleaved_1f1b", "llama"))
+RUNS += [("interleaved_1f1b", "llama"), ("1f1b", "mistral"), ("interleaved_1f1b", "qwen2")]
 
 
 def scenario(world: Any, rep: Report) -> None:
@@ -144,6 +145,8 @@ def errors(world: Any, rep: Report) -> None:
         "pipeline's own group",
     )
     rep.raises("boundaries out of order", ValueError, lambda: pp.pipeline_split(model, [2, 1]), "increase")
+    rep.raises("a model of no known layout", ValueError, lambda: pp.pipeline_split(tm.build("resnet"), [1]),
+               "pipeline_split knows", "Qwen2ForCausalLM")  # fmt: skip
     rep.raises("boundary past the blocks", ValueError, lambda: pp.pipeline_split(model, [4]), "increase")
 
 

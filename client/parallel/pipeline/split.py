@@ -14,7 +14,8 @@ takes ``attention_mask`` (``(batch, seq)``, 1 = attend) and builds the model's o
 Llama stage computes the rotary embedding itself.
 
 Supported: ``transformers`` GPT-2 (``GPT2LMHeadModel``: ``transformer.h``) and Llama (``LlamaForCausalLM``:
-``model.layers``), and models with ``wte``/``wpe``/``blocks``/``ln_f``/``lm_head`` whose blocks take the
+``model.layers``) with the models laid out as it (``LLAMA_LIKE``: Mistral, Qwen2 and Qwen3, their sliding-window
+layers masked as their own forward does), and models with ``wte``/``wpe``/``blocks``/``ln_f``/``lm_head`` whose blocks take the
 hidden states alone (the project's ``examples/train_gpt.py`` ``TinyGPT``). Other models: a ValueError.
 
 Tied weights (GPT-2's and Llama's ``tie_word_embeddings``: the embedding is the head's weight) sit on the
@@ -56,17 +57,27 @@ _FAMILIES = {
 }  # fmt: skip
 
 
+LLAMA_LIKE = ("Llama", "Mistral", "Qwen2", "Qwen3")
+"""transformers' causal LMs laid out as Llama (``model.embed_tokens/layers/norm/rotary_emb``, ``lm_head``) whose
+forward adds nothing between those: the ``"llama"`` family (their sliding-window layers included)."""
+
+
 def _family(model: Any) -> str:
     name = type(model).__name__
     if name.startswith("GPT2") and hasattr(model, "transformer") and hasattr(model, "lm_head"):
         return "gpt2"
-    if name.startswith("Llama") and hasattr(model, "model") and hasattr(model, "lm_head"):
+    if (
+        name.endswith("ForCausalLM")
+        and name.removesuffix("ForCausalLM") in LLAMA_LIKE
+        and hasattr(model, "model")
+        and hasattr(model, "lm_head")
+    ):
         return "llama"
     if all(hasattr(model, a) for a in ("wte", "wpe", "blocks", "ln_f", "lm_head")):
         return "tinygpt"
     raise ValueError(
-        f"pipeline_split knows transformers GPT2LMHeadModel and LlamaForCausalLM and models with "
-        f"wte/wpe/blocks/ln_f/lm_head; got {name}"
+        f"pipeline_split knows transformers GPT2LMHeadModel and {', '.join(f'{n}ForCausalLM' for n in LLAMA_LIKE)} "
+        f"and models with wte/wpe/blocks/ln_f/lm_head; got {name}"
     )
 
 
@@ -203,10 +214,31 @@ def _forward(stage: Any, x: Any, attention_mask: Any) -> Any:
         return stage.lm_head(tr.ln_f(h)) if stage.last else h
     inner = stage.model
     h = inner.embed_tokens(x) if stage.first else x
-    mask = create_causal_mask(stage.config, h, attention_mask, None, position_ids)
+    masks = _llama_masks(stage.config, h, attention_mask, position_ids)
     rotary = inner.rotary_emb(h, position_ids=position_ids)
-    for layer in blocks:
+    for index, layer in _get(stage, stage.block_path).items():
         h = layer(
-            h, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids, use_cache=False
+            h,
+            attention_mask=masks(int(index)),
+            position_embeddings=rotary,
+            position_ids=position_ids,
+            use_cache=False,
         )
     return stage.lm_head(inner.norm(h)) if stage.last else h
+
+
+def _llama_masks(config: Any, h: Any, attention_mask: Any, position_ids: Any) -> Any:
+    """Each layer's attention mask (by its index in the model) as the model's own forward builds it: per
+    ``config.layer_types`` (Qwen2, Qwen3: full or sliding-window attention), else sliding for every layer when
+    ``config.sliding_window`` is set (Mistral), else causal (Llama)."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    args = (config, h, attention_mask, None, position_ids)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        made = {t: (create_sliding_window_causal_mask if t == "sliding_attention" else create_causal_mask)(*args)
+                for t in set(types)}  # fmt: skip
+        return lambda i: made[types[i]]
+    mask = (create_causal_mask if getattr(config, "sliding_window", None) is None
+            else create_sliding_window_causal_mask)(*args)  # fmt: skip
+    return lambda _i: mask
