@@ -61,7 +61,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -82,7 +82,7 @@ from paramplane.parallel.ddp_buckets import (
 )
 from paramplane.parallel.ddp_torch import ModulePath, NNPath, TorchPath
 from paramplane.parallel.fsdp.units import check_same_model
-from paramplane.parallel.torch_params import is_torch_module, module_attribute
+from paramplane.parallel.torch_params import check_device_ids, is_torch_module, module_attribute
 
 __all__ = ["DDP", "broadcast_arrays", "shard_range"]
 
@@ -104,6 +104,10 @@ class DDP:
         init_sync: bool = True,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
+        device_ids: Sequence[Any] | None = None,
+        output_device: Any = None,
+        bucket_cap_mb: float | None = None,
+        static_graph: bool = False,
     ) -> None:
         """``bucket_mb`` is torch's ``bucket_cap_mb``: None gives 25 MiB buckets after a 1 MiB first one, a
         number gives buckets of that size from the first (module docstring).
@@ -117,8 +121,20 @@ class DDP:
         backward's own gradient is copied in and dropped when its bucket starts, and no copy back is made);
         backwards accumulate into the views in place, and the buckets keep their buffers. With False, host
         buckets also hold the gradients once, but hand their buffers over after each sync (module
-        docstring): what ``.grad`` holds is never written by a later round, as with torch's default."""
+        docstring): what ``.grad`` holds is never written by a later round, as with torch's default.
+        torch's other keywords, so its calls run unchanged: ``device_ids`` / ``output_device`` must name the
+        module's own device (one device per rank, as torch requires; the module is not moved),
+        ``bucket_cap_mb`` is ``bucket_mb``, ``static_graph`` is accepted and changes nothing (usage is found
+        every step)."""
         torch_module = is_torch_module(module)
+        if bucket_cap_mb is not None:
+            if bucket_mb is not None and bucket_mb != bucket_cap_mb:
+                raise ValueError(f"bucket_mb={bucket_mb!r} and bucket_cap_mb={bucket_cap_mb!r} disagree")
+            bucket_mb = bucket_cap_mb
+        if not isinstance(static_graph, bool):
+            raise ValueError(f"static_graph must be a bool, got {static_graph!r}")
+        if (device_ids is not None or output_device is not None) and torch_module:
+            check_device_ids(module, device_ids, output_device)
         if not isinstance(module, Module) and not torch_module:
             raise ValueError(
                 f"DDP wraps a paramplane.nn.Module or a torch.nn.Module, got {type(module).__name__}"

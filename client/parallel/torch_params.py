@@ -29,6 +29,7 @@ __all__ = [
     "EndOfBackward",
     "TorchFlatParam",
     "TorchParam",
+    "check_device_ids",
     "is_torch_module",
     "module_attribute",
     "output_tensors",
@@ -78,6 +79,28 @@ def module_attribute(wrapper: Any, name: str) -> Any:
     call.__name__ = name
     call.__doc__ = value.__doc__
     return call
+
+
+def check_device_ids(module: Any, device_ids: Any, output_device: Any) -> None:
+    """torch DDP's ``device_ids`` / ``output_device``: each must name the device the module's parameters are
+    on (a single device; None for a CPU module, as torch requires), else a ValueError."""
+    import torch
+
+    param = next(iter(module.parameters()), None)
+    home = param.device if param is not None else torch.device("cpu")
+    ids = [] if device_ids is None else list(device_ids)
+    if len(ids) > 1:
+        raise ValueError(f"device_ids must name one device per rank (torch's rule), got {ids}")
+    for what, value in (("device_ids", ids[0] if ids else None), ("output_device", output_device)):
+        if value is None:
+            continue
+        device = torch.device("cuda", value) if isinstance(value, int) else torch.device(value)
+        same = device.type == home.type and (device.index is None or device.index == (home.index or 0))
+        if not same:
+            raise ValueError(
+                f"{what}={value!r} is not the module's device ({home}): move the module there before "
+                "wrapping it (torch.cuda.set_device(local_rank); model.cuda())"
+            )
 
 
 def queue_backward_callback(fn: Callable[[], None]) -> None:

@@ -80,6 +80,25 @@ def test_forward_decides_whether_its_backward_syncs_and_misuse_is_a_clear_error(
     ddp.remove_hooks()
 
 
+def test_torch_ddp_keywords_are_accepted_and_checked(solo: pp.World) -> None:
+    """``DDP(model, device_ids=[...], output_device=..., bucket_cap_mb=..., static_graph=...)`` as torch scripts
+    write it: the devices must be the module's own (a CPU module takes None or "cpu"), ``bucket_cap_mb`` is the
+    bucket size, one device per rank; anything else is a ValueError naming the problem."""
+    ddp = pp.DDP(_TwoInputs(), solo.group, device_ids=["cpu"], output_device="cpu", bucket_cap_mb=2.0,
+                 static_graph=True)  # fmt: skip
+    assert ddp.bucket_mb == 2.0
+    ddp.remove_hooks()
+    for kwargs, words in (
+        ({"device_ids": [0]}, "not the module's device"),  # a CUDA index for a CPU module
+        ({"output_device": "cuda:1"}, "not the module's device"),
+        ({"device_ids": ["cpu", "cpu"]}, "one device per rank"),
+        ({"bucket_mb": 1.0, "bucket_cap_mb": 2.0}, "disagree"),
+        ({"static_graph": "yes"}, "static_graph"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            pp.DDP(_TwoInputs(), solo.group, **kwargs)
+
+
 def test_grads_are_averaged_when_backward_returns_so_clipping_holds() -> None:
     """Issue 25 item 2: with the standard loop (``clip_grad_norm_`` between backward and step), ``.grad`` was
     this rank's own when backward returned and the attached optimizer's sync overwrote the clipped values."""

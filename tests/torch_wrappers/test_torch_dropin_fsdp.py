@@ -11,11 +11,14 @@ over gloo. ``focused`` holds the cases that failed before the drop-in work: tied
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from _world import run_world
+
+import paramplane as pp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workers"))
 import _torch_models as tm
@@ -93,3 +96,32 @@ def test_bert_t5_mixtral_gptneox_under_ddp_and_fsdp_match_one_process() -> None:
     assert all(r["digests"] == results[0]["digests"] for r in results), (
         "ranks ended with different parameters"
     )
+
+
+def test_torch_mixed_precision_policies_and_dtypes_are_taken(solo: pp.World) -> None:
+    """FSDP2's ``MixedPrecisionPolicy`` and torch dtypes configure pp.FSDP as pp.MixedPrecision does: the forward
+    computes in bfloat16 from float32 master weights and float32 inputs (loss within bfloat16's precision of
+    float32's); what the plane cannot honour (FSDP1's ``buffer_dtype``, not casting inputs) is a ValueError."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecision as FSDP1MixedPrecision
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    assert pp.MixedPrecision(param_dtype=torch.bfloat16) == pp.MixedPrecision(param_dtype="bfloat16")
+    fresh = "import paramplane as pp; print(pp.MixedPrecision(param_dtype='bfloat16').param_dtype)"
+    out = subprocess.run([sys.executable, "-c", fresh], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "bfloat16", out.stderr[-500:]  # in a fresh interpreter (no ml_dtypes yet)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert pp.MixedPrecision.of(policy) == pp.MixedPrecision("bfloat16", "float32")
+    fsdp = pp.FSDP(tm.build("gpt2", dtype=torch.float32), solo.group, mixed_precision=policy)
+    assert fsdp.param_dtype.name == "bfloat16" and fsdp.reduce_dtype.name == "float32"
+    plain = tm.build("gpt2", dtype=torch.float32)
+    batch = tm.batch("gpt2", 0, 0)
+    got, want = float(fsdp(**batch).loss), float(plain(**batch).loss)
+    assert got != want and abs(got - want) <= 3e-2 * abs(want)  # computed in bfloat16, close to float32's
+    for bad, words in (
+        (FSDP1MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16), "buffer_dtype"),
+        (MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=False), "casting"),
+        ("bfloat16", "MixedPrecisionPolicy"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            pp.FSDP(tm.build("gpt2", dtype=torch.float32), solo.group, mixed_precision=bad)

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from paramplane.group import ProcessGroup
-from paramplane.node.arrays import dtype_name, is_floating
+from paramplane.node.arrays import DTYPES, dtype_name, is_floating
 from paramplane.parallel.mesh import Mesh
 
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
@@ -74,7 +74,9 @@ class MixedPrecision:
 
     On CPU, ``"bfloat16"`` and ``"float16"`` are numpy dtypes (bfloat16 from ml_dtypes: numpy
     matmuls on it compute through float32, so it saves memory and bytes on the wire, not
-    time). On cupy use ``"float16"`` (cupy has no bfloat16).
+    time). On cupy use ``"float16"`` (cupy has no bfloat16). torch dtypes are taken by name
+    (``torch.bfloat16``), and ``FSDP(mixed_precision=...)`` also takes torch's own policies (FSDP2's
+    ``MixedPrecisionPolicy``, FSDP1's ``MixedPrecision``: see :meth:`of`).
     """
 
     param_dtype: Any = None
@@ -89,8 +91,10 @@ class MixedPrecision:
             value = getattr(self, name)
             if value is None:
                 continue
+            if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
+                value = str(value).removeprefix("torch.")  # torch.bfloat16 -> "bfloat16"
             try:
-                dt = np.dtype(value)
+                dt = DTYPES[value] if isinstance(value, str) and value in DTYPES else np.dtype(value)
                 dtype_name(dt)
             except (TypeError, ValueError) as exc:
                 raise ValueError(
@@ -98,6 +102,26 @@ class MixedPrecision:
                 ) from None
             if not is_floating(dt):
                 raise ValueError(f"MixedPrecision.{name} must be a floating dtype, got {dt}")
+            object.__setattr__(self, name, dt)  # a numpy dtype from here on (bfloat16: ml_dtypes')
+
+    @classmethod
+    def of(cls, policy: Any) -> MixedPrecision:
+        """``policy`` as a ``MixedPrecision``: itself, or torch's FSDP2 ``MixedPrecisionPolicy`` / FSDP1
+        ``MixedPrecision`` read by their dtype fields (floating-point inputs are always cast to ``param_dtype``,
+        FSDP2's ``cast_forward_inputs=True``; FSDP1's ``buffer_dtype`` is refused: buffers keep their dtype)."""
+        if isinstance(policy, cls):
+            return policy
+        fields = ("param_dtype", "reduce_dtype")
+        if not all(hasattr(policy, f) for f in fields):
+            raise ValueError(
+                f"mixed_precision must be a pp.MixedPrecision or torch's MixedPrecisionPolicy, got {policy!r}"
+            )
+        if getattr(policy, "buffer_dtype", None) is not None:
+            raise ValueError("mixed_precision: buffer_dtype is not supported (buffers keep their dtype)")
+        # FSDP1 casts the root's inputs by default (cast_root_forward_inputs), FSDP2 every module's
+        if getattr(policy, "cast_root_forward_inputs", getattr(policy, "cast_forward_inputs", True)) is False:
+            raise ValueError("mixed_precision: not casting the forward's inputs is not supported")
+        return cls(policy.param_dtype, policy.reduce_dtype, getattr(policy, "output_dtype", None))
 
 
 @dataclass(frozen=True)

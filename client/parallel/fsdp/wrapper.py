@@ -91,7 +91,7 @@ class FSDP:
         units: Sequence[Module] | UnitsByClass | None = None,
         intra_size: int | None = None,
         cpu_offload: bool | CPUOffload = False,
-        mixed_precision: MixedPrecision | None = None,
+        mixed_precision: MixedPrecision | Any = None,
         forward_prefetch: bool = True,
         backward_prefetch: str | None = "pre",
         reshard_after_forward: bool | None = None,
@@ -111,8 +111,8 @@ class FSDP:
             raise ValueError(f"backward_prefetch must be 'pre', 'post' or None, got {backward_prefetch!r}")
         if comm_dtype not in COMM_DTYPES:
             raise ValueError(f"comm_dtype must be one of {COMM_DTYPES}, got {comm_dtype!r}")
-        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-            raise ValueError("mixed_precision must be a pp.MixedPrecision")
+        if mixed_precision is not None:
+            mixed_precision = MixedPrecision.of(mixed_precision)
         if use_orig_params and not is_torch_module(module):
             raise ValueError(
                 "use_orig_params applies to torch modules (a paramplane.nn optimizer steps the shards)"
