@@ -62,7 +62,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -424,6 +424,16 @@ class DDP:
         return self.module.state_dict()
 
     def load_state_dict(self, state: dict[str, Array], strict: bool = True) -> LoadResult:
+        """The module's ``load_state_dict``; a state saved from torch's DDP (every key ``module.``-prefixed,
+        as ``torch_ddp.state_dict()`` writes them) loads too, the prefix dropped."""
+        prefix = "module."
+        if isinstance(self._path, TorchPath) and state and all(k.startswith(prefix) for k in state):
+            own = cast(Any, self.module).state_dict(keep_vars=True)  # the keys (no copies)
+            state = (
+                state
+                if any(k.startswith(prefix) for k in own)
+                else {k[len(prefix) :]: v for k, v in state.items()}
+            )
         return self.module.load_state_dict(state, strict)
 
     def sharded_state_dict(self) -> dict[str, Any]:

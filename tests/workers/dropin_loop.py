@@ -115,6 +115,10 @@ def ddp_loop(world: Any, rep: Report) -> None:
         got = ddp.generate(ids, max_new_tokens=3, do_sample=False)
         want = ref.generate(ids, max_new_tokens=3, do_sample=False)
     rep.check("generate through the wrapper", torch.equal(got, want), f"{got.tolist()} vs {want.tolist()}")
+    saved = theirs.state_dict()  # torch DDP's keys: "module."-prefixed
+    fresh = pp.DDP(tm.build("gpt2", seed=5), world.group)
+    fresh.load_state_dict(saved)
+    rep.equal("a torch DDP state loads", tm.flat_params(fresh.module), tm.flat_params(theirs.module), rtol=0)
     rep.digests["ddp"] = digest(tm.flat_params(model))
 
 
@@ -167,10 +171,13 @@ def fsdp_loop(world: Any, rep: Report) -> None:
     _expect_error(rep, "module.state_dict() while sharded", model.state_dict, "fsdp.state_dict()")
     _expect_error(rep, "a submodule's state_dict() while sharded", model.transformer.h[1].state_dict,
                   "fsdp.state_dict()")  # fmt: skip
+    _expect_error(rep, "module.load_state_dict() while sharded", lambda: model.load_state_dict(ref.state_dict()),
+                  "fsdp.load_state_dict")  # fmt: skip
     keys = list(model.state_dict(keep_vars=True))
     rep.check("keep_vars=True (keys) still answers", keys == list(ref.state_dict()))
     full = fsdp.state_dict()
     with fsdp.summon_full_params():
+        model.load_state_dict(full)  # inside: writes go to the full parameters and are kept (the same values)
         inside = model.state_dict()
         rep.check("state_dict() inside summon_full_params", list(inside) == list(full) and all(
             torch.equal(inside[k], full[k]) for k in full))  # fmt: skip

@@ -286,9 +286,9 @@ class TorchPath:
     def wrap_root(self, units: list[FlatUnit]) -> None:
         """The wrapper's forward is the module's own, as with FSDP2's root hooks: ``fsdp.module(...)`` and
         ``fsdp.module.generate(...)`` gather like ``fsdp(...)``. Every module that registers a parameter of a
-        unit refuses to run, or to give a state dict, while that unit is sharded (its tensors are
+        unit refuses to run, or to give or load a state dict, while that unit is sharded (its tensors are
         placeholders), so that a direct call of a submodule or ``module.state_dict()`` raises instead of
-        computing with NaNs or saving them. Runs after every unit's hooks are registered."""
+        computing with NaNs or saving them, and ``module.load_state_dict()`` names the way to load. Runs after every unit's hooks are registered."""
         module = self.module
         module.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._root_post_forward)
@@ -298,6 +298,20 @@ class TorchPath:
             if owned:
                 sub.register_forward_pre_hook(self._sharded_call_check(name, owned))
                 sub.register_state_dict_post_hook(self._sharded_state_check(owned))
+                sub.register_load_state_dict_pre_hook(self._sharded_load_check(owned))
+
+    @staticmethod
+    def _sharded_load_check(owned: list[tuple[str, FlatUnit]]) -> Callable[..., None]:
+        def check(_m: Any, state: Any, prefix: str, *_rest: Any) -> None:
+            for key, unit in owned:
+                if not unit.gathered and prefix + key in state:
+                    raise RuntimeError(
+                        f"FSDP: module.load_state_dict() cannot write {prefix + key!r}, which is sharded (unit "
+                        f"{unit.name!r}): use fsdp.load_state_dict(state) on every rank (each keeps its shard), "
+                        "or load into the module inside fsdp.summon_full_params() (writes are kept)"
+                    )
+
+        return check
 
     def _root_pre_forward(self, _m: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         import torch
