@@ -80,6 +80,7 @@ from paramplane.parallel.ddp_buckets import (
     release_freed_memory,
     shard_range,
 )
+from paramplane.parallel.ddp_join import JoinState, joined_rounds
 from paramplane.parallel.ddp_torch import ModulePath, NNPath, TorchPath
 from paramplane.parallel.fsdp.units import check_same_model
 from paramplane.parallel.torch_params import check_device_ids, is_torch_module, module_attribute
@@ -181,6 +182,8 @@ class DDP:
         self._round_open = False
         self._next_launch = 0
         self._no_sync = False
+        self._mean_over = group.size  # what a mean divides by (join(): the ranks still training, if asked)
+        self._join: JoinState | None = None
         self._handles: list[Any] = [
             p.register_grad_hook(functools.partial(self._on_grad, i)) for i, p in enumerate(self._params)
         ]
@@ -195,8 +198,8 @@ class DDP:
             ]
 
     # -- wrap-time sync ----------------------------------------------------------------------------
-    def _sync_state(self, params: list[Parameter]) -> None:
-        """Broadcast parameters (coalesced per bucket) and buffers from group rank 0."""
+    def _sync_state(self, params: list[Parameter], src: int = 0) -> None:
+        """Broadcast parameters (coalesced per bucket) and buffers from group rank ``src``."""
         if self.group.size == 1:
             return
         with self._path.stream():
@@ -204,15 +207,15 @@ class DDP:
                 bucket = Bucket.build(n, indices, params)
                 for k, i in enumerate(indices):
                     bucket.slot(k)[...] = params[i].data.reshape(-1)
-                self.group.broadcast(bucket.flat, src=0)
+                self.group.broadcast(bucket.flat, src=src)
                 for k, i in enumerate(indices):
                     params[i].data[...] = bucket.slot(k).reshape(params[i].shape)
         if self.broadcast_buffers:
-            self._broadcast_buffers()
+            self._broadcast_buffers(src)
 
-    def _broadcast_buffers(self) -> None:
+    def _broadcast_buffers(self, src: int = 0) -> None:
         with self._path.stream():
-            broadcast_arrays(self.group, self._path.buffers())
+            broadcast_arrays(self.group, self._path.buffers(), src=src)
 
     # -- grad hooks and buckets ----------------------------------------------------------------------
     def _on_grad(self, i: int, p: Parameter) -> None:
@@ -267,7 +270,7 @@ class DDP:
 
     def _launch(self, bucket: Bucket) -> None:
         # a mean divides in the copy into the bucket and sums (torch's reducer: one pass over the gradients less)
-        scale = 1.0 / self.group.size if self.reduce_op == "mean" else None
+        scale = 1.0 / self._mean_over if self.reduce_op == "mean" else None
         for k, i in enumerate(bucket.params):
             if i in self._synced:  # no contribution since the last sync: what it holds is reduced already
                 self._before_grad(i, self._params[i])
@@ -368,6 +371,31 @@ class DDP:
         finally:
             self._no_sync = previous
 
+    @contextlib.contextmanager
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Iterator[None]:
+        """torch DDP's ``join()`` for uneven inputs (a torch module; ``ddp_join``): a rank whose loop ends
+        inside shadows the others' steps until every rank's has ended, then all take the parameters of the
+        rank that trained longest. The arguments are torch's."""
+        if not isinstance(self._path, TorchPath):
+            raise ValueError("DDP.join() is for torch modules (torch's DistributedDataParallel.join)")
+        if self._join is not None:
+            raise RuntimeError("DDP.join() is already active")
+        if not enable or self.group.size == 1:
+            yield
+            return
+        self._join = state = JoinState(divide_by_initial_world_size, throw_on_early_termination)
+        try:
+            yield
+            joined_rounds(self, state)  # not after an error: the world is being torn down then
+        finally:
+            self._join = None
+            self._mean_over = self.group.size
+
     @property
     def require_backward_grad_sync(self) -> bool:
         """torch DDP's flag, which ``no_sync()`` clears inside: set False, backwards of the forwards that run
@@ -392,7 +420,19 @@ class DDP:
         rank 0 when ``broadcast_buffers``: for a torch module when the previous forward ran with grad
         enabled outside ``no_sync`` (torch DDP's rule), for an ``nn`` one in training mode outside
         ``no_sync``."""
-        if self.broadcast_buffers and self.group.size > 1 and self._path.syncs_buffers(self._no_sync):
+        takes_buffers = (
+            self.broadcast_buffers and self.group.size > 1 and self._path.syncs_buffers(self._no_sync)
+        )
+        if self._join is not None:  # one round with the ranks that may have run out of inputs
+            import torch
+
+            syncs = torch.is_grad_enabled() and not self._no_sync
+            r = self._join.round(self, (1, int(syncs), int(takes_buffers)))
+            self._join.num_steps += 1
+            self._mean_over = self._join.mean_over(self, r)
+            if r.buffers_from is not None:
+                self._broadcast_buffers(src=r.buffers_from)
+        elif takes_buffers:
             self._broadcast_buffers()
         return self._path.call(args, kwargs, self._no_sync)
 

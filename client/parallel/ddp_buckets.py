@@ -36,8 +36,10 @@ COMM_DTYPES = (None, "bfloat16", "float16")
 ``bf16_compress_hook`` / ``fp16_compress_hook``."""
 
 
-def broadcast_arrays(group: ProcessGroup, arrays: Sequence[Any], bucket_bytes: int = 25 * MIB) -> None:
-    """Overwrite each array in place with group rank 0's, coalesced as torch's ``_broadcast_coalesced``: arrays
+def broadcast_arrays(
+    group: ProcessGroup, arrays: Sequence[Any], bucket_bytes: int = 25 * MIB, src: int = 0
+) -> None:
+    """Overwrite each array in place with group rank ``src``'s, coalesced as torch's ``_broadcast_coalesced``: arrays
     of one dtype and library share flat buffers of about ``bucket_bytes`` (one broadcast each, not one per
     array: a ResNet's 60 BatchNorm buffers are two broadcasts); an array alone in its buffer and contiguous is
     broadcast in place."""
@@ -46,11 +48,11 @@ def broadcast_arrays(group: ProcessGroup, arrays: Sequence[Any], bucket_bytes: i
     for indices in bucket_by_size(keyed, bucket_bytes):
         only = arrays[indices[0]]
         if len(indices) == 1 and only.flags.c_contiguous:
-            group.broadcast(only, src=0)
+            group.broadcast(only, src=src)
             continue
         xp = array_module(only)
         flat = xp.concatenate([arrays[i].reshape(-1) for i in indices])
-        group.broadcast(flat, src=0)
+        group.broadcast(flat, src=src)
         start = 0
         for i in indices:
             a = arrays[i]

@@ -185,3 +185,19 @@ def test_end_of_backward_runs_once_per_outermost_backward_and_after_a_raised_one
     end.reset()  # the next forward
     requesting(x * 2).sum().backward()
     assert runs == [1, 1, 1]
+
+
+def test_join_trains_uneven_inputs_as_torch_ddp_join() -> None:
+    """``with ddp.join():`` with 2, 4 and 3 steps on ranks 0-2 (an MLP, and one with BatchNorm buffers; both
+    divisors): every rank ends with torch's DDP ``join()`` results over gloo and, for the MLP, with one process
+    stepping on the batches of the ranks still training (before, a rank that ran out made the others fail with
+    PeerLost)."""
+    out = run_world(3, "ddp_join.py", args=["uneven"], env={"PARAMPLANE_TIMEOUT": "30"}, timeout=120)
+    results = out.check_ok(min_checks=7)
+    assert len(results[0]["digests"]) == 4
+    assert all(r["digests"] == results[0]["digests"] for r in results), "ranks ended with different states"
+
+
+def test_join_throw_on_early_termination_raises_on_every_rank() -> None:
+    out = run_world(3, "ddp_join.py", args=["throw"], env={"PARAMPLANE_TIMEOUT": "30"}, timeout=90)
+    out.check_ok(min_checks=2)
