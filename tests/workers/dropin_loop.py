@@ -253,5 +253,34 @@ def more_models(world: Any, rep: Report) -> None:
             rep.digests[f"{name}/{how}"] = digest(tm.flat_params(model if how == "ddp" else ref))
 
 
+def compiled(world: Any, rep: Report) -> None:
+    """``torch.compile(model)`` (the aot_eager backend: torch's graph capture and AOT autograd without a C++
+    toolchain) under pp.DDP and pp.FSDP: parameters equal one process after 3 AdamW steps, and the wrapper's
+    state dict has the compiled module's keys (``_orig_mod.`` first, as torch's)."""
+    import torch
+
+    n, rank = world.world_size, world.rank
+    for how in ("ddp", "full_shard"):
+        model = torch.compile(tm.build("gpt2", seed=0), backend="aot_eager")
+        wrapped = pp.DDP(model, world.group) if how == "ddp" else pp.FSDP(model, world.group, how)
+        ref = tm.build("gpt2", seed=0)
+        opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        for step in range(3):
+            wrapped(**tm.batch("gpt2", step, rank)).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            ref(**tm.global_batch("gpt2", step, n)).loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+        state = wrapped.state_dict()
+        want = ref.state_dict()
+        rep.check(f"{how}: the compiled module's keys", list(state) == [f"_orig_mod.{k}" for k in want])
+        got = np.concatenate([v.double().reshape(-1).numpy() for v in state.values()])
+        rep.close(f"{how}: compiled = one process", got,
+                  np.concatenate([v.double().reshape(-1).numpy() for v in want.values()]), 1e-9)  # fmt: skip
+        rep.digests[how] = digest(got)
+
+
 if __name__ == "__main__":
-    run_rank({"ddp": ddp_loop, "fsdp": fsdp_loop, "more": more_models}[sys.argv[1]])
+    run_rank({"ddp": ddp_loop, "fsdp": fsdp_loop, "more": more_models, "compiled": compiled}[sys.argv[1]])
