@@ -211,46 +211,61 @@ def fsdp_loop(world: Any, rep: Report) -> None:
     )
 
 
-def more_models(world: Any, rep: Report) -> None:
-    """``tm.MORE_MODELS`` under pp.DDP and pp.FSDP (full_shard, default units) with clipping: every parameter
-    and buffer equals one process on the whole batch after 3 AdamW steps."""
+def _train_more(name: str, wrapped: Any, rank: int | None, num_ranks: int, clip: Any) -> None:
+    """3 AdamW steps with clipping on this rank's batches (``num_ranks`` = 1 with ``rank`` None: the whole batch)."""
     import torch
 
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    for step in range(3):
+        parts = [tm.more_batch(name, step, r) for r in (range(num_ranks) if rank is None else [rank])]
+        wrapped(**{k: torch.cat([p[k] for p in parts]) for k in parts[0]}).loss.backward()
+        clip(0.5)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _values(state: dict[str, Any]) -> np.ndarray:
+    return np.concatenate([v.double().reshape(-1).numpy() for v in state.values()])
+
+
+def more_models(world: Any, rep: Report) -> None:
+    """``tm.MORE_MODELS`` under pp.DDP and pp.FSDP (full_shard, default units) with clipping: every parameter
+    and buffer equals one process on the whole batch after 3 AdamW steps, and pp.DDP's equal torch's DDP (gloo)
+    in the same loop."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    tm.init_gloo(world)
     n, rank = world.world_size, world.rank
+    clip_params = lambda m: lambda c: torch.nn.utils.clip_grad_norm_(m.parameters(), c)  # noqa: E731
     for name in tm.MORE_MODELS:
+        ref = tm.build_more(name)
+        _train_more(name, ref, None, n, clip_params(ref))
+        want = ref.state_dict()
+        rtol = 1e-4 if name == "mixtral" else 1e-9  # float32 (Mixtral: no float64 expert kernel)
+        theirs = tm.build_more(name)
+        _train_more(name, DistributedDataParallel(theirs), rank, n, clip_params(theirs))
         for how in ("ddp", "full_shard"):
             model = tm.build_more(name)
-            wrapped = pp.DDP(model, world.group) if how == "ddp" else pp.FSDP(model, world.group, how)
-            ref = tm.build_more(name)
-            opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
-            ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-            for step in range(3):
-                wrapped(**tm.more_batch(name, step, rank)).loss.backward()
-                if how == "ddp":
-                    torch.nn.utils.clip_grad_norm_(wrapped.parameters(), 0.5)
-                else:
-                    wrapped.clip_grad_norm_(0.5)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                parts = [tm.more_batch(name, step, r) for r in range(n)]
-                ref(**{k: torch.cat([p[k] for p in parts]) for k in parts[0]}).loss.backward()
-                torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-                ref_opt.step()
-                ref_opt.zero_grad(set_to_none=True)
-            state = wrapped.state_dict() if how != "ddp" else model.state_dict()
-            want = ref.state_dict()
-            rep.check(f"{name} {how}: keys", list(state) == list(want))
-            rtol = 1e-4 if name == "mixtral" else 1e-9  # float32 (Mixtral: no float64 expert kernel)
-            rep.close(f"{name} {how}: state = one process",
-                      np.concatenate([v.double().reshape(-1).numpy() for v in state.values()]),
-                      np.concatenate([want[k].double().reshape(-1).numpy() for k in state]), rtol)  # fmt: skip
-            if how != "ddp":
+            if how == "ddp":
+                wrapped: Any = pp.DDP(model, world.group)
+                _train_more(name, wrapped, rank, n, clip_params(wrapped))
+                state = model.state_dict()
+                rep.close(f"{name}: pp.DDP = torch's DDP", _values(state), _values(theirs.state_dict()),
+                          1e-6 if name == "mixtral" else 1e-12)  # fmt: skip
+            else:
+                wrapped = pp.FSDP(model, world.group, how)
+                _train_more(name, wrapped, rank, n, wrapped.clip_grad_norm_)
+                state = wrapped.state_dict()
                 rep.check(
                     f"{name}: one unit per block and the root",
                     len(wrapped.units) > 2,
                     str(len(wrapped.units)),
                 )
-            rep.digests[f"{name}/{how}"] = digest(tm.flat_params(model if how == "ddp" else ref))
+            rep.check(f"{name} {how}: keys", list(state) == list(want))
+            rep.close(f"{name} {how}: state = one process", _values(state),
+                      np.concatenate([want[k].double().reshape(-1).numpy() for k in state]), rtol)  # fmt: skip
+            rep.digests[f"{name}/{how}"] = digest(_values(state))
 
 
 def compiled(world: Any, rep: Report) -> None:
