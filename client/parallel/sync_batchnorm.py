@@ -50,7 +50,7 @@ def _combine(gathered: Any, channels: int) -> tuple[Any, Any, Any]:
 
 
 @functools.cache
-def _classes() -> tuple[type, type]:
+def _sync_bn_class() -> type:
     import torch
 
     class _SyncBatchNormFn(torch.autograd.Function):
@@ -160,7 +160,7 @@ def _classes() -> tuple[type, type]:
             """``pp.convert_sync_batchnorm(module, group)`` (torch's classmethod's call shape)."""
             return convert_sync_batchnorm(module, group)
 
-    return SyncBatchNorm, _SyncBatchNormFn
+    return SyncBatchNorm
 
 
 def convert_sync_batchnorm(module: Any, group: ProcessGroup) -> Any:
@@ -172,7 +172,7 @@ def convert_sync_batchnorm(module: Any, group: ProcessGroup) -> Any:
 
     if not isinstance(group, ProcessGroup):
         raise ValueError(f"convert_sync_batchnorm needs a ProcessGroup, got {type(group).__name__}")
-    sync_cls, _ = _classes()
+    sync_cls = _sync_bn_class()
     out = module
     if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(module, sync_cls):
         out = sync_cls(
@@ -195,5 +195,5 @@ def convert_sync_batchnorm(module: Any, group: ProcessGroup) -> Any:
 
 def __getattr__(name: str) -> Any:
     if name == "SyncBatchNorm":
-        return _classes()[0]
+        return _sync_bn_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
