@@ -7,7 +7,8 @@ the module keep the wrapper, moving it after wrapping is refused.
 
 ``fsdp``: the module called directly (``fsdp.module(...)``, ``fsdp.generate(...)``) gathers as ``fsdp(...)``
 does (it used to compute with NaN placeholders); a sharded submodule called alone and ``module.state_dict()``
-raise instead of computing with or saving placeholders; inside ``summon_full_params()`` rank 0 alone samples
+raise instead of computing with or saving placeholders, an optimizer over the module's own parameters refuses
+to step (it would never see a gradient); inside ``summon_full_params()`` rank 0 alone samples
 and ``module.state_dict()`` holds the full state; FSDP2's ``set_requires_gradient_sync`` accumulates like one
 process; mixed precision casts keyword inputs too (GPT-2's ``inputs_embeds=``).
 """
@@ -208,6 +209,23 @@ def fsdp_loop(world: Any, rep: Report) -> None:
         want = float(plain(**kw).loss)
     rep.check(
         "bfloat16 compute from float32 keyword inputs", abs(got - want) <= 3e-2 * abs(want), f"{got} {want}"
+    )
+
+    # An optimizer over the module's own parameters (built before wrapping, as a DDP script does, or from
+    # fsdp.module after it) never sees a gradient: its step raises instead of silently changing nothing.
+    early = tm.build("gpt2", seed=0)
+    early_opt = torch.optim.AdamW(early.parameters(), lr=1e-2)
+    wrapped = pp.FSDP(early, world.group)
+    late_opt = torch.optim.SGD(list(wrapped.module.parameters())[-1:], lr=1e-2)
+    wrapped(**b).loss.backward()
+    _expect_error(rep, "an optimizer built before wrapping", early_opt.step, "fsdp.parameters()")
+    _expect_error(rep, "an optimizer over fsdp.module's parameters", late_opt.step, "fsdp.parameters()")
+    good = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    before = [p.detach().clone() for p in wrapped.parameters()]
+    good.step()
+    rep.check(
+        "the wrapper's optimizer steps",
+        all(not torch.equal(a, p) for a, p in zip(before, wrapped.parameters())),
     )
 
 

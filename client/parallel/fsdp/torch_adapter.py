@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from paramplane.nn.module import Parameter, RemovableHandle
+from paramplane.parallel.fsdp.optim_guard import guard
 from paramplane.parallel.fsdp.units import FlatUnit, UnitGroup, UnitsByClass, choose_units
 from paramplane.parallel.sharding import LayoutEntry, ShardedArray
 from paramplane.parallel.torch_params import (
@@ -197,6 +198,7 @@ class TorchPath:
                 ]
             for p in unit.params:
                 cast(TorchParam, p).tensor.register_post_accumulate_grad_hook(self._grad_hook(unit))
+        guard([(p.name, cast(TorchParam, p).tensor) for unit in units for p in unit.params])
 
     def wrap(self, unit: FlatUnit) -> None:
         m = cast(Any, unit.module)
