@@ -7,6 +7,7 @@ collectives; ``pp.nn`` / ``pp.optim`` hold the reference modules and optimizers.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
 
 from paramplane.node.errors import (
@@ -22,6 +23,11 @@ from paramplane.node.errors import (
     TransportError,
     WorldAborted,
 )
+
+# gRPC's fork handlers crash a child forked while gRPC's threads run (torch's DataLoader workers forked by a rank
+# segfaulted: grpc/grpc#32992). No forked child of a rank uses gRPC, so they are off unless the user set them
+# (before gRPC is first imported: paramplane's own modules import it on first use, below).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 if TYPE_CHECKING:
     from paramplane import checkpoint, nn, optim

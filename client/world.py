@@ -35,6 +35,8 @@ _FILE_VARS = {
     "PARAMPLANE_TLS_CERT": "PEM certificate this rank's data-plane server presents (with _KEY and _CA)",
     "PARAMPLANE_TLS_KEY": "PEM private key of that certificate",
     "PARAMPLANE_TLS_CA": "PEM root certificate that verifies peers and a TLS coordinator",
+    "PARAMPLANE_JOINED_PID": "set by a rank while joined (not by users): a spawned multiprocessing child re-running "
+    "the script refuses to join",
 }
 
 
@@ -264,6 +266,8 @@ class World:
         if exc is not None:
             self.abort_for(exc)
         self._rt.shutdown()
+        if os.environ.get(_JOINED_PID) == str(os.getpid()):
+            del os.environ[_JOINED_PID]  # children started from now on may join worlds of their own
         hosted, self._hosted = self._hosted, None
         if hosted is not None:
             hosted.stop()
@@ -312,6 +316,24 @@ def _hook_uncaught() -> None:
         sys.excepthook = _abort_on_uncaught
 
 
+_JOINED_PID = "PARAMPLANE_JOINED_PID"  # set by a rank once joined: its children inherit it
+
+
+def _refuse_in_a_child_of_a_rank() -> None:
+    """A multiprocessing child that a joined rank started with the "spawn" start method (torch's DataLoader
+    workers with ``multiprocessing_context="spawn"``, a spawn process pool) runs the script's top level again as
+    ``__mp_main__``: its ``pp.init()`` would try to join as its parent's rank. Refused, naming the fix."""
+    joined = os.environ.get(_JOINED_PID)
+    # multiprocessing runs the parent's main script under the module name "__mp_main__" in its children
+    if joined and joined == str(os.getppid()) and "__mp_main__" in sys.modules:
+        raise RendezvousError(
+            f"pp.init() in a child process (pid {os.getpid()}) of a rank that has already joined (pid {joined}): "
+            "a multiprocessing child started with 'spawn' (a DataLoader worker, a process pool) runs the "
+            "script's top level again. Put the script's training code under "
+            '`if __name__ == "__main__":`, as multiprocessing requires.'
+        )
+
+
 def init(
     coordinator: str | None = None,
     *,
@@ -328,6 +350,7 @@ def init(
 ) -> World:
     """Join the world; arguments override the environment: the PARAMPLANE_* variables (see ``ENV_VARS``), then
     what Slurm, MPI, Kubernetes or torch's env:// names say (``paramplane.placement``; ``paramplane env``)."""
+    _refuse_in_a_child_of_a_rank()
     tracer = None
     token = resolve_token(token)
     hosted = None
@@ -370,6 +393,7 @@ def init(
             hosted.stop(wait_s=0)
         raise
     world = World(runtime, hosted)
+    os.environ[_JOINED_PID] = str(os.getpid())
     # A script that forgets shutdown() still says goodbye to its peers (they would see it as lost); one that
     # dies of an uncaught exception aborts the world first (World.abort_for).
     atexit.register(world.shutdown)
