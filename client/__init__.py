@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from paramplane.parallel.ddp import DDP, shard_range
     from paramplane.parallel.diloco import DiLoCo
     from paramplane.parallel.fsdp import FSDP, CPUOffload, MixedPrecision, units_by_class
+    from paramplane.parallel.grad_scaler import ShardedGradScaler
     from paramplane.parallel.mesh import Mesh
     from paramplane.parallel.pipeline import Pipeline, causal_lm_loss, pipeline_optim_state, pipeline_split
     from paramplane.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
@@ -81,6 +82,7 @@ _LAZY = {
     "vocab_parallel_cross_entropy": "paramplane.parallel.tp_torch",
     "CPUOffload": "paramplane.parallel.fsdp",
     "SyncBatchNorm": "paramplane.parallel.sync_batchnorm",
+    "ShardedGradScaler": "paramplane.parallel.grad_scaler",
     "convert_sync_batchnorm": "paramplane.parallel.sync_batchnorm",
     "nn": "paramplane.nn",
     "checkpoint": "paramplane.checkpoint",
@@ -132,6 +134,7 @@ __all__ = [
     "RowParallelLinear",
     "RowwiseParallel",
     "SequenceParallel",
+    "ShardedGradScaler",
     "SyncBatchNorm",
     "TensorParallelAttention",
     "TransportError",
