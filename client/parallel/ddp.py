@@ -61,7 +61,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -81,7 +81,7 @@ from paramplane.parallel.ddp_buckets import (
     shard_range,
 )
 from paramplane.parallel.ddp_join import JoinState, joined_rounds
-from paramplane.parallel.ddp_torch import ModulePath, NNPath, TorchPath
+from paramplane.parallel.ddp_torch import ModulePath, NNPath, TorchPath, comm_hook_dtype
 from paramplane.parallel.fsdp.units import check_same_model
 from paramplane.parallel.torch_params import check_device_ids, is_torch_module, module_attribute
 
@@ -156,6 +156,7 @@ class DDP:
         self._path: ModulePath = TorchPath(module) if torch_module else NNPath(module)
         self.find_unused_parameters = find_unused_parameters
         self.comm_dtype = np.dtype(DTYPES[comm_dtype]) if comm_dtype is not None else None
+        self._hooked = False  # register_comm_hook ran
         self.module = module
         self.group = group
         self.bucket_mb = DEFAULT_BUCKET_MB if bucket_mb is None else float(bucket_mb)
@@ -395,6 +396,17 @@ class DDP:
         finally:
             self._join = None
             self._mean_over = self.group.size
+
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """torch DDP's call shape for its compression hooks: ``default_hooks.fp16_compress_hook`` and
+        ``bf16_compress_hook`` set ``comm_dtype`` to float16 / bfloat16 (``state`` is unused, None in torch's
+        examples); other hooks are a NotImplementedError. Once, before the first backward, as torch's."""
+        del state
+        dtype = comm_hook_dtype(hook)
+        if self._hooked or self._expected is not None:
+            raise RuntimeError("register_comm_hook: once per DDP, before the first backward (as torch's)")
+        self.comm_dtype = np.dtype(DTYPES[dtype])
+        self._hooked = True
 
     @property
     def require_backward_grad_sync(self) -> bool:

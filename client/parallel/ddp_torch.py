@@ -26,6 +26,9 @@ from paramplane.optim.optimizer import Optimizer
 from paramplane.parallel.torch_params import (
     CommStream,
     EndOfBackward,
+    check_still_frozen,
+    check_wrappable,
+    frozen_tensors,
     output_tensors,
     torch_buffers,
     torch_params,
@@ -120,11 +123,13 @@ class TorchPath:
     semantics (module docstring); on CUDA the collectives run on torch's current stream (``stream``)."""
 
     def __init__(self, module: Any) -> None:
+        check_wrappable(module, "pp.DDP")
         self.module = module
         self._sync_next_forward = True  # torch's require_forward_param_sync
         self._sync_backward = True  # whether the last forward with grad enabled ran outside no_sync
         self._finish: Callable[[], None] | None = None  # the DDP's, given with the first gradient
         self._end_of_backward = EndOfBackward(self._finish_sync)
+        self._frozen = frozen_tensors(module)
         anchor = next(iter(module.parameters()), None)
         self._cuda_anchor = anchor if anchor is not None and anchor.device.type == "cuda" else None
         self._comm = CommStream(anchor) if self._cuda_anchor is not None else None
@@ -160,6 +165,7 @@ class TorchPath:
     def _finish_sync(self) -> None:
         if self._finish is not None:
             self._finish()
+        check_still_frozen(self._frozen, "pp.DDP")
 
     def syncs_buffers(self, no_sync: bool) -> bool:
         return self._sync_next_forward
@@ -191,3 +197,20 @@ class TorchPath:
     def join_comm(self) -> None:
         if self._comm is not None:
             self._comm.join()
+
+
+_COMPRESS_HOOKS = {"fp16_compress_hook": "float16", "bf16_compress_hook": "bfloat16"}
+
+
+def comm_hook_dtype(hook: Any) -> str:
+    """The ``comm_dtype`` that torch's compression hook ``hook`` stands for (``DDP.register_comm_hook``):
+    ``fp16_compress_hook`` / ``bf16_compress_hook`` of ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``.
+    Any other hook (PowerSGD, a user's) runs on a torch process group's buckets: a NotImplementedError."""
+    name = getattr(hook, "__name__", repr(hook))
+    module = getattr(hook, "__module__", "") or ""
+    if name in _COMPRESS_HOOKS and module.startswith("torch.distributed.algorithms.ddp_comm_hooks"):
+        return _COMPRESS_HOOKS[name]
+    raise NotImplementedError(
+        f"pp.DDP.register_comm_hook takes torch's fp16_compress_hook and bf16_compress_hook (as "
+        f"comm_dtype='float16' / 'bfloat16'), not {module}.{name}: other hooks run on a torch process group"
+    )

@@ -315,6 +315,44 @@ class TorchFlatParam(TorchParam):
             self.tensor.data = to_torch(np.full((), np.nan, value.dtype)).expand(value.shape)
 
 
+def check_wrappable(module: Any, wrapper: str) -> None:
+    """Refuse, before any communication, what the wrappers cannot take: parameters a lazy module has not made
+    yet (torch's DDP refuses them too) and embeddings with sparse gradients (not reduced here)."""
+    import torch
+
+    for name, p in module.named_parameters():
+        if isinstance(p, torch.nn.parameter.UninitializedParameter):
+            raise ValueError(
+                f"{wrapper}: parameter {name!r} is not initialised yet (a lazy module): run a forward pass on a "
+                "sample input before wrapping, as torch's DDP asks"
+            )
+    for name, m in module.named_modules():
+        if isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag) and m.sparse:
+            raise ValueError(
+                f"{wrapper}: {name!r} has sparse=True, whose sparse gradients {wrapper} does not reduce: use "
+                "sparse=False (dense gradients)"
+            )
+
+
+def frozen_tensors(module: Any) -> list[tuple[str, Any]]:
+    """The module's parameters that do not require grad (at wrap time: see ``check_still_frozen``)."""
+    return [(name, p) for name, p in module.named_parameters() if not p.requires_grad]
+
+
+def check_still_frozen(frozen: list[tuple[str, Any]], wrapper: str) -> None:
+    """Raise if a parameter frozen when ``wrapper`` took the module has a gradient now (it was unfrozen after
+    wrapping, as a fine-tuning loop does after a few epochs): the wrapper does not synchronise it, as torch's
+    own do not (they register parameters once), so each rank would step it with its own gradient."""
+    for name, tensor in frozen:
+        if tensor.grad is not None:
+            raise RuntimeError(
+                f"{wrapper}: parameter {name!r} did not require grad when the module was wrapped and now has a "
+                f"gradient, which {wrapper} does not synchronise (torch's wrappers neither): each rank would step "
+                "it alone and the ranks' models would part. Set requires_grad as it will be before wrapping (a "
+                "parameter trainable at wrap time may be frozen later: it is then taken as unused)."
+            )
+
+
 def torch_params(module: Any) -> list[TorchParam]:
     return [TorchParam(name, p) for name, p in module.named_parameters()]
 

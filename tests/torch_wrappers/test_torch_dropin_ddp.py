@@ -201,3 +201,13 @@ def test_join_trains_uneven_inputs_as_torch_ddp_join() -> None:
 def test_join_throw_on_early_termination_raises_on_every_rank() -> None:
     out = run_world(3, "ddp_join.py", args=["throw"], env={"PARAMPLANE_TIMEOUT": "30"}, timeout=90)
     out.check_ok(min_checks=2)
+
+
+def test_unfrozen_lazy_and_sparse_parameters_are_refused_and_torch_compression_hooks_work() -> None:
+    """GPT-2 under pp.DDP and pp.FSDP: a parameter frozen at wrap time and unfrozen later used to get rank-local
+    gradients silently (neither wrapper synchronises it, as torch's); its backward now raises naming it, while
+    freezing after wrapping trains as one process. A lazy module and ``sparse=True`` embeddings are ValueErrors
+    at wrap time (they failed deep inside a view or at the first backward). torch's compression hooks through
+    ``register_comm_hook`` compress the all-reduce: fp16's gradients equal torch's DDP with the same hook (gloo)."""
+    out = run_world(2, "wrap_checks.py", env={"PARAMPLANE_TIMEOUT": "30"}, timeout=120)
+    out.check_ok(min_checks=16)

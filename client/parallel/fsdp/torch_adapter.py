@@ -56,6 +56,9 @@ from paramplane.parallel.torch_params import (
     EndOfBackward,
     TorchFlatParam,
     TorchParam,
+    check_still_frozen,
+    check_wrappable,
+    frozen_tensors,
     output_tensors,
     to_array,
     to_tensor,
@@ -93,6 +96,7 @@ class TorchPath:
     shards."""
 
     def __init__(self, module: Any, fsdp: FSDP, use_orig_params: bool = False) -> None:
+        check_wrappable(module, "pp.FSDP")
         self.module = module
         self.fsdp = fsdp
         self.use_orig_params = use_orig_params
@@ -101,6 +105,7 @@ class TorchPath:
         self.by_tensor: dict[int, TorchFlatParam] = {}
         self.optimizer: Any = None
         self._finish = EndOfBackward(self._finish_sync)
+        self._frozen = frozen_tensors(module)
 
     # -- construction ------------------------------------------------------------------------------
     def trainable(self) -> list[tuple[str, Parameter]]:
@@ -235,6 +240,7 @@ class TorchPath:
     def _finish_sync(self) -> None:
         with self._stream():
             self.fsdp.finish_gradient_sync()
+        check_still_frozen(self._frozen, "pp.FSDP")
 
     def _pre_backward(self, unit: FlatUnit) -> None:
         self._queue_finish()
