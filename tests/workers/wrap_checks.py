@@ -80,6 +80,10 @@ def _checks(world: Any, rep: Report, kind: str, wrap: Any) -> None:
 
     lazy = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.Linear(4, 1))
     _expect(rep, f"{kind}: a lazy module", lambda: wrap(lazy, world.group), ValueError, "forward pass")
+    # frozen parameters stay whole on every rank: a wholly frozen model has nothing to shard
+    if kind == "fsdp":
+        teacher = tm.build("gpt2", seed=0).requires_grad_(False)
+        _expect(rep, "fsdp: a frozen model", lambda: wrap(teacher, world.group), ValueError, "unwrapped")
     bag = torch.nn.Sequential(torch.nn.EmbeddingBag(20, 4, sparse=True), torch.nn.Linear(4, 1))
     _expect(rep, f"{kind}: sparse gradients", lambda: wrap(bag, world.group), ValueError, "sparse=False")
 

@@ -123,7 +123,11 @@ class FSDP:
         self._path = path
         named = path.trainable()
         if not named:
-            raise ValueError(f"FSDP: {type(module).__name__} has no trainable parameters to shard")
+            raise ValueError(
+                f"FSDP: {type(module).__name__} has no trainable parameters to shard (pp.FSDP shards trainable "
+                "parameters only and keeps frozen ones whole on every rank): use a frozen model (a teacher, a "
+                "reference model) unwrapped"
+            )
         offload = cpu_offload if isinstance(cpu_offload, CPUOffload) else CPUOffload(bool(cpu_offload))
         self._xp = array_module(named[0][1].data)
         if any(array_module(p.data) is not self._xp for _, p in named):
