@@ -228,6 +228,26 @@ def fsdp_loop(world: Any, rep: Report) -> None:
         all(not torch.equal(a, p) for a, p in zip(before, wrapped.parameters())),
     )
 
+    # strict=False, as torch's (a pretrained backbone into a model with a new head): the keys given load, the
+    # others stay, and the keys skipped are torch's; strict=True names them in a ValueError
+    plain = tm.build("gpt2", seed=0)
+    plain.load_state_dict(fsdp.state_dict())
+    partial = {k: v for k, v in tm.build("gpt2", seed=3).state_dict().items() if ".h.1." not in k}
+    partial["head.extra"] = torch.zeros(2, dtype=torch.float64)
+    got, want = fsdp.load_state_dict(partial, strict=False), plain.load_state_dict(partial, strict=False)
+    rep.check("strict=False: the keys skipped, as torch's", (sorted(got.missing_keys), got.unexpected_keys) == (
+        sorted(want.missing_keys), want.unexpected_keys), f"{got} vs {want}")  # fmt: skip
+    after, plain_state = fsdp.state_dict(), plain.state_dict()
+    rep.check(
+        "strict=False: the state equals torch's",
+        all(torch.equal(after[k], plain_state[k]) for k in plain_state),
+    )
+    try:
+        fsdp.load_state_dict(partial)
+        rep.check("strict=True refuses a partial state", False, "no error")
+    except ValueError as e:
+        rep.check("strict=True refuses a partial state", "head.extra" in str(e), str(e))
+
 
 def _train_more(name: str, wrapped: Any, rank: int | None, num_ranks: int, clip: Any) -> None:
     """3 AdamW steps with clipping on this rank's batches (``num_ranks`` = 1 with ``rank`` None: the whole batch)."""

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from paramplane.nn.layers import Sequential
-from paramplane.nn.module import Array, Module, Parameter, RemovableHandle
+from paramplane.nn.module import Array, LoadResult, Module, Parameter, RemovableHandle
 from paramplane.node.arrays import is_floating
 from paramplane.optim.optimizer import Optimizer
 from paramplane.parallel.fsdp.units import FlatUnit, UnitGroup, UnitsByClass, choose_units, owned_units
@@ -99,9 +99,11 @@ class ModulePath(Protocol):
         """The full state dict from the sharded parameters' full ``values`` and the replicated state."""
         ...
 
-    def canonical_state(self, state: dict[str, Any]) -> dict[str, Array]:
+    def canonical_state(
+        self, state: dict[str, Any], strict: bool
+    ) -> tuple[dict[str, Array], LoadResult | None]:
         """A full state dict to load as arrays under the sharded parameters' names and ``replicated()``'s
-        keys."""
+        keys, and the keys skipped under the user's names (None: the same names, ``load_full`` tells)."""
         ...
 
     def add_aliases(self, out: dict[str, Any]) -> dict[str, Any]:
@@ -263,8 +265,10 @@ class NNPath:
             out[name] = buf.copy()
         return out
 
-    def canonical_state(self, state: dict[str, Any]) -> dict[str, Array]:
-        return state
+    def canonical_state(
+        self, state: dict[str, Any], strict: bool
+    ) -> tuple[dict[str, Array], LoadResult | None]:
+        return state, None
 
     def add_aliases(self, out: dict[str, Any]) -> dict[str, Any]:
         return out

@@ -14,7 +14,7 @@ from types import ModuleType
 from typing import Any
 
 from paramplane.group import ProcessGroup
-from paramplane.nn.module import Array
+from paramplane.nn.module import Array, LoadResult
 from paramplane.node.arrays import array_module, on_module
 from paramplane.parallel.fsdp.gather import Gatherer
 from paramplane.parallel.fsdp.units import FlatUnit
@@ -53,29 +53,44 @@ def load_full(
     gather: Gatherer,
     master_dtype: Any,
     shard_rank: int,
-) -> None:
+    strict: bool = True,
+) -> LoadResult:
     """Load a full state dict (sharded parameters by name, and the ``replicated`` arrays' keys): every rank
-    keeps its shard (no communication)."""
+    keeps its shard (no communication). ``strict=False`` loads the keys present and keeps the rest, returning
+    the keys skipped (as torch's ``load_state_dict``)."""
     gather.discard_prefetches()
     wanted = {n: p.shape for u in units for n, p in zip(u.names, u.params)}
     missing = sorted((set(wanted) | set(replicated)) - set(state))
     unexpected = sorted(set(state) - set(wanted) - set(replicated))
-    if missing or unexpected:
+    if strict and (missing or unexpected):
         raise ValueError(f"FSDP.load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
     for key, shape in [*wanted.items(), *((k, tuple(b.shape)) for k, b in replicated.items())]:
-        if tuple(state[key].shape) != tuple(shape):
+        if key in state and tuple(state[key].shape) != tuple(shape):
             raise ValueError(
                 f"FSDP.load_state_dict: {key!r} has shape {tuple(state[key].shape)}, expected {shape}"
             )
     for unit in units:
+        present = [i for i, name in enumerate(unit.names) if name in state]
+        if not present:
+            continue
         gather.release(unit)
         xp = array_module(unit.shard.data)
         flat = xp.zeros(unit.padded, master_dtype)
-        for name, p, off in zip(unit.names, unit.params, unit.offsets):
-            flat[off : off + p.size] = on_module(xp, state[name]).reshape(-1)
-        keep_shard(unit, flat, shard_rank)
+        given = xp.zeros(unit.padded, bool)
+        for i in present:
+            off, size = unit.offsets[i], unit.params[i].size
+            flat[off : off + size] = on_module(xp, state[unit.names[i]]).reshape(-1)
+            given[off : off + size] = True
+        if len(present) == len(unit.names):
+            keep_shard(unit, flat, shard_rank)
+        else:  # only the given parameters' elements of this rank's piece change
+            lo = shard_rank * unit.shard_size
+            mine = given[lo : lo + unit.shard_size]
+            unit.shard.data[mine] = flat[lo : lo + unit.shard_size][mine]
     for key, buf in replicated.items():
-        buf[...] = on_module(array_module(buf), state[key])
+        if key in state:
+            buf[...] = on_module(array_module(buf), state[key])
+    return LoadResult(missing, unexpected)
 
 
 def sharded_views(units: list[FlatUnit], replicated: dict[str, Array]) -> dict[str, ShardedArray | Array]:

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from paramplane.nn.module import Parameter, RemovableHandle
+from paramplane.nn.module import LoadResult, Parameter, RemovableHandle
 from paramplane.parallel.fsdp.optim_guard import guard
 from paramplane.parallel.fsdp.units import FlatUnit, UnitGroup, UnitsByClass, choose_units
 from paramplane.parallel.sharding import LayoutEntry, ShardedArray
@@ -501,12 +501,12 @@ class TorchPath:
             k: tensors[v] if isinstance(v, str) else v.detach().clone() for k, v in self._state_keys().items()
         }
 
-    def canonical_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """``module.state_dict()``'s keys (torch tensors or arrays), strictly; a tied alias and its owner:
-        the later key wins, as in torch."""
+    def canonical_state(self, state: dict[str, Any], strict: bool) -> tuple[dict[str, Any], LoadResult]:
+        """``module.state_dict()``'s keys (torch tensors or arrays); a tied alias and its owner: the later key
+        wins, as in torch. ``strict=False``: the keys present, and those skipped."""
         keys = self._state_keys()
         missing, unexpected = sorted(set(keys) - set(state)), sorted(set(state) - set(keys))
-        if missing or unexpected:
+        if strict and (missing or unexpected):
             raise ValueError(
                 f"FSDP.load_state_dict: missing keys {missing}, unexpected keys {unexpected} (the keys are "
                 "module.state_dict()'s)"
@@ -514,10 +514,11 @@ class TorchPath:
         canonical: dict[str, Any] = {}
         replicated: dict[str, Any] = {}
         for key, target in keys.items():
-            (canonical if isinstance(target, str) else replicated)[
-                target if isinstance(target, str) else key
-            ] = _as_numpy(state[key], key)
-        return {**canonical, **replicated}
+            if key in state:
+                (canonical if isinstance(target, str) else replicated)[
+                    target if isinstance(target, str) else key
+                ] = _as_numpy(state[key], key)
+        return {**canonical, **replicated}, LoadResult(missing, unexpected)
 
     def add_aliases(self, out: dict[str, ShardedArray | Any]) -> dict[str, ShardedArray | Any]:
         """The shards' pieces under every state-dict key (a tied alias shares its owner's pieces)."""

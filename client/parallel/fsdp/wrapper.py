@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from paramplane.group import ProcessGroup
-from paramplane.nn.module import Array, Module, RemovableHandle
+from paramplane.nn.module import Array, LoadResult, Module, RemovableHandle
 from paramplane.node.arrays import DTYPES, array_module
 from paramplane.optim.optimizer import Optimizer
 from paramplane.parallel.ddp_buckets import COMM_DTYPES, broadcast_arrays
@@ -394,13 +394,21 @@ class FSDP:
         module CPU torch tensors: ``plain.load_state_dict(fsdp.state_dict(), strict=True)`` loads it."""
         return self._path.state_dict(fsdp_state.full_values(self.units, self.shard_group, self.master_dtype))
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a full state dict (``module.state_dict()``'s keys, strictly): every rank keeps its shard (no
-        communication)."""
-        full = self._path.canonical_state(state)
-        fsdp_state.load_full(
-            self.units, full, self._path.replicated(), self._gather, self.master_dtype, self.shard_group.rank
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> LoadResult:
+        """Load a full state dict (``module.state_dict()``'s keys): every rank keeps its shard (no
+        communication). As torch's: ``strict=False`` loads the keys present, keeps the others and returns the
+        keys skipped (``missing_keys``, ``unexpected_keys``); ``strict=True`` raises a ValueError naming them."""
+        full, skipped = self._path.canonical_state(state, strict)
+        loaded = fsdp_state.load_full(
+            self.units,
+            full,
+            self._path.replicated(),
+            self._gather,
+            self.master_dtype,
+            self.shard_group.rank,
+            strict,
         )
+        return skipped if skipped is not None else loaded
 
     def sharded_state_dict(self) -> dict[str, ShardedArray | Any]:
         """This rank's pieces as ``ShardedArray`` views into the live shards (under every state-dict key: a
