@@ -79,9 +79,10 @@ def test_the_module_called_directly_gathers_and_placeholders_are_never_read() ->
     submodule called alone and ``module.state_dict()`` raise, rank 0 samples alone inside
     ``summon_full_params()``; FSDP2's ``set_requires_gradient_sync`` accumulates like one process, mixed
     precision casts keyword inputs, and an optimizer over the module's own parameters (which never see a
-    gradient) refuses to step instead of silently changing nothing; ``load_state_dict(strict=False)`` as torch's."""
+    gradient) refuses to step instead of silently changing nothing; ``load_state_dict(strict=False)`` and
+    ``summon_full_params(writeback=False)`` as torch's."""
     out = run_world(2, "dropin_loop.py", args=["fsdp"], env={"PARAMPLANE_TIMEOUT": "30"}, timeout=120)
-    results = out.check_ok(min_checks=20)
+    results = out.check_ok(min_checks=22)
     assert results[0]["digests"] == results[1]["digests"]
 
 

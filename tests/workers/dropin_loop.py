@@ -248,6 +248,23 @@ def fsdp_loop(world: Any, rep: Report) -> None:
     except ValueError as e:
         rep.check("strict=True refuses a partial state", "head.extra" in str(e), str(e))
 
+    # torch FSDP1's call shape: writeback=False drops the writes; rank0_only (with it) gives the parameters
+    before = fsdp.state_dict()
+    with pp.FSDP.summon_full_params(fsdp, writeback=False, rank0_only=True), torch.no_grad():
+        model.lm_head.weight.zero_()  # tied to the embedding: both
+        zeroed = bool((model.transformer.wte.weight == 0).all())
+    after = fsdp.state_dict()
+    rep.check(
+        "writeback=False: the writes are dropped",
+        zeroed and all(torch.equal(before[k], after[k]) for k in before),
+    )
+    try:
+        with fsdp.summon_full_params(rank0_only=True):
+            pass
+        rep.check("rank0_only with writeback is refused", False, "no error")
+    except ValueError as e:
+        rep.check("rank0_only with writeback is refused", "writeback=False" in str(e), str(e))
+
 
 def _train_more(name: str, wrapped: Any, rank: int | None, num_ranks: int, clip: Any) -> None:
     """3 AdamW steps with clipping on this rank's batches (``num_ranks`` = 1 with ``rank`` None: the whole batch)."""

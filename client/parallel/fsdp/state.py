@@ -136,8 +136,9 @@ def summon_full_params(
     master_dtype: Any,
     xp: ModuleType,
     finish_gradient_sync: Callable[[], None],
+    writeback: bool = True,
 ) -> Iterator[None]:
-    """Full parameters (master dtype) in the module inside; writes are kept; resharded after."""
+    """Full parameters (master dtype) in the module inside; writes are kept (``writeback``); resharded after."""
     finish_gradient_sync()
     for unit in units:
         gather.release(unit)
@@ -147,5 +148,6 @@ def summon_full_params(
     finally:
         for unit in units:
             assert unit.full is not None
-            keep_shard(unit, unit.full, gather.shard_group.rank)
+            if writeback:
+                keep_shard(unit, unit.full, gather.shard_group.rank)
             gather.release(unit)

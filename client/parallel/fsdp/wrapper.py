@@ -424,15 +424,32 @@ class FSDP:
         fsdp_state.load_sharded(self.sharded_state_dict(), state)
 
     @contextlib.contextmanager
-    def summon_full_params(self) -> Iterator[None]:
-        """Full parameters (master dtype) in the module inside; writes are kept; resharded after (a
-        collective on entry and exit). Inside, a torch module's forward under ``torch.no_grad()`` runs on
-        the full parameters without gathering, on any rank alone: ``if rank == 0: fsdp.module.generate(...)``;
-        ``module.state_dict()`` holds the full values."""
+    def summon_full_params(
+        self,
+        recurse: bool = True,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ) -> Iterator[None]:
+        """Full parameters (master dtype) in the module inside; writes are kept (``writeback=False``: dropped);
+        resharded after (a collective on entry and exit). Inside, a torch module's forward under
+        ``torch.no_grad()`` runs on the full parameters without gathering, on any rank alone: ``if rank == 0:
+        fsdp.module.generate(...)``; ``module.state_dict()`` holds the full values. torch FSDP1's call shape
+        (``pp.FSDP.summon_full_params(fsdp, writeback=False)`` too): ``recurse`` is taken (every unit is
+        summoned), ``rank0_only`` gives every rank the full parameters (with ``writeback=False``, as torch's
+        requires), ``offload_to_cpu`` keeps them where the shards are; ``with_grads`` is not supported."""
+        if with_grads:
+            raise ValueError(
+                "FSDP.summon_full_params(with_grads=True) is not supported: gradients stay sharded"
+            )
+        if rank0_only and writeback:
+            raise ValueError("FSDP.summon_full_params: rank0_only=True needs writeback=False (as torch's)")
         if self._summoned:
             raise RuntimeError("FSDP.summon_full_params() is already active")
+        del recurse, offload_to_cpu
         with fsdp_state.summon_full_params(
-            self.units, self._gather, self.master_dtype, self._xp, self.finish_gradient_sync
+            self.units, self._gather, self.master_dtype, self._xp, self.finish_gradient_sync, writeback
         ):
             self._summoned = True
             try:
