@@ -265,6 +265,20 @@ def fsdp_loop(world: Any, rep: Report) -> None:
     except ValueError as e:
         rep.check("rank0_only with writeback is refused", "writeback=False" in str(e), str(e))
 
+    # torch FSDP1's state_dict_type around state_dict(): FULL_STATE_DICT is the full state; sharded types refused
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+
+    config = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+    with pp.FSDP.state_dict_type(fsdp, StateDictType.FULL_STATE_DICT, config):
+        full_state = fsdp.state_dict()
+    rep.check("FULL_STATE_DICT: the full state", all(torch.equal(full_state[k], after[k]) for k in after))
+    try:
+        with pp.FSDP.state_dict_type(fsdp, StateDictType.SHARDED_STATE_DICT):
+            pass
+        rep.check("SHARDED_STATE_DICT is refused", False, "no error")
+    except ValueError as e:
+        rep.check("SHARDED_STATE_DICT is refused", "sharded_state_dict()" in str(e), str(e))
+
 
 def _train_more(name: str, wrapped: Any, rank: int | None, num_ranks: int, clip: Any) -> None:
     """3 AdamW steps with clipping on this rank's batches (``num_ranks`` = 1 with ``rank`` None: the whole batch)."""
