@@ -83,7 +83,13 @@ from paramplane.parallel.ddp_buckets import (
 from paramplane.parallel.ddp_join import JoinState, joined_rounds
 from paramplane.parallel.ddp_torch import ModulePath, NNPath, TorchPath, comm_hook_dtype
 from paramplane.parallel.fsdp.units import check_same_model
-from paramplane.parallel.torch_params import check_device_ids, is_torch_module, module_attribute
+from paramplane.parallel.torch_params import (
+    check_device_ids,
+    claim_parameters,
+    is_torch_module,
+    module_attribute,
+    release_parameters,
+)
 
 __all__ = ["DDP", "broadcast_arrays", "shard_range"]
 
@@ -154,6 +160,11 @@ class DDP:
             raise ValueError(f"gradient_as_bucket_view must be a bool, got {gradient_as_bucket_view!r}")
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self._path: ModulePath = TorchPath(module) if torch_module else NNPath(module)
+        self._superseded = False  # a newer pp.DDP of the same module took over its hooks
+        if torch_module:  # the rewrap of a module (``DDP(ddp.module)``): the newer wrapper takes over
+            for old in claim_parameters(module, self, "pp.DDP"):
+                old.remove_hooks()
+                old._superseded = True
         self.find_unused_parameters = find_unused_parameters
         self.comm_dtype = np.dtype(DTYPES[comm_dtype]) if comm_dtype is not None else None
         self._hooked = False  # register_comm_hook ran
@@ -432,6 +443,11 @@ class DDP:
         rank 0 when ``broadcast_buffers``: for a torch module when the previous forward ran with grad
         enabled outside ``no_sync`` (torch DDP's rule), for an ``nn`` one in training mode outside
         ``no_sync``."""
+        if self._superseded:
+            raise RuntimeError(
+                "this pp.DDP was superseded by a newer pp.DDP of the same module, which took over its gradient "
+                "hooks: use the newer one"
+            )
         takes_buffers = (
             self.broadcast_buffers and self.group.size > 1 and self._path.syncs_buffers(self._no_sync)
         )
@@ -521,6 +537,8 @@ class DDP:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if isinstance(self._path, TorchPath):
+            release_parameters(self.module, self)
 
     def __repr__(self) -> str:
         return f"DDP({type(self.module).__name__}, group={self.group.name}, buckets={len(self._buckets)})"

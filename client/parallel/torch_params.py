@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -332,6 +333,43 @@ def check_wrappable(module: Any, wrapper: str) -> None:
                 f"{wrapper}: {name!r} has sparse=True, whose sparse gradients {wrapper} does not reduce: use "
                 "sparse=False (dense gradients)"
             )
+
+
+_OWNER = "_paramplane_wrapper"  # on a wrapped module's parameter tensors: (a weak reference to the wrapper, its kind)
+
+
+def claim_parameters(module: Any, wrapper: Any, kind: str) -> list[Any]:
+    """Mark ``module``'s parameters as ``wrapper``'s (``kind``: "pp.DDP" or "pp.FSDP") and return the live
+    pp.DDP wrappers that held some of them (the caller supersedes those). A parameter a live pp.FSDP holds is a
+    ValueError, as is pp.FSDP over parameters a live pp.DDP holds: the FSDP's parameters are views of its own
+    buffers (placeholders while sharded), so a second wrapper would read and broadcast those, and both would
+    hook the same gradients (torch FSDP2's ``fully_shard`` per block then on the root is one pp.FSDP at the
+    root: its default units are the blocks)."""
+    previous: dict[int, Any] = {}
+    for name, p in module.named_parameters():
+        ref, held_kind = getattr(p, _OWNER, (None, ""))
+        held = ref() if ref is not None else None
+        if held is None or held is wrapper:
+            continue
+        if held_kind == "pp.FSDP" or kind == "pp.FSDP":
+            raise ValueError(
+                f"{kind}: parameter {name!r} is already wrapped by a {held_kind}: wrap the model once (one pp.FSDP "
+                "at the root shards every block: its default units are the blocks, as FSDP2's fully_shard per "
+                "block; call remove_hooks() on a pp.DDP to wrap its module again)"
+            )
+        previous[id(held)] = held
+    mine = weakref.ref(wrapper)
+    for p in module.parameters():
+        setattr(p, _OWNER, (mine, kind))
+    return list(previous.values())
+
+
+def release_parameters(module: Any, wrapper: Any) -> None:
+    """``wrapper`` no longer holds ``module``'s parameters (its hooks are removed)."""
+    for p in module.parameters():
+        owner = getattr(p, _OWNER, None)
+        if owner is not None and owner[0]() is wrapper:
+            delattr(p, _OWNER)
 
 
 def frozen_tensors(module: Any) -> list[tuple[str, Any]]:

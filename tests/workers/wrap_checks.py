@@ -39,6 +39,7 @@ def scenario(world: Any, rep: Report) -> None:
     for kind, wrap in WRAPPERS.items():
         _checks(world, rep, kind, wrap)
     _comm_hooks(world, rep)
+    _wrapped_twice(world, rep)
     total = world.group.all_reduce(np.array([1.0]))
     rep.check("the world is intact", float(total[0]) == world.world_size, str(total))
 
@@ -119,6 +120,41 @@ def _comm_hooks(world: Any, rep: Report) -> None:
     other = pp.DDP(tm.build("gpt2", seed=0), world.group)
     _expect(rep, "another hook", lambda: other.register_comm_hook(None, default_hooks.allreduce_hook),
             NotImplementedError, "fp16_compress_hook")  # fmt: skip
+
+
+def _wrapped_twice(world: Any, rep: Report) -> None:
+    """``DDP(ddp.module)`` takes over: the older wrapper's hooks are gone (a ``no_sync`` backward of the newer
+    stays local, which the older's hooks would have averaged) and the older refuses to run. FSDP2's habit of
+    ``fully_shard`` per block then on the root, and any wrapper over a pp.FSDP's module, are ValueErrors (the
+    second wrapper used to read and broadcast the first's placeholders)."""
+    import torch
+
+    model = tm.build("gpt2", seed=0)
+    old = pp.DDP(model, world.group)
+    new = pp.DDP(old.module, world.group)
+    with new.no_sync():
+        new(**tm.batch("gpt2", 0, world.rank)).loss.backward()
+    grads = world.group.all_gather(tm.flat_grads(model)[None])
+    rep.check("DDP(ddp.module): the older wrapper's hooks are removed", not np.allclose(grads[0], grads[1]))
+    _expect(rep, "DDP(ddp.module): the older wrapper refuses to run", lambda: old(**tm.batch("gpt2", 0, 0)),
+            RuntimeError, "superseded")  # fmt: skip
+    model.zero_grad(set_to_none=True)
+    n = world.world_size
+    ref = tm.build("gpt2", seed=0)
+    opt, ref_opt = torch.optim.SGD(new.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    new(**tm.batch("gpt2", 1, world.rank)).loss.backward()
+    opt.step()
+    sum(ref(**tm.batch("gpt2", 1, r)).loss / n for r in range(n)).backward()
+    ref_opt.step()
+    rep.close("DDP(ddp.module) trains as one process", tm.flat_params(model), tm.flat_params(ref), 1e-9)
+
+    nested = tm.build("gpt2", seed=0)
+    for block in nested.transformer.h:
+        pp.FSDP(block, world.group)
+    _expect(rep, "FSDP per block, then at the root", lambda: pp.FSDP(nested, world.group), ValueError,
+            "wrap the model once")  # fmt: skip
+    _expect(rep, "DDP over a pp.FSDP's module", lambda: pp.DDP(nested, world.group), ValueError,
+            "already wrapped by a pp.FSDP")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ from paramplane.parallel.torch_params import (
     TorchParam,
     check_still_frozen,
     check_wrappable,
+    claim_parameters,
     frozen_tensors,
     output_tensors,
     to_array,
@@ -97,6 +98,7 @@ class TorchPath:
 
     def __init__(self, module: Any, fsdp: FSDP, use_orig_params: bool = False) -> None:
         check_wrappable(module, "pp.FSDP")
+        claim_parameters(module, fsdp, "pp.FSDP")
         self.module = module
         self.fsdp = fsdp
         self.use_orig_params = use_orig_params
