@@ -123,14 +123,6 @@ def ddp_loop(world: Any, rep: Report) -> None:
     rep.digests["ddp"] = digest(tm.flat_params(model))
 
 
-def _expect_error(rep: Report, name: str, fn: Any, words: str) -> None:
-    try:
-        fn()
-        rep.check(name, False, "no error")
-    except RuntimeError as e:
-        rep.check(name, words in str(e), str(e))
-
-
 def fsdp_loop(world: Any, rep: Report) -> None:
     import torch
 
@@ -166,14 +158,26 @@ def fsdp_loop(world: Any, rep: Report) -> None:
 
     # after a step the units are resharded: their modules refuse to run alone, the state dict to hold NaNs
     x = torch.zeros(1, 2, model.config.n_embd, dtype=torch.float64)
-    _expect_error(rep, "a sharded block's layer called alone", lambda: model.transformer.h[0].attn.c_attn(x),
-                  "sharded")  # fmt: skip
-    _expect_error(rep, "the tied embedding called alone", lambda: model.transformer.wte(ids), "sharded")
-    _expect_error(rep, "module.state_dict() while sharded", model.state_dict, "fsdp.state_dict()")
-    _expect_error(rep, "a submodule's state_dict() while sharded", model.transformer.h[1].state_dict,
-                  "fsdp.state_dict()")  # fmt: skip
-    _expect_error(rep, "module.load_state_dict() while sharded", lambda: model.load_state_dict(ref.state_dict()),
-                  "fsdp.load_state_dict")  # fmt: skip
+    rep.raises(
+        "a sharded block's layer called alone",
+        RuntimeError,
+        lambda: model.transformer.h[0].attn.c_attn(x),
+        "sharded",
+    )
+    rep.raises("the tied embedding called alone", RuntimeError, lambda: model.transformer.wte(ids), "sharded")
+    rep.raises("module.state_dict() while sharded", RuntimeError, model.state_dict, "fsdp.state_dict()")
+    rep.raises(
+        "a submodule's state_dict() while sharded",
+        RuntimeError,
+        model.transformer.h[1].state_dict,
+        "fsdp.state_dict()",
+    )
+    rep.raises(
+        "module.load_state_dict() while sharded",
+        RuntimeError,
+        lambda: model.load_state_dict(ref.state_dict()),
+        "fsdp.load_state_dict",
+    )
     keys = list(model.state_dict(keep_vars=True))
     rep.check("keep_vars=True (keys) still answers", keys == list(ref.state_dict()))
     full = fsdp.state_dict()
@@ -187,7 +191,9 @@ def fsdp_loop(world: Any, rep: Report) -> None:
                 got = fsdp.generate(ids, max_new_tokens=3, do_sample=False)
                 want = ref.generate(ids, max_new_tokens=3, do_sample=False)
             rep.check("rank 0 alone samples inside summon_full_params", torch.equal(got, want))
-        _expect_error(rep, "a grad-enabled forward inside summon_full_params", lambda: fsdp(**b), "no_grad")
+        rep.raises(
+            "a grad-enabled forward inside summon_full_params", RuntimeError, lambda: fsdp(**b), "no_grad"
+        )
     world.group.barrier()
     loss = fsdp(**_micro(5, 0, world.rank)).loss
     loss.backward()
@@ -218,8 +224,8 @@ def fsdp_loop(world: Any, rep: Report) -> None:
     wrapped = pp.FSDP(early, world.group)
     late_opt = torch.optim.SGD(list(wrapped.module.parameters())[-1:], lr=1e-2)
     wrapped(**b).loss.backward()
-    _expect_error(rep, "an optimizer built before wrapping", early_opt.step, "fsdp.parameters()")
-    _expect_error(rep, "an optimizer over fsdp.module's parameters", late_opt.step, "fsdp.parameters()")
+    rep.raises("an optimizer built before wrapping", RuntimeError, early_opt.step, "fsdp.parameters()")
+    rep.raises("an optimizer over fsdp.module's parameters", RuntimeError, late_opt.step, "fsdp.parameters()")
     good = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
     before = [p.detach().clone() for p in wrapped.parameters()]
     good.step()
@@ -242,11 +248,9 @@ def fsdp_loop(world: Any, rep: Report) -> None:
         "strict=False: the state equals torch's",
         all(torch.equal(after[k], plain_state[k]) for k in plain_state),
     )
-    try:
-        fsdp.load_state_dict(partial)
-        rep.check("strict=True refuses a partial state", False, "no error")
-    except ValueError as e:
-        rep.check("strict=True refuses a partial state", "head.extra" in str(e), str(e))
+    rep.raises(
+        "strict=True refuses a partial state", ValueError, lambda: fsdp.load_state_dict(partial), "head.extra"
+    )
 
     # torch FSDP1's call shape: writeback=False drops the writes; rank0_only (with it) gives the parameters
     before = fsdp.state_dict()

@@ -27,14 +27,6 @@ import paramplane as pp
 WRAPPERS = {"ddp": lambda m, g: pp.DDP(m, g), "fsdp": lambda m, g: pp.FSDP(m, g, "full_shard")}
 
 
-def _expect(rep: Report, name: str, fn: Any, error: type[BaseException], words: str) -> None:
-    try:
-        fn()
-        rep.check(name, False, "no error")
-    except error as e:
-        rep.check(name, words in str(e), str(e))
-
-
 def scenario(world: Any, rep: Report) -> None:
     for kind, wrap in WRAPPERS.items():
         _checks(world, rep, kind, wrap)
@@ -54,8 +46,12 @@ def _checks(world: Any, rep: Report, kind: str, wrap: Any) -> None:
     wrapped = wrap(model, world.group)
     model.transformer.wpe.weight.requires_grad_(True)
     b = tm.batch("gpt2", 0, world.rank)
-    _expect(rep, f"{kind}: unfrozen after wrapping", lambda: wrapped(**b).loss.backward(), RuntimeError,
-            "'transformer.wpe.weight' did not require grad when the module was wrapped")  # fmt: skip
+    rep.raises(
+        f"{kind}: unfrozen after wrapping",
+        RuntimeError,
+        lambda: wrapped(**b).loss.backward(),
+        "'transformer.wpe.weight' did not require grad when the module was wrapped",
+    )
 
     # frozen after wrapping: taken as unused; 2 SGD steps equal one process with it frozen from the start
     model = tm.build("gpt2", seed=0)
@@ -80,13 +76,13 @@ def _checks(world: Any, rep: Report, kind: str, wrap: Any) -> None:
     rep.close(f"{kind}: frozen after wrapping trains as one process", got, tm.flat_params(ref), 1e-9)
 
     lazy = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.Linear(4, 1))
-    _expect(rep, f"{kind}: a lazy module", lambda: wrap(lazy, world.group), ValueError, "forward pass")
+    rep.raises(f"{kind}: a lazy module", ValueError, lambda: wrap(lazy, world.group), "forward pass")
     # frozen parameters stay whole on every rank: a wholly frozen model has nothing to shard
     if kind == "fsdp":
         teacher = tm.build("gpt2", seed=0).requires_grad_(False)
-        _expect(rep, "fsdp: a frozen model", lambda: wrap(teacher, world.group), ValueError, "unwrapped")
+        rep.raises("fsdp: a frozen model", ValueError, lambda: wrap(teacher, world.group), "unwrapped")
     bag = torch.nn.Sequential(torch.nn.EmbeddingBag(20, 4, sparse=True), torch.nn.Linear(4, 1))
-    _expect(rep, f"{kind}: sparse gradients", lambda: wrap(bag, world.group), ValueError, "sparse=False")
+    rep.raises(f"{kind}: sparse gradients", ValueError, lambda: wrap(bag, world.group), "sparse=False")
 
 
 def _grads(wrapped: Any, rank: int) -> np.ndarray:
@@ -115,11 +111,19 @@ def _comm_hooks(world: Any, rep: Report) -> None:
         else:  # torch's bf16 hook runs on NCCL only: against the uncompressed mean, to bfloat16's precision
             rep.close("bf16_compress_hook: the mean to bfloat16's precision", got, plain, 2e-2)
         rep.check(f"{hook.__name__}: compressed on the wire", not np.array_equal(got, plain))
-        _expect(rep, f"{hook.__name__}: registered twice", functools.partial(ours.register_comm_hook, None, hook),
-                RuntimeError, "once")  # fmt: skip
+        rep.raises(
+            f"{hook.__name__}: registered twice",
+            RuntimeError,
+            functools.partial(ours.register_comm_hook, None, hook),
+            "once",
+        )
     other = pp.DDP(tm.build("gpt2", seed=0), world.group)
-    _expect(rep, "another hook", lambda: other.register_comm_hook(None, default_hooks.allreduce_hook),
-            NotImplementedError, "fp16_compress_hook")  # fmt: skip
+    rep.raises(
+        "another hook",
+        NotImplementedError,
+        lambda: other.register_comm_hook(None, default_hooks.allreduce_hook),
+        "fp16_compress_hook",
+    )
 
 
 def _wrapped_twice(world: Any, rep: Report) -> None:
@@ -136,8 +140,12 @@ def _wrapped_twice(world: Any, rep: Report) -> None:
         new(**tm.batch("gpt2", 0, world.rank)).loss.backward()
     grads = world.group.all_gather(tm.flat_grads(model)[None])
     rep.check("DDP(ddp.module): the older wrapper's hooks are removed", not np.allclose(grads[0], grads[1]))
-    _expect(rep, "DDP(ddp.module): the older wrapper refuses to run", lambda: old(**tm.batch("gpt2", 0, 0)),
-            RuntimeError, "superseded")  # fmt: skip
+    rep.raises(
+        "DDP(ddp.module): the older wrapper refuses to run",
+        RuntimeError,
+        lambda: old(**tm.batch("gpt2", 0, 0)),
+        "superseded",
+    )
     model.zero_grad(set_to_none=True)
     n = world.world_size
     ref = tm.build("gpt2", seed=0)
@@ -151,10 +159,18 @@ def _wrapped_twice(world: Any, rep: Report) -> None:
     nested = tm.build("gpt2", seed=0)
     for block in nested.transformer.h:
         pp.FSDP(block, world.group)
-    _expect(rep, "FSDP per block, then at the root", lambda: pp.FSDP(nested, world.group), ValueError,
-            "wrap the model once")  # fmt: skip
-    _expect(rep, "DDP over a pp.FSDP's module", lambda: pp.DDP(nested, world.group), ValueError,
-            "already wrapped by a pp.FSDP")  # fmt: skip
+    rep.raises(
+        "FSDP per block, then at the root",
+        ValueError,
+        lambda: pp.FSDP(nested, world.group),
+        "wrap the model once",
+    )
+    rep.raises(
+        "DDP over a pp.FSDP's module",
+        ValueError,
+        lambda: pp.DDP(nested, world.group),
+        "already wrapped by a pp.FSDP",
+    )
 
 
 if __name__ == "__main__":
