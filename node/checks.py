@@ -18,7 +18,8 @@ def check_array(x: Any, what: str = "x", *, writable: bool = True) -> None:
     dtype_name(x.dtype)
     if not x.flags.c_contiguous:
         raise ValueError(
-            f"{what} is not C-contiguous: pass np.ascontiguousarray({what}) (collectives work in place)"
+            f"{what} is not C-contiguous: pass np.ascontiguousarray({what}), or tensor.contiguous() for a torch "
+            "tensor (collectives work in place)"
         )
     # cupy arrays are always writable and their flags have no `writeable`.
     if writable and isinstance(x, np.ndarray) and not x.flags.writeable:

@@ -48,7 +48,13 @@ def scenario(world: Any, rep: Report) -> None:
         r = torch.zeros(4, dtype=torch.int32)
         g.recv(r, 0)
         rep.equal("recv into a tensor", r.numpy(), np.arange(4, dtype=np.int32))
-    rep.raises("non-contiguous", ValueError, lambda: g.all_reduce(torch.ones(3, 4).t()), "C-contiguous")
+    rep.raises(
+        "non-contiguous",
+        ValueError,
+        lambda: g.all_reduce(torch.ones(3, 4).t()),
+        "C-contiguous",
+        ".contiguous()",
+    )
     rep.raises(
         "unsupported dtype",
         ValueError,
