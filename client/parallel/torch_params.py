@@ -335,7 +335,24 @@ def check_wrappable(module: Any, wrapper: str) -> None:
             )
 
 
-_OWNER = "_paramplane_wrapper"  # on a wrapped module's parameter tensors: (a weak reference to the wrapper, its kind)
+# id(parameter tensor) -> (the tensor, its wrapper, the wrapper's kind), all weak. Kept here, not on the tensors:
+# an attribute holding a weak reference would stop torch.save(module) (pickle) and follow copy.deepcopy(module).
+_owners: dict[int, tuple[weakref.ref[Any], weakref.ref[Any], str]] = {}
+
+
+def _forget(key: int) -> Callable[[weakref.ref[Any]], None]:
+    def forget(_ref: weakref.ref[Any]) -> None:
+        _owners.pop(key, None)
+
+    return forget
+
+
+def _owner(p: Any) -> tuple[Any, str]:
+    """The live wrapper holding parameter ``p``, and its kind (None, "" if none)."""
+    entry = _owners.get(id(p))
+    if entry is None or entry[0]() is not p:
+        return None, ""
+    return entry[1](), entry[2]
 
 
 def claim_parameters(module: Any, wrapper: Any, kind: str) -> list[Any]:
@@ -347,8 +364,7 @@ def claim_parameters(module: Any, wrapper: Any, kind: str) -> list[Any]:
     root: its default units are the blocks)."""
     previous: dict[int, Any] = {}
     for name, p in module.named_parameters():
-        ref, held_kind = getattr(p, _OWNER, (None, ""))
-        held = ref() if ref is not None else None
+        held, held_kind = _owner(p)
         if held is None or held is wrapper:
             continue
         if held_kind == "pp.FSDP" or kind == "pp.FSDP":
@@ -360,16 +376,15 @@ def claim_parameters(module: Any, wrapper: Any, kind: str) -> list[Any]:
         previous[id(held)] = held
     mine = weakref.ref(wrapper)
     for p in module.parameters():
-        setattr(p, _OWNER, (mine, kind))
+        _owners[id(p)] = (weakref.ref(p, _forget(id(p))), mine, kind)
     return list(previous.values())
 
 
 def release_parameters(module: Any, wrapper: Any) -> None:
     """``wrapper`` no longer holds ``module``'s parameters (its hooks are removed)."""
     for p in module.parameters():
-        owner = getattr(p, _OWNER, None)
-        if owner is not None and owner[0]() is wrapper:
-            delattr(p, _OWNER)
+        if _owner(p)[0] is wrapper:
+            del _owners[id(p)]
 
 
 def frozen_tensors(module: Any) -> list[tuple[str, Any]]:

@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
+import copy
 import functools
+import io
 import sys
 from pathlib import Path
 from typing import Any
@@ -155,6 +157,13 @@ def _wrapped_twice(world: Any, rep: Report) -> None:
     sum(ref(**tm.batch("gpt2", 1, r)).loss / n for r in range(n)).backward()
     ref_opt.step()
     rep.close("DDP(ddp.module) trains as one process", tm.flat_params(model), tm.flat_params(ref), 1e-9)
+    # what marks the wrapped parameters stays off them: the module still pickles whole (torch.save(model)), and a
+    # deepcopy of it (a teacher copied from the student) is a module of its own that wraps without taking over
+    buffer = io.BytesIO()
+    torch.save(new.module, buffer)
+    rep.check("torch.save of a wrapped module", buffer.tell() > 0)
+    teacher = pp.DDP(copy.deepcopy(new.module), world.group)
+    rep.check("a deepcopy wraps on its own", not new._superseded and teacher.module is not new.module)
 
     nested = tm.build("gpt2", seed=0)
     for block in nested.transformer.h:
