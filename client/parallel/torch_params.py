@@ -335,24 +335,39 @@ def check_wrappable(module: Any, wrapper: str) -> None:
             )
 
 
-# id(parameter tensor) -> (the tensor, its wrapper, the wrapper's kind), all weak. Kept here, not on the tensors:
-# an attribute holding a weak reference would stop torch.save(module) (pickle) and follow copy.deepcopy(module).
-_owners: dict[int, tuple[weakref.ref[Any], weakref.ref[Any], str]] = {}
+class TensorMap:
+    """Values keyed by torch tensors by identity, holding the tensors weakly: an entry goes when its tensor does.
+    (A dict keyed by the tensors would compare them elementwise; an attribute on a tensor would follow it into
+    ``copy.deepcopy`` and stop ``torch.save`` from pickling it.)"""
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[weakref.ref[Any], Any]] = {}
+
+    def __setitem__(self, tensor: Any, value: Any) -> None:
+        key = id(tensor)
+
+        def forget(_ref: weakref.ref[Any]) -> None:
+            self._items.pop(key, None)
+
+        self._items[key] = (weakref.ref(tensor, forget), value)
+
+    def get(self, tensor: Any) -> Any:
+        """``tensor``'s value, or None."""
+        entry = self._items.get(id(tensor))
+        return entry[1] if entry is not None and entry[0]() is tensor else None
+
+    def pop(self, tensor: Any) -> None:
+        if self.get(tensor) is not None:
+            del self._items[id(tensor)]
 
 
-def _forget(key: int) -> Callable[[weakref.ref[Any]], None]:
-    def forget(_ref: weakref.ref[Any]) -> None:
-        _owners.pop(key, None)
-
-    return forget
+_owners = TensorMap()  # a wrapped parameter -> (a weak reference to its wrapper, the wrapper's kind)
 
 
 def _owner(p: Any) -> tuple[Any, str]:
     """The live wrapper holding parameter ``p``, and its kind (None, "" if none)."""
-    entry = _owners.get(id(p))
-    if entry is None or entry[0]() is not p:
-        return None, ""
-    return entry[1](), entry[2]
+    entry = _owners.get(p)
+    return (None, "") if entry is None else (entry[0](), entry[1])
 
 
 def claim_parameters(module: Any, wrapper: Any, kind: str) -> list[Any]:
@@ -376,7 +391,7 @@ def claim_parameters(module: Any, wrapper: Any, kind: str) -> list[Any]:
         previous[id(held)] = held
     mine = weakref.ref(wrapper)
     for p in module.parameters():
-        _owners[id(p)] = (weakref.ref(p, _forget(id(p))), mine, kind)
+        _owners[p] = (mine, kind)
     return list(previous.values())
 
 
@@ -384,7 +399,7 @@ def release_parameters(module: Any, wrapper: Any) -> None:
     """``wrapper`` no longer holds ``module``'s parameters (its hooks are removed)."""
     for p in module.parameters():
         if _owner(p)[0] is wrapper:
-            del _owners[id(p)]
+            _owners.pop(p)
 
 
 def frozen_tensors(module: Any) -> list[tuple[str, Any]]:

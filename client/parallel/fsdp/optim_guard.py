@@ -12,10 +12,11 @@ checked once (again when its param groups grow), so a step costs a count of its 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 from typing import Any
 
-_sharded: dict[int, tuple[weakref.ref[Any], str]] = {}  # id(tensor) -> (the tensor, its name in the module)
+from paramplane.parallel.torch_params import TensorMap
+
+_sharded = TensorMap()  # a module parameter pp.FSDP shards -> its name in the module
 _checked: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # optimizer -> parameters seen
 _installed = False
 
@@ -29,14 +30,7 @@ def guard(named: list[tuple[str, Any]]) -> None:
         register_optimizer_step_pre_hook(_check)
         _installed = True
     for name, tensor in named:
-        _sharded[id(tensor)] = (weakref.ref(tensor, _forget(id(tensor))), name)
-
-
-def _forget(key: int) -> Callable[[weakref.ref[Any]], None]:
-    def forget(_ref: weakref.ref[Any]) -> None:
-        _sharded.pop(key, None)
-
-    return forget
+        _sharded[tensor] = name
 
 
 def _check(optimizer: Any, _args: Any, _kwargs: Any) -> None:
@@ -45,10 +39,10 @@ def _check(optimizer: Any, _args: Any, _kwargs: Any) -> None:
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
-            entry = _sharded.get(id(p))
-            if entry is not None and entry[0]() is p:
+            name = _sharded.get(p)
+            if name is not None:
                 raise RuntimeError(
-                    f"{type(optimizer).__name__} holds the module's parameter {entry[1]!r}, which pp.FSDP "
+                    f"{type(optimizer).__name__} holds the module's parameter {name!r}, which pp.FSDP "
                     "shards: its gradient goes to the shard, so this step would change nothing. Build the "
                     "optimizer after wrapping, from the wrapper's parameters: "
                     f"torch.optim.{type(optimizer).__name__}(fsdp.parameters(), ...)"
