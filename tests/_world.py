@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import _zygote
+
 from paramplane import local_world
 from paramplane.launch import thread_env
 
@@ -98,11 +100,19 @@ def shm_entries() -> set[str]:
     return {p.name for p in SHM_DIR.iterdir() if p.name.startswith(SHM_PREFIX)}
 
 
-def _command(target: str, args: Sequence[str]) -> list[str]:
+def _command(
+    target: str, args: Sequence[str], env: Mapping[str, str], used: set[_zygote.Zygote]
+) -> list[str]:
+    """How to start ``target`` as a rank with environment ``env``: forked from a zygote where one serves (a
+    torch worker: ``tests/_zygote.py``; added to ``used``), else ``python target``."""
     path = Path(target)
     if target.endswith(".py"):
         if not path.is_absolute():
             path = WORKERS / path if (WORKERS / path).exists() else REPO / path
+        zygote = _zygote.for_rank(path, env)
+        if zygote is not None:
+            used.add(zygote)
+            return zygote.command(path, args)
         return [sys.executable, str(path), *args]
     return [sys.executable, "-m", target, *args]
 
@@ -139,11 +149,18 @@ def run_world(
     with tempfile.TemporaryDirectory(prefix="pp-results-") as scratch:
         results = Path(out_dir) if out_dir is not None else Path(scratch)
         common = {"PARAMPLANE_TEST_OUT": str(results), "PARAMPLANE_JOIN_TIMEOUT": str(max(10.0, timeout))}
+        # the launcher's thread share per rank, unless this process's environment sets one
+        base = {**thread_env(n), **os.environ, **common, **(env or {})}
+        zygotes: set[_zygote.Zygote] = set()
+        # before the coordinator starts its join deadline: a zygote's first start imports for seconds
+        commands = [
+            _command(target, args, {**base, "PYTHONUNBUFFERED": "1", **(rank_env or {}).get(r, {})}, zygotes)
+            for r in range(n)
+        ]
         run = local_world.run_world(
             n,
-            lambda _rank: _command(target, args),
-            # the launcher's thread share per rank, unless this process's environment sets one
-            env={**thread_env(n), **os.environ, **common, **(env or {})},
+            lambda rank: commands[rank],
+            env=base,
             rank_env=lambda rank: (rank_env or {}).get(rank, {}),
             timeout_s=timeout,
             coordinator_options=options,
@@ -151,6 +168,8 @@ def run_world(
             replace=replace,
             cwd=REPO,
         )
+        for zygote in zygotes:  # the ranks it forked for this world are gone too, as exec'd ones would be
+            zygote.drain()
         outcome = WorldOutcome(timed_out=run.timed_out)
         outcome.replaced = [RankOutcome(r.rank, r.returncode, r.output, None) for r in run.replaced]
         for r in run.ranks:
