@@ -44,6 +44,7 @@ from paramplane.nn.module import Array, LoadResult, Module, RemovableHandle
 from paramplane.node.arrays import DTYPES, array_module
 from paramplane.optim.optimizer import Optimizer
 from paramplane.parallel.ddp_buckets import COMM_DTYPES, broadcast_arrays
+from paramplane.parallel.fsdp import optim_full
 from paramplane.parallel.fsdp import state as fsdp_state
 from paramplane.parallel.fsdp.config import (
     STRATEGIES,
@@ -285,6 +286,28 @@ class FSDP:
         optimizer state) into ``ShardedArray``s of module parameters by name: what resharding checkpoints of
         optimizer state (``optim_state``, ``pp.DiLoCo``) are built from."""
         return self._path.optim_slots(self.units)
+
+    def optim_state_dict(self, optim: Any, optim_state_dict: Any = None, group: Any = None) -> dict[str, Any]:
+        """torch FSDP1's ``FSDP.optim_state_dict(model, optim)``: the torch optimizer's full state keyed by
+        parameter name (tensors shaped like the parameters, CPU, on every rank), for ``torch.save``; a
+        collective. ``optim_state_dict`` and ``group`` are torch's and must be None (the state is read from
+        ``optim``, the group is the FSDP's). See :mod:`~paramplane.parallel.fsdp.optim_full`."""
+        if optim_state_dict is not None or group is not None:
+            raise ValueError("FSDP.optim_state_dict: optim_state_dict= and group= are not supported")
+        return optim_full.full_optim_state_dict(self, optim)
+
+    def optim_state_dict_to_load(
+        self, optim: Any, optim_state_dict: dict[str, Any], *, load_directly: bool = False, **unsupported: Any
+    ) -> dict[str, Any]:
+        """torch FSDP1's ``FSDP.optim_state_dict_to_load(model, optim, osd)``: what ``optim_state_dict`` gave
+        (saved at any world size or strategy) as this rank's ``optim.load_state_dict`` argument;
+        ``load_directly=True`` loads it too. No communication."""
+        if unsupported:
+            raise ValueError(f"FSDP.optim_state_dict_to_load: {sorted(unsupported)} not supported")
+        result = optim_full.optim_state_dict_to_load(self, optim, optim_state_dict)
+        if load_directly:
+            optim.load_state_dict(result)
+        return result
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

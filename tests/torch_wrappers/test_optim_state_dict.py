@@ -1,0 +1,25 @@
+"""torch FSDP1's full optimizer state dict: ``pp.FSDP.optim_state_dict`` / ``optim_state_dict_to_load``.
+
+FSDP1 scripts save ``{"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}`` with
+``torch.save`` and resume with ``optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, saved))``.
+Compared with one process's AdamW on the whole batch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from _world import run_world
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="needs the test extra (torch, transformers)"
+)
+
+
+def test_the_full_optimizer_state_equals_one_process_and_resumes_in_another_layout() -> None:
+    """GPT-2, world 2: the state by parameter name equals one process's (tensors, steps, hyperparameters,
+    param groups by name under use_orig_params), on every rank; it loads into a plain torch optimizer and, after
+    torch.save, into a fresh wrapper of another strategy, where one more step equals one process."""
+    out = run_world(2, "optim_full.py", env={"PARAMPLANE_TIMEOUT": "30"}, timeout=150)
+    out.check_ok(min_checks=25)

@@ -1,0 +1,158 @@
+"""torch FSDP1's full optimizer state dict under pp.FSDP (transformers' GPT-2, float64, AdamW, world 2).
+
+``pp.FSDP.optim_state_dict(fsdp, opt)`` after ``STEPS`` steps equals one process's AdamW state on the whole
+batch, by parameter name (every state tensor to 1e-9, the step count and the hyperparameters), the same on every
+rank; ``torch.save`` round-trips it; ``pp.FSDP.optim_state_dict_to_load`` puts it into a fresh wrapper of
+another layout (flat full_shard saved, no_shard loaded; use_orig_params with param groups by name saved and
+loaded) and one more step there equals one process's ``STEPS + 1`` steps. A plain torch optimizer over the
+plain model loads it by name too (the consolidation a plain script does). Mismatches are ValueErrors.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _torch_models as tm
+from _common import Report, run_rank
+
+import paramplane as pp
+
+STEPS = 2
+LR = 1e-2
+
+
+def _groups(named: list[tuple[str, Any]], by_name: bool) -> list[dict[str, Any]]:
+    """One group, or torch users' two: no weight decay on biases and LayerNorms."""
+    if not by_name:
+        return [{"params": [p for _, p in named], "weight_decay": 0.1}]
+    plain = [n.endswith(".bias") or ".ln_" in n for n, _ in named]
+    return [
+        {"params": [p for (_, p), skip in zip(named, plain) if not skip], "weight_decay": 0.1},
+        {"params": [p for (_, p), skip in zip(named, plain) if skip], "weight_decay": 0.0},
+    ]
+
+
+def _train(model: Any, opt: Any, steps: range, rank: int | None, n: int) -> None:
+    """Steps of the usual loop; ``rank`` None: one process on every rank's batch."""
+    for step in steps:
+        parts = [rank] if rank is not None else list(range(n))
+        loss = sum(model(**tm.batch("gpt2", step, r)).loss for r in parts) / len(parts)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _close(a: Any, b: Any) -> bool:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return a.shape == b.shape and bool(np.allclose(a, b, rtol=1e-9, atol=1e-12))
+
+
+def _check_against(rep: Report, label: str, osd: dict[str, Any], ref: Any, ref_opt: Any) -> None:
+    """``osd`` (by name) equals the plain ``ref_opt``'s state over ``ref`` (by parameter)."""
+    named = list(ref.named_parameters())
+    rep.check(
+        f"{label}: one entry per parameter, in the module's order",
+        list(osd["state"]) == [n for n, _ in named],
+        str(list(osd["state"])[:4]),
+    )
+    bad = []
+    for name, param in named:
+        got, want = osd["state"].get(name, {}), ref_opt.state[param]
+        if sorted(got) != sorted(want) or not all(_close(got[k], want[k]) for k in want):
+            bad.append(name)
+    rep.check(f"{label}: every state tensor and step = one process", not bad, f"differ: {bad[:4]}")
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in osd["param_groups"]]
+    rep.check(
+        f"{label}: hyperparameters = one process",
+        hyper == [{k: v for k, v in g.items() if k != "params"} for g in ref_opt.param_groups],
+        str(hyper),
+    )
+    members = [{id(p) for p in g["params"]} for g in ref_opt.param_groups]
+    rep.check(
+        f"{label}: param groups by name",
+        [g["params"] for g in osd["param_groups"]] == [[n for n, p in named if id(p) in m] for m in members],
+        str([g["params"][:3] for g in osd["param_groups"]]),
+    )
+
+
+def scenario(world: Any, rep: Report) -> None:
+    import torch
+
+    g, n = world.group, world.world_size
+    for label, saved_as, loaded_as, by_name in (
+        ("flat", "full_shard", "no_shard", False),
+        ("use_orig_params", "full_shard", "full_shard", True),
+    ):
+        orig = by_name
+        ref = tm.build("gpt2")
+        ref_opt = torch.optim.AdamW(_groups(list(ref.named_parameters()), by_name), lr=LR)
+        _train(ref, ref_opt, range(STEPS), None, n)
+        fsdp = pp.FSDP(tm.build("gpt2"), g, saved_as, use_orig_params=orig)
+        opt = torch.optim.AdamW(_groups(list(fsdp.named_parameters()), by_name), lr=LR)
+        _train(fsdp, opt, range(STEPS), world.rank, n)
+        osd = pp.FSDP.optim_state_dict(fsdp, opt)
+        _check_against(rep, label, osd, ref, ref_opt)
+        buffer = io.BytesIO()
+        torch.save(osd, buffer)
+        flat = np.concatenate([v.reshape(-1).numpy() for s in osd["state"].values() for v in s.values()])
+        every = g.all_gather(flat).reshape(n, -1)
+        rep.check(f"{label}: the same on every rank", all(_close(every[0], r) for r in every), "")
+
+        # a plain script's consolidation: a torch optimizer over the plain model, by name
+        plain = tm.build("gpt2")
+        plain.load_state_dict(fsdp.state_dict())
+        plain_opt = torch.optim.AdamW(_groups(list(plain.named_parameters()), by_name), lr=LR)
+        index = {name: i for i, (name, _) in enumerate(plain.named_parameters())}
+        plain_opt.load_state_dict(
+            {
+                "state": {index[k]: v for k, v in osd["state"].items()},
+                "param_groups": [
+                    {**group, "params": [index[k] for k in group["params"]]} for group in osd["param_groups"]
+                ],
+            }
+        )
+        _check_against(rep, f"{label} loaded into a plain optimizer", osd, plain, plain_opt)
+
+        # resume in a fresh wrapper of another layout, from the torch.save'd bytes
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=True)
+        fresh = pp.FSDP(tm.build("gpt2", seed=1), g, loaded_as, use_orig_params=orig)
+        fresh.load_state_dict(fsdp.state_dict())
+        fresh_opt = torch.optim.AdamW(_groups(list(fresh.named_parameters()), by_name), lr=0.5)
+        pp.FSDP.optim_state_dict_to_load(fresh, fresh_opt, loaded, load_directly=True)
+        rep.check(f"{label}: the saved learning rate is back", fresh_opt.param_groups[0]["lr"] == LR, "")
+        _train(fresh, fresh_opt, range(STEPS, STEPS + 1), world.rank, n)
+        _train(ref, ref_opt, range(STEPS, STEPS + 1), None, n)
+        got, want = fresh.state_dict(), ref.state_dict()
+        bad = [k for k in want if not _close(got[k].numpy(), want[k].detach().numpy())]
+        rep.check(f"{label}: one more step after loading = one process", not bad, f"differ: {bad[:4]}")
+
+    rep.raises(
+        "a state dict with another number of param groups",
+        ValueError,
+        lambda: pp.FSDP.optim_state_dict_to_load(fresh, torch.optim.AdamW(fresh.parameters(), lr=LR), osd),
+        "2 param groups",
+        "has 1",
+    )
+    rep.raises(
+        "an optimizer over other tensors",
+        ValueError,
+        lambda: pp.FSDP.optim_state_dict(fresh, torch.optim.AdamW(plain.parameters(), lr=LR)),
+        "steps none of this FSDP's parameters",
+    )
+    rep.raises(
+        "not a torch optimizer",
+        ValueError,
+        lambda: pp.FSDP.optim_state_dict(fresh, object()),
+        "torch.optim optimizer",
+    )
+
+
+if __name__ == "__main__":
+    run_rank(scenario)
