@@ -139,3 +139,12 @@ def test_a_torch_compiled_model_under_ddp_and_fsdp_matches_one_process() -> None
     assert all(r["digests"] == results[0]["digests"] for r in results), (
         "ranks ended with different parameters"
     )
+
+
+def test_torch_fsdp1_constructor_arguments_pick_fsdp1s_units_and_train_as_one_process() -> None:
+    """GPT-2, world 2: each of torch's auto-wrap policies (transformer, ModuleWrapPolicy, size-based) picks the
+    modules torch's own FSDP1 wraps; FSDP1's call shape (sharding_strategy, auto_wrap_policy, BackwardPrefetch,
+    CPUOffload, device_id, limit_all_gathers) trains as one process; ignored_modules, units beside a policy and
+    a strategy disagreeing with sharding_strategy are refused."""
+    out = run_world(2, "fsdp1_args.py", env={"PARAMPLANE_TIMEOUT": "30"}, timeout=150)
+    out.check_ok(min_checks=12)

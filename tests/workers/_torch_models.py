@@ -292,6 +292,19 @@ def image_loss(model: Any, kwargs: dict[str, Any]) -> Any:
     return model(**kwargs).loss
 
 
+def loss64(model: Any, kwargs: dict[str, Any]) -> Any:
+    """The model's loss on a batch; a language model's in the model's dtype (transformers casts the logits to
+    float32 first, so its own ``.loss`` of a float64 model is float32-exact only)."""
+    import torch
+
+    if "input_ids" not in kwargs:
+        return image_loss(model, kwargs)
+    kw = dict(kwargs)
+    labels = kw.pop("labels")
+    logits = model(**kw).logits  # a ModelOutput
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+
 def image_logits(model: Any, kwargs: dict[str, Any]) -> Any:
     """An image model's logits on a batch (see ``image_loss``)."""
     return model(kwargs["images"]) if "images" in kwargs else model(**kwargs).logits

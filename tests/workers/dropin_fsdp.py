@@ -57,16 +57,7 @@ def _groups(model: Any, blocks: set[str] | None = None) -> list[dict[str, Any]]:
     ]
 
 
-def _loss(model: Any, kwargs: dict[str, Any]) -> Any:
-    """The model's loss; for the language models in float64 (transformers computes it in float32)."""
-    import torch
-
-    if "input_ids" not in kwargs:
-        return tm.image_loss(model, kwargs)
-    kw = dict(kwargs)
-    labels = kw.pop("labels")
-    logits = model(**kw).logits  # a ModelOutput
-    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+_loss = tm.loss64
 
 
 def _step(model: Any, opt: Any, kwargs: dict[str, Any], clip: Any) -> tuple[float, float]:

@@ -7,6 +7,9 @@
 - ``gather.py``: the all-gathers and prefetch order; ``reduce.py``: the gradient reductions;
 - ``state.py``: full and sharded state dicts and ``summon_full_params``; ``optim_state.py``: a torch
   optimizer's state over the shards, as checkpoint entries that reshard (``fsdp.optim_state(opt)``);
+  ``optim_full.py``: torch FSDP1's full optimizer state dict (``FSDP.optim_state_dict``);
+  ``optim_guard.py``: the refusal of an optimizer over the module's own parameters;
+- ``fsdp1_args.py``: torch FSDP1's constructor keywords (``sharding_strategy``, ``auto_wrap_policy``, ...);
 - ``nn_path.py`` / ``torch_adapter.py``: the module paths, for a ``paramplane.nn`` and a ``torch.nn`` module.
 """
 

@@ -44,7 +44,7 @@ from paramplane.nn.module import Array, LoadResult, Module, RemovableHandle
 from paramplane.node.arrays import DTYPES, array_module
 from paramplane.optim.optimizer import Optimizer
 from paramplane.parallel.ddp_buckets import COMM_DTYPES, broadcast_arrays
-from paramplane.parallel.fsdp import optim_full
+from paramplane.parallel.fsdp import fsdp1_args, optim_full
 from paramplane.parallel.fsdp import state as fsdp_state
 from paramplane.parallel.fsdp.config import (
     STRATEGIES,
@@ -76,6 +76,12 @@ class FSDP:
 
     A ``torch.nn.Module`` (CPU tensors) is wrapped by :class:`TorchFSDP`, the same algorithm driven by
     torch's module and autograd hooks (:mod:`~paramplane.parallel.fsdp.torch_adapter`).
+
+    torch FSDP1's keywords are taken too (:mod:`~paramplane.parallel.fsdp.fsdp1_args`): ``sharding_strategy``
+    (torch's ``ShardingStrategy``) for ``strategy``, ``auto_wrap_policy`` (torch's policies) for ``units``,
+    ``backward_prefetch`` as torch's ``BackwardPrefetch``, ``cpu_offload`` as torch's ``CPUOffload``,
+    ``device_id`` (the module moves there first) and ``limit_all_gathers``; ``ignored_modules``,
+    ``ignored_states``, ``param_init_fn`` and ``device_mesh`` are refused.
     """
 
     def __new__(cls, module: Any, *args: Any, **kwargs: Any) -> FSDP:
@@ -99,6 +105,14 @@ class FSDP:
         sync_module_states: bool = True,
         comm_dtype: str | None = None,
         use_orig_params: bool = False,
+        sharding_strategy: Any = None,
+        auto_wrap_policy: Any = None,
+        device_id: Any = None,
+        limit_all_gathers: bool = True,
+        ignored_modules: Any = None,
+        ignored_states: Any = None,
+        param_init_fn: Any = None,
+        device_mesh: Any = None,
     ) -> None:
         if not isinstance(module, Module) and not is_torch_module(module):
             raise ValueError(
@@ -106,6 +120,25 @@ class FSDP:
             )
         if not isinstance(group, ProcessGroup):
             raise ValueError(f"FSDP needs a ProcessGroup, got {type(group).__name__}")
+        del (
+            limit_all_gathers
+        )  # FSDP1's cap on gathers in flight: prefetching here holds one unit ahead at most
+        strategy, units, backward_prefetch = fsdp1_args.translate(
+            module,
+            strategy,
+            units,
+            backward_prefetch,
+            sharding_strategy=sharding_strategy,
+            auto_wrap_policy=auto_wrap_policy,
+            device_id=device_id,
+            torch_module=is_torch_module(module),
+            unsupported={
+                "ignored_modules": ignored_modules,
+                "ignored_states": ignored_states,
+                "param_init_fn": param_init_fn,
+                "device_mesh": device_mesh,
+            },
+        )
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
         if backward_prefetch not in ("pre", "post", None):
@@ -129,7 +162,7 @@ class FSDP:
                 "parameters only and keeps frozen ones whole on every rank): use a frozen model (a teacher, a "
                 "reference model) unwrapped"
             )
-        offload = cpu_offload if isinstance(cpu_offload, CPUOffload) else CPUOffload(bool(cpu_offload))
+        offload = fsdp1_args.cpu_offload_of(cpu_offload)
         self._xp = array_module(named[0][1].data)
         if any(array_module(p.data) is not self._xp for _, p in named):
             raise ValueError("FSDP: the module mixes numpy and cupy parameters; move it to one device first")
