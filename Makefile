@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml
 	# torchvision; tests/workers/_torch_models.py loads it after torchvision). Its other needs come with transformers.
 	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(VENV)/timm timm==1.0.31 \
 	  || echo "timm not installed: the drop-in tests leave its ViT out"
+	# peft (LoRA on the drop-in tests' models) after torch, without dependencies: it requires torch, which must be
+	# the CPU build above or none (its tests skip without it); accelerate and psutil are its other needs.
+	$(BIN)/python -m pip install -q --no-deps peft==0.21.2 accelerate==1.15.0 psutil==7.2.2 \
+	  || echo "peft not installed: the LoRA drop-in tests skip"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -79,7 +79,7 @@ def _checks(world: Any, rep: Report, kind: str, wrap: Any) -> None:
 
     lazy = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.Linear(4, 1))
     rep.raises(f"{kind}: a lazy module", ValueError, lambda: wrap(lazy, world.group), "forward pass")
-    # frozen parameters stay whole on every rank: a wholly frozen model has nothing to shard
+    # without use_orig_params frozen parameters stay whole on every rank: a wholly frozen model has nothing to shard
     if kind == "fsdp":
         teacher = tm.build("gpt2", seed=0).requires_grad_(False)
         rep.raises("fsdp: a frozen model", ValueError, lambda: wrap(teacher, world.group), "unwrapped")

@@ -9,6 +9,7 @@
   optimizer's state over the shards, as checkpoint entries that reshard (``fsdp.optim_state(opt)``);
   ``optim_full.py``: torch FSDP1's full optimizer state dict (``FSDP.optim_state_dict``);
   ``optim_guard.py``: the refusal of an optimizer over the module's own parameters;
+- ``frozen.py``: when a unit holding frozen parameters (``use_orig_params``) reshards in the backward;
 - ``fsdp1_args.py``: torch FSDP1's constructor keywords (``sharding_strategy``, ``auto_wrap_policy``, ...);
 - ``nn_path.py`` / ``torch_adapter.py``: the module paths, for a ``paramplane.nn`` and a ``torch.nn`` module.
 """

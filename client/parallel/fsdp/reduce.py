@@ -15,6 +15,7 @@ from paramplane.group import ProcessGroup
 from paramplane.nn.module import Array
 from paramplane.node.arrays import array_module, is_floating, to_host, to_pinned
 from paramplane.parallel.fsdp.config import MemoryTracker
+from paramplane.parallel.fsdp.frozen import holds_frozen
 from paramplane.parallel.fsdp.gather import Gatherer
 from paramplane.parallel.fsdp.units import FlatUnit
 
@@ -73,10 +74,12 @@ class Reducer:
         self.queue = []
         self.round_open = False
 
-    def post_backward(self, unit: FlatUnit) -> None:
-        """The unit's backward is done: reshard it and (outside no_sync) launch its reduction."""
+    def post_backward(self, unit: FlatUnit, *, release: bool = True) -> None:
+        """The unit's gradients are done: reshard it (unless ``release`` is False: its frozen parameters may
+        still be read) and (outside no_sync) launch its reduction."""
         self.gather.backward_done.add(id(unit))
-        self.gather.release(unit)
+        if release:
+            self.gather.release(unit)
         if self.no_sync:
             return
         self.round_open = True
@@ -139,11 +142,16 @@ class Reducer:
             return
         try:
             for unit in self.units:  # units whose backward never ran (unused): zeros, same on every rank
+                if unit.extra.get("num_trainable") == 0:  # frozen parameters only: nothing to reduce
+                    continue
                 if unit not in self.queue and unit.has_param_grads():
                     self.post_backward(unit)  # torch: some of its parameters got no gradient this backward
                 elif unit not in self.queue:
                     self.launch(unit, self.xp.zeros(unit.padded, self.reduce_dtype))
             self.pump(block=True)
+            for unit in self.units:  # the backward is over: units holding frozen parameters reshard now too
+                if holds_frozen(unit):
+                    self.gather.release(unit)
             scale = 1.0 if self.predivide else 1.0 / self.group.size
             for unit in self.queue:
                 if unit.replicate_work is not None:

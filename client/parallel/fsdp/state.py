@@ -1,7 +1,8 @@
 """FSDP's state: full and sharded state dicts, loading them, and ``summon_full_params``, as functions over
 the wrapper's units (the wrapper adds what its module path changes: keys, tensor values, tied aliases).
 
-Frozen parameters (``requires_grad=False``) are not sharded: like buffers they are replicated module state,
+Frozen parameters (``requires_grad=False``) are not sharded (unless a torch module's ``use_orig_params`` puts them in
+the units: ``fsdp.frozen``): like buffers they are replicated module state,
 kept whole on every rank (broadcast from group rank 0 at wrap time with ``sync_module_states``), in the state
 dicts under their names and, in ``sharded_state_dict``, as whole arrays (a checkpoint writes them once).
 """

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from paramplane.nn.module import LoadResult, Parameter, RemovableHandle
+from paramplane.parallel.fsdp import frozen
 from paramplane.parallel.fsdp.optim_guard import guard
 from paramplane.parallel.fsdp.units import FlatUnit, UnitGroup, UnitsByClass, choose_units
 from paramplane.parallel.sharding import LayoutEntry, ShardedArray
@@ -111,10 +112,13 @@ class TorchPath:
 
     # -- construction ------------------------------------------------------------------------------
     def trainable(self) -> list[tuple[str, Parameter]]:
+        """The parameters to shard: the trainable ones; with ``use_orig_params`` the frozen ones too (FSDP1's
+        rule: mixed ``requires_grad`` in a unit needs the original parameters, so an optimizer over the pieces
+        never sees a frozen one's elements), so that a LoRA base model or a frozen teacher is sharded."""
         self.by_tensor = {}
         named: list[tuple[str, Parameter]] = []
         for name, tensor in self.module.named_parameters():
-            if tensor.requires_grad:
+            if tensor.requires_grad or self.use_orig_params:
                 p = TorchFlatParam(name, tensor)
                 self.by_tensor[id(tensor)] = p
                 named.append((name, cast(Parameter, p)))
@@ -197,14 +201,22 @@ class TorchPath:
             shard = TorchParam(unit.shard.name, torch.nn.Parameter(to_tensor(unit.shard.data)))
             shard.layout = unit.shard.layout  # type: ignore[attr-defined]
             unit.shard = cast(Parameter, shard)
+            trainable = {p.name for p in unit.params if cast(TorchParam, p).tensor.requires_grad}
+            unit.extra["num_trainable"] = len(trainable)
             if self.use_orig_params:  # leaves over the shard's memory: an optimizer step writes the shard
                 flat = shard.tensor.detach()
                 self.views[id(unit)] = [
-                    (e, torch.nn.Parameter(flat[e.offset : e.offset + e.size]))
+                    (
+                        e,
+                        torch.nn.Parameter(
+                            flat[e.offset : e.offset + e.size], requires_grad=e.key in trainable
+                        ),
+                    )
                     for e in cast(Any, shard).layout.entries
                 ]
             for p in unit.params:
-                cast(TorchParam, p).tensor.register_post_accumulate_grad_hook(self._grad_hook(unit))
+                if cast(TorchParam, p).tensor.requires_grad:
+                    cast(TorchParam, p).tensor.register_post_accumulate_grad_hook(self._grad_hook(unit))
         guard([(p.name, cast(TorchParam, p).tensor) for unit in units for p in unit.params])
 
     def wrap(self, unit: FlatUnit) -> None:
@@ -232,6 +244,16 @@ class TorchPath:
 
         m.register_forward_pre_hook(before)
         m.register_forward_hook(after)
+        if frozen.holds_frozen(unit):
+            frozen.watch_inputs(m, unit, self._inputs_done)
+
+    def _inputs_done(self, unit: FlatUnit) -> None:
+        """A unit holding frozen parameters reshards once its module's input gradients and its trainable
+        parameters' gradients are done (:mod:`~paramplane.parallel.fsdp.frozen`)."""
+        unit.extra["inputs_done"] = True
+        if unit.extra.get("grads_done") or unit.extra["num_trainable"] == 0:
+            with self._stream():
+                self.fsdp._gather.release(unit)
 
     # -- forward / backward ------------------------------------------------------------------------
     def _queue_finish(self) -> None:
@@ -274,16 +296,18 @@ class TorchPath:
         def ready(_tensor: Any) -> None:
             self._queue_finish()
             count = unit.extra.get("ready", 0) + 1
-            if count < len(unit.params):
+            if count < unit.extra["num_trainable"]:
                 unit.extra["ready"] = count
                 return
             unit.extra["ready"] = 0
             unit.extra["pre_backward"] = False  # another microbatch's backward (a pipeline) gathers it again
+            unit.extra["grads_done"] = True
+            release = not frozen.holds_frozen(unit) or unit.extra.get("inputs_done", False)
             fsdp, gather = self.fsdp, self.fsdp._gather
             if "backward_start" in unit.extra:
                 fsdp._mark(f"backward {unit.name}", unit.extra.pop("backward_start"))
             with self._stream():
-                fsdp._reducer.post_backward(unit)
+                fsdp._reducer.post_backward(unit, release=release)
                 if fsdp.backward_prefetch == "post" and unit.module is not None:
                     gather.prefetch(gather.prev_in_forward(unit))
 
@@ -438,12 +462,13 @@ class TorchPath:
         for u in units:
             grad = cast(TorchParam, u.shard).tensor.grad
             for e, view in self.views[id(u)]:
-                view.grad = None if grad is None else grad[e.offset : e.offset + e.size]
+                if view.requires_grad:  # a frozen piece keeps None: an optimizer given it skips it
+                    view.grad = None if grad is None else grad[e.offset : e.offset + e.size]
 
     def optim_slots(self, units: list[FlatUnit]) -> list[tuple[Any, Callable[[Any], dict[str, Any]]]]:
         if not self.use_orig_params:
             return [(cast(TorchParam, u.shard).tensor, cast(Any, u.shard).layout.views) for u in units]
-        return [(view, _whole_piece(e)) for u in units for e, view in self.views[id(u)]]
+        return [(view, _whole_piece(e)) for u in units for e, view in self.views[id(u)] if view.requires_grad]
 
     def attach(self, optimizer: Any) -> RemovableHandle:
         """Make the torch optimizer's ``step()`` call ``finish_gradient_sync`` first (optional: a
@@ -475,10 +500,11 @@ class TorchPath:
         return torch_buffers(self.module)
 
     def frozen(self) -> list[tuple[str, Any]]:
+        """The frozen parameters kept whole (replicated): all of them, unless ``use_orig_params`` shards them."""
         return [
             (n, to_array(t, f"parameter {n!r}"))
             for n, t in self.module.named_parameters()
-            if not t.requires_grad
+            if not t.requires_grad and id(t) not in self.by_tensor
         ]
 
     def _state_keys(self) -> dict[str, Any]:

@@ -158,9 +158,9 @@ class FSDP:
         named = path.trainable()
         if not named:
             raise ValueError(
-                f"FSDP: {type(module).__name__} has no trainable parameters to shard (pp.FSDP shards trainable "
-                "parameters only and keeps frozen ones whole on every rank): use a frozen model (a teacher, a "
-                "reference model) unwrapped"
+                f"FSDP: {type(module).__name__} has no trainable parameters to shard (pp.FSDP keeps frozen "
+                "parameters whole on every rank unless use_orig_params=True shards them too): pass "
+                "use_orig_params=True to shard a frozen model (a teacher, a reference model), or use it unwrapped"
             )
         offload = fsdp1_args.cpu_offload_of(cpu_offload)
         self._xp = array_module(named[0][1].data)

@@ -1,0 +1,133 @@
+"""Frozen parameters under pp.FSDP with ``use_orig_params``: a LoRA fine-tuning (peft over transformers' GPT-2,
+float64, world 2) and a frozen teacher.
+
+peft freezes the base model and adds trainable adapters inside its blocks, so every unit mixes frozen and
+trainable parameters. With ``use_orig_params=True`` (FSDP1's condition for mixed units) the frozen base is sharded
+with the adapters: outside the forward the module's parameters hold placeholders only; inside a step no more
+than a few units are gathered at once (a unit holding frozen parameters reshards once its module's input
+gradients are computed, not at the end of the backward); losses, adapters and the full state equal one process
+(and pp.DDP's the same). A wholly frozen teacher is sharded too and its logits equal the plain model's.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _torch_models as tm
+from _common import Report, run_rank
+
+import paramplane as pp
+
+STEPS = 3
+LAYERS = 4
+
+
+def _lora() -> Any:
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    model = tm.build("gpt2", layers=LAYERS)
+    torch.manual_seed(1)  # the adapters' initial values (non-zero B: the first step's gradients reach A too)
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True, init_lora_weights=False
+    )
+    return get_peft_model(model, config)
+
+
+def _train(model: Any, opt: Any, rank: int | None, n: int, clip: Any) -> list[float]:
+    """``STEPS`` steps of the usual loop; ``rank`` None: one process on every rank's batch."""
+    losses = []
+    for step in range(STEPS):
+        parts = [rank] if rank is not None else list(range(n))
+        loss = sum(tm.loss64(model, tm.batch("gpt2", step, r)) for r in parts) / len(parts)
+        loss.backward()
+        clip()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _mean(g: Any, values: list[float]) -> np.ndarray:
+    total = np.array(values)
+    g.all_reduce(total)
+    return total / g.size
+
+
+def scenario(world: Any, rep: Report) -> None:
+    import torch
+
+    g, n = world.group, world.world_size
+    ref = _lora()
+    trainable = [p for p in ref.parameters() if p.requires_grad]
+    ref_opt = torch.optim.AdamW(trainable, lr=1e-2)
+    want = _train(ref, ref_opt, None, n, lambda: torch.nn.utils.clip_grad_norm_(trainable, 1.0))
+    rep.check("the scenario trains adapters only", 0 < len(trainable) < len(list(ref.parameters())), "")
+
+    model = _lora()
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    fsdp = pp.FSDP(model, g, "full_shard", use_orig_params=True)
+    held = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    rep.check(
+        "outside the forward the module's parameters, frozen ones included, hold placeholders",
+        held < full_bytes / 100,
+        f"{held} of {full_bytes} bytes",
+    )
+    opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-2)  # the frozen pieces too, as a script passes them
+    fsdp.reset_peak()
+    got = _mean(g, _train(model, opt, world.rank, n, lambda: fsdp.clip_grad_norm_(1.0)))
+    rep.check("losses = one process", bool(np.allclose(got, want, rtol=1e-9)), f"{got} vs {want}")
+    peak = fsdp.memory_stats()["params_gathered"]["peak"]
+    every_unit = sum(u.padded for u in fsdp.units) * 8
+    rep.check(
+        "a step gathers a few units at a time, not the whole model",
+        peak < 0.7 * every_unit,
+        f"peak {peak} of {every_unit} bytes",
+    )
+    frozen_views = [p for p in fsdp.parameters() if not p.requires_grad]
+    rep.check(
+        "frozen pieces get no gradient (the optimizer skips them)",
+        bool(frozen_views) and all(p.grad is None for p in frozen_views),
+        str(len(frozen_views)),
+    )
+    state, ref_state = fsdp.state_dict(), ref.state_dict()
+    bad = [
+        k for k in ref_state if not np.allclose(state[k].numpy(), ref_state[k].numpy(), rtol=1e-9, atol=1e-12)
+    ]
+    rep.check(
+        "the full state (base and adapters) = one process",
+        list(state) == list(ref_state) and not bad,
+        str(bad[:3]),
+    )
+
+    ddp_model = _lora()
+    ddp = pp.DDP(ddp_model, g)
+    ddp_trainable = [p for p in ddp_model.parameters() if p.requires_grad]
+    ddp_opt = torch.optim.AdamW(ddp_trainable, lr=1e-2)
+    got = _mean(
+        g, _train(ddp, ddp_opt, world.rank, n, lambda: torch.nn.utils.clip_grad_norm_(ddp_trainable, 1.0))
+    )
+    rep.check("pp.DDP: losses = one process", bool(np.allclose(got, want, rtol=1e-9)), f"{got} vs {want}")
+
+    teacher = tm.build("gpt2", layers=LAYERS).requires_grad_(False)
+    plain = tm.build("gpt2", layers=LAYERS)
+    sharded = pp.FSDP(teacher, g, use_orig_params=True)
+    held = sum(p.untyped_storage().nbytes() for p in teacher.parameters())
+    rep.check("a frozen teacher is sharded", held < full_bytes / 100, f"{held} bytes")
+    batch = tm.batch("gpt2", 0, world.rank)
+    with torch.no_grad():
+        logits, want_logits = sharded(**batch).logits, plain(**batch).logits
+    rep.check(
+        "the teacher's logits = the plain model's",
+        torch.allclose(logits, want_logits, rtol=1e-12, atol=0),
+        "",
+    )
+
+
+if __name__ == "__main__":
+    run_rank(scenario)
