@@ -39,17 +39,43 @@ def _lora() -> Any:
     return get_peft_model(model, config)
 
 
-def _train(model: Any, opt: Any, rank: int | None, n: int, clip: Any) -> list[float]:
-    """``STEPS`` steps of the usual loop; ``rank`` None: one process on every rank's batch."""
+def _halves(step: int, rank: int) -> list[dict[str, Any]]:
+    """Rank ``rank``'s batch of ``step`` as two microbatches of one row."""
+    batch = tm.batch("gpt2", step, rank)
+    return [{k: v[i : i + 1] for k, v in batch.items()} for i in range(2)]
+
+
+def _train(model: Any, opt: Any, rank: int | None, n: int, clip: Any, halves: bool = False) -> list[float]:
+    """``STEPS`` steps of the usual loop; ``rank`` None: one process on every rank's batch; ``halves``: the loss
+    is the mean of the two microbatches' (``_halves``)."""
     losses = []
     for step in range(STEPS):
         parts = [rank] if rank is not None else list(range(n))
-        loss = sum(tm.loss64(model, tm.batch("gpt2", step, r)) for r in parts) / len(parts)
+        if halves:
+            loss = sum(tm.loss64(model, h) / 2 for r in parts for h in _halves(step, r)) / len(parts)
+        else:
+            loss = sum(tm.loss64(model, tm.batch("gpt2", step, r)) for r in parts) / len(parts)
         loss.backward()
         clip()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
+    return losses
+
+
+def _train_two_forwards_first(fsdp: Any, opt: Any, rank: int) -> list[float]:
+    """Each step as a pipeline runs its microbatches: both halves' forwards, then both backwards (the first
+    under no_sync)."""
+    losses = []
+    for step in range(STEPS):
+        first, second = (tm.loss64(fsdp, h) / 2 for h in _halves(step, rank))
+        with fsdp.no_sync():
+            first.backward()
+        second.backward()
+        fsdp.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float((first + second).detach()))
     return losses
 
 
@@ -113,6 +139,19 @@ def scenario(world: Any, rep: Report) -> None:
         g, _train(ddp, ddp_opt, world.rank, n, lambda: torch.nn.utils.clip_grad_norm_(ddp_trainable, 1.0))
     )
     rep.check("pp.DDP: losses = one process", bool(np.allclose(got, want, rtol=1e-9)), f"{got} vs {want}")
+
+    ref_halves = _lora()
+    trainable = [p for p in ref_halves.parameters() if p.requires_grad]
+    clip = lambda: torch.nn.utils.clip_grad_norm_(trainable, 1.0)  # noqa: E731
+    want_halves = _train(ref_halves, torch.optim.AdamW(trainable, lr=1e-2), None, n, clip, halves=True)
+    model = _lora()
+    fsdp = pp.FSDP(model, g, "full_shard", use_orig_params=True)
+    got = _mean(g, _train_two_forwards_first(fsdp, torch.optim.AdamW(fsdp.parameters(), lr=1e-2), world.rank))
+    rep.check(
+        "two forwards before their backwards (a pipeline's order): losses = one process",
+        bool(np.allclose(got, want_halves, rtol=1e-9)),
+        f"{got} vs {want_halves}",
+    )
 
     teacher = tm.build("gpt2", layers=LAYERS).requires_grad_(False)
     plain = tm.build("gpt2", layers=LAYERS)

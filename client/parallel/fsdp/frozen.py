@@ -1,13 +1,14 @@
 """Frozen parameters sharded with ``use_orig_params``: when a unit that holds some may reshard in backward.
 
 A unit whose parameters all train is resharded when the last of their gradients is accumulated: nothing reads
-the unit after that. A frozen parameter has no gradient to wait for, and its value is still read by the
-backward towards its module's inputs (a LoRA base weight: dX = dY·Wᵀ) after the trainable parameters'
+the unit after that (every node that reads a parameter on the way to a trainable one's gradient runs before
+that gradient's accumulation). A frozen parameter has no gradient to wait for, and its value is still read by
+the backward towards its module's inputs (a LoRA base weight: dX = dY·Wᵀ) after the trainable parameters'
 gradients may be done. So a unit that holds frozen parameters reshards once its trainable gradients are done
-and the gradient of its module's inputs is computed (every use of the unit's parameters on the way to the
-inputs has run): an autograd function around the module's inputs, as FSDP2's post-backward function, says
-when. A module whose inputs need no gradient (the first block over a frozen embedding) and a root unit
-reshard at the end of the backward (``Reducer.finish``).
+and the gradients of its module's inputs are computed for every forward that used it (``pending_inputs``
+counts those still to come): an autograd function around the module's inputs, as FSDP2's post-backward
+function, says when. A root unit, and any unit still gathered then, reshards at the end of the backward
+(``Reducer.finish``).
 """
 
 from __future__ import annotations
@@ -49,18 +50,18 @@ def _function() -> Any:
 
 
 def watch_inputs(module: Any, unit: FlatUnit, inputs_done: Callable[[FlatUnit], None]) -> None:
-    """Call ``inputs_done(unit)`` in each backward once the gradients of ``module``'s inputs (those of its
-    forward that require one) are computed; ``unit.extra["inputs_done"]`` says whether they were, this use."""
+    """Call ``inputs_done(unit)`` once the gradients of ``module``'s inputs (those of a forward that require
+    one) are computed, for each such forward; ``unit.extra["pending_inputs"]`` counts the forwards waiting."""
     import torch
 
     def before(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
-        unit.extra["inputs_done"] = unit.extra["grads_done"] = False
         if not torch.is_grad_enabled():
             return None
         keys = [i for i, a in enumerate(args) if torch.is_tensor(a) and a.requires_grad]
         names = [k for k, v in kwargs.items() if torch.is_tensor(v) and v.requires_grad]
         if not keys and not names:
             return None
+        unit.extra["pending_inputs"] = unit.extra.get("pending_inputs", 0) + 1
         out = _function().apply(
             lambda: inputs_done(unit), *(args[i] for i in keys), *(kwargs[k] for k in names)
         )

@@ -152,6 +152,7 @@ class Reducer:
             for unit in self.units:  # the backward is over: units holding frozen parameters reshard now too
                 if holds_frozen(unit):
                     self.gather.release(unit)
+                    unit.extra["pending_inputs"] = 0  # a forward whose backward never ran waits no more
             scale = 1.0 if self.predivide else 1.0 / self.group.size
             for unit in self.queue:
                 if unit.replicate_work is not None:

@@ -248,10 +248,13 @@ class TorchPath:
             frozen.watch_inputs(m, unit, self._inputs_done)
 
     def _inputs_done(self, unit: FlatUnit) -> None:
-        """A unit holding frozen parameters reshards once its module's input gradients and its trainable
-        parameters' gradients are done (:mod:`~paramplane.parallel.fsdp.frozen`)."""
-        unit.extra["inputs_done"] = True
-        if unit.extra.get("grads_done") or unit.extra["num_trainable"] == 0:
+        """A unit holding frozen parameters reshards once its module's input gradients, for every forward
+        waiting, and its trainable parameters' gradients are done (:mod:`~paramplane.parallel.fsdp.frozen`)."""
+        unit.extra["pending_inputs"] -= 1
+        if unit.extra["pending_inputs"] == 0 and (
+            unit.extra.get("grads_done") or unit.extra["num_trainable"] == 0
+        ):
+            unit.extra["pre_backward"] = False  # another microbatch's backward gathers it again
             with self._stream():
                 self.fsdp._gather.release(unit)
 
@@ -272,6 +275,7 @@ class TorchPath:
             return
         unit.extra["pre_backward"] = True
         unit.extra["backward_start"] = time.monotonic()
+        unit.extra["grads_done"] = False
         gather = self.fsdp._gather
         with self._stream():
             gather.ensure_gathered(unit)
@@ -302,7 +306,7 @@ class TorchPath:
             unit.extra["ready"] = 0
             unit.extra["pre_backward"] = False  # another microbatch's backward (a pipeline) gathers it again
             unit.extra["grads_done"] = True
-            release = not frozen.holds_frozen(unit) or unit.extra.get("inputs_done", False)
+            release = not frozen.holds_frozen(unit) or unit.extra.get("pending_inputs", 0) == 0
             fsdp, gather = self.fsdp, self.fsdp._gather
             if "backward_start" in unit.extra:
                 fsdp._mark(f"backward {unit.name}", unit.extra.pop("backward_start"))
