@@ -4,6 +4,7 @@ back as they happened; a rank past the deadline is killed with everything it sta
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -14,10 +15,16 @@ from _world import WORKERS, run_world
 
 from paramplane.launch import thread_env
 
-pytestmark = pytest.mark.skipif(
-    thread_env(2)["OMP_NUM_THREADS"] != "1" or os.environ.get("PARAMPLANE_TEST_ZYGOTE") == "0",
-    reason="the zygote serves ranks with one intra-op thread only (two ranks on more than two cores get more)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        any(importlib.util.find_spec(m) is None for m in ("torch", "transformers")),
+        reason="needs the test extra (torch, transformers): the zygote imports them and serves torch workers",
+    ),
+    pytest.mark.skipif(
+        thread_env(2)["OMP_NUM_THREADS"] != "1" or os.environ.get("PARAMPLANE_TEST_ZYGOTE") == "0",
+        reason="the zygote serves ranks with one intra-op thread only (two ranks on more than two cores get more)",
+    ),
+]
 
 
 def _probes(out: Path, n: int) -> list[dict[str, object]]:
