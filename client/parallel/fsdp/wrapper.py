@@ -120,9 +120,8 @@ class FSDP:
             )
         if not isinstance(group, ProcessGroup):
             raise ValueError(f"FSDP needs a ProcessGroup, got {type(group).__name__}")
-        del (
-            limit_all_gathers
-        )  # FSDP1's cap on gathers in flight: prefetching here holds one unit ahead at most
+        # FSDP1's cap on gathers in flight: prefetching here holds one unit ahead at most
+        del limit_all_gathers
         strategy, units, backward_prefetch = fsdp1_args.translate(
             module,
             strategy,
@@ -141,8 +140,6 @@ class FSDP:
         )
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
-        if backward_prefetch not in ("pre", "post", None):
-            raise ValueError(f"backward_prefetch must be 'pre', 'post' or None, got {backward_prefetch!r}")
         if comm_dtype not in COMM_DTYPES:
             raise ValueError(f"comm_dtype must be one of {COMM_DTYPES}, got {comm_dtype!r}")
         if mixed_precision is not None:
@@ -330,13 +327,19 @@ class FSDP:
         return optim_full.full_optim_state_dict(self, optim)
 
     def optim_state_dict_to_load(
-        self, optim: Any, optim_state_dict: dict[str, Any], *, load_directly: bool = False, **unsupported: Any
+        self,
+        optim: Any,
+        optim_state_dict: dict[str, Any],
+        is_named_optimizer: bool = False,
+        load_directly: bool = False,
+        group: Any = None,
     ) -> dict[str, Any]:
         """torch FSDP1's ``FSDP.optim_state_dict_to_load(model, optim, osd)``: what ``optim_state_dict`` gave
         (saved at any world size or strategy) as this rank's ``optim.load_state_dict`` argument;
-        ``load_directly=True`` loads it too. No communication."""
-        if unsupported:
-            raise ValueError(f"FSDP.optim_state_dict_to_load: {sorted(unsupported)} not supported")
+        ``load_directly=True`` loads it too. No communication. torch's ``is_named_optimizer`` and ``group``
+        must keep their defaults."""
+        if is_named_optimizer or group is not None:
+            raise ValueError("FSDP.optim_state_dict_to_load: is_named_optimizer and group= are not supported")
         result = optim_full.optim_state_dict_to_load(self, optim, optim_state_dict)
         if load_directly:
             optim.load_state_dict(result)
