@@ -89,6 +89,7 @@ from paramplane.parallel.torch_params import (
     is_torch_module,
     module_attribute,
     release_parameters,
+    wrapper_group,
 )
 
 __all__ = ["DDP", "broadcast_arrays", "shard_range"]
@@ -102,10 +103,11 @@ class DDP:
     def __init__(
         self,
         module: Module,
-        group: ProcessGroup,
+        group: ProcessGroup | None = None,
         bucket_mb: float | None = None,
         broadcast_buffers: bool = True,
         *,
+        process_group: ProcessGroup | None = None,
         reduce_op: str = "mean",
         comm_dtype: str | None = None,
         init_sync: bool = True,
@@ -132,7 +134,8 @@ class DDP:
         torch's other keywords, so its calls run unchanged: ``device_ids`` / ``output_device`` must name the
         module's own device (one device per rank, as torch requires; the module is not moved),
         ``bucket_cap_mb`` is ``bucket_mb``, ``static_graph`` is accepted and changes nothing (usage is found
-        every step)."""
+        every step), ``process_group`` is ``group`` (pass one)."""
+        group = wrapper_group("DDP", group, process_group)
         torch_module = is_torch_module(module)
         if bucket_cap_mb is not None:
             if bucket_mb is not None and bucket_mb != bucket_cap_mb:
@@ -146,8 +149,6 @@ class DDP:
             raise ValueError(
                 f"DDP wraps a paramplane.nn.Module or a torch.nn.Module, got {type(module).__name__}"
             )
-        if not isinstance(group, ProcessGroup):
-            raise ValueError(f"DDP needs a ProcessGroup, got {type(group).__name__}")
         if bucket_mb is not None and not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb!r}")
         if reduce_op not in _REDUCE_OPS:

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from paramplane.group import ProcessGroup
 from paramplane.node.arrays import DTYPES, is_moved, to_torch, torch_cpu_view
 
 __all__ = [
@@ -80,6 +81,27 @@ def module_attribute(wrapper: Any, name: str) -> Any:
     call.__name__ = name
     call.__doc__ = value.__doc__
     return call
+
+
+def wrapper_group(wrapper: str, group: Any, process_group: Any) -> ProcessGroup:
+    """The group a wrapper runs over: ``group`` or torch's keyword ``process_group`` (one of them, or both the
+    same object), a ``ProcessGroup``; else a ValueError naming the mistake."""
+    if group is not None and process_group is not None and group is not process_group:
+        raise ValueError(f"{wrapper}: group and process_group name different groups; pass one of them")
+    chosen = group if group is not None else process_group
+    if chosen is None:
+        raise ValueError(
+            f"{wrapper} needs a group: pass world.group (or a subgroup), positionally or as process_group= "
+            "(there is no default group: torch's default one is world.group here)"
+        )
+    if isinstance(chosen, tuple):
+        raise ValueError(
+            f"{wrapper}: process_group=(intra, inter) is FSDP1's HYBRID_SHARD form; pass world.group with "
+            "strategy='hybrid_shard' and intra_size= (the shard group's size) instead"
+        )
+    if not isinstance(chosen, ProcessGroup):
+        raise ValueError(f"{wrapper} needs a ProcessGroup, got {type(chosen).__name__}")
+    return chosen
 
 
 def check_device_ids(module: Any, device_ids: Any, output_device: Any) -> None:

@@ -99,6 +99,28 @@ def test_torch_ddp_keywords_are_accepted_and_checked(solo: pp.World) -> None:
             pp.DDP(_TwoInputs(), solo.group, **kwargs)
 
 
+@pytest.mark.parametrize("wrapper", ["DDP", "FSDP"])
+def test_the_group_is_positional_or_torchs_process_group_keyword(solo: pp.World, wrapper: str) -> None:
+    """torch's ``process_group=`` names the group as the positional argument does; no group, two different
+    ones, FSDP1's (intra, inter) pair or a torch process group are ValueErrors saying what to pass."""
+    wrap = getattr(pp, wrapper)
+    for args in ((), (solo.group,)):
+        wrapped = wrap(_TwoInputs(), *args, process_group=solo.group)
+        assert wrapped.group is solo.group
+        x, y = torch.ones(2, 3), torch.ones(2, 4)
+        wrapped(x, y)["out"].sum().backward()  # a step runs over it
+    other = solo.new_group([0])
+    assert other is not None and other is not solo.group
+    for kwargs, words in (
+        ({}, "needs a group: pass world.group"),
+        ({"group": solo.group, "process_group": other}, "different groups"),
+        ({"process_group": (solo.group, other)}, "intra_size"),
+        ({"process_group": object()}, "needs a ProcessGroup, got object"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            wrap(_TwoInputs(), **kwargs)
+
+
 def test_grads_are_averaged_when_backward_returns_so_clipping_holds() -> None:
     """Issue 25 item 2: with the standard loop (``clip_grad_norm_`` between backward and step), ``.grad`` was
     this rank's own when backward returned and the attached optimizer's sync overwrote the clipped values."""

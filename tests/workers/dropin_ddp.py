@@ -132,7 +132,7 @@ def _extras(world: Any, rep: Report, as_view: bool = False) -> None:
     n, rank = world.world_size, world.rank
     model, ref = _net(seed=rank), _net(seed=0)
     kw = {"find_unused_parameters": True, "gradient_as_bucket_view": as_view}
-    ddp = pp.DDP(model, world.group, bucket_mb=0.0002, **kw)
+    ddp = pp.DDP(model, process_group=world.group, bucket_mb=0.0002, **kw)  # torch's keyword for the group
     theirs = DistributedDataParallel(_net(seed=0), **kw)
     opts = [torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.9) for m in (model, ref, theirs.module)]
     for step, what in enumerate(

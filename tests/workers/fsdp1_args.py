@@ -66,7 +66,7 @@ def scenario(world: Any, rep: Report) -> None:
     model = tm.build("gpt2")
     fsdp = pp.FSDP(
         model,
-        g,
+        process_group=g,  # FSDP1's keyword for the group
         sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,
         auto_wrap_policy=policies["transformer_auto_wrap_policy"],
         backward_prefetch=BackwardPrefetch.BACKWARD_POST,
@@ -76,6 +76,7 @@ def scenario(world: Any, rep: Report) -> None:
         sync_module_states=True,
         use_orig_params=True,
     )
+    rep.check("process_group", fsdp.group is g, repr(fsdp.group))
     rep.check("sharding_strategy", fsdp.strategy == "shard_grad_op", fsdp.strategy)
     rep.check("backward_prefetch", fsdp.backward_prefetch == "post", str(fsdp.backward_prefetch))
     rep.check("CPUOffload(offload_params=False) is off", not fsdp.offload.params, str(fsdp.offload))

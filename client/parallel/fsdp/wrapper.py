@@ -66,7 +66,7 @@ from paramplane.parallel.fsdp.units import (
     units_by_class,
 )
 from paramplane.parallel.sharding import ShardedArray
-from paramplane.parallel.torch_params import is_torch_module, module_attribute
+from paramplane.parallel.torch_params import is_torch_module, module_attribute, wrapper_group
 
 __all__ = ["FSDP", "STRATEGIES", "CPUOffload", "MixedPrecision", "TorchFSDP", "units_by_class"]
 
@@ -77,7 +77,8 @@ class FSDP:
     A ``torch.nn.Module`` (CPU tensors) is wrapped by :class:`TorchFSDP`, the same algorithm driven by
     torch's module and autograd hooks (:mod:`~paramplane.parallel.fsdp.torch_adapter`).
 
-    torch FSDP1's keywords are taken too (:mod:`~paramplane.parallel.fsdp.fsdp1_args`): ``sharding_strategy``
+    torch FSDP1's keywords are taken too (:mod:`~paramplane.parallel.fsdp.fsdp1_args`): ``process_group`` for
+    ``group`` (one group: HYBRID_SHARD's (intra, inter) pair is ``intra_size`` here), ``sharding_strategy``
     (torch's ``ShardingStrategy``) for ``strategy``, ``auto_wrap_policy`` (torch's policies) for ``units``,
     ``backward_prefetch`` as torch's ``BackwardPrefetch``, ``cpu_offload`` as torch's ``CPUOffload``,
     ``device_id`` (the module moves there first) and ``limit_all_gathers``; ``ignored_modules``,
@@ -92,9 +93,10 @@ class FSDP:
     def __init__(
         self,
         module: Module,
-        group: ProcessGroup,
+        group: ProcessGroup | None = None,
         strategy: str = "full_shard",
         *,
+        process_group: ProcessGroup | None = None,
         units: Sequence[Module] | UnitsByClass | None = None,
         intra_size: int | None = None,
         cpu_offload: bool | CPUOffload = False,
@@ -118,8 +120,7 @@ class FSDP:
             raise ValueError(
                 f"FSDP wraps a paramplane.nn.Module or a torch.nn.Module, got {type(module).__name__}"
             )
-        if not isinstance(group, ProcessGroup):
-            raise ValueError(f"FSDP needs a ProcessGroup, got {type(group).__name__}")
+        group = wrapper_group("FSDP", group, process_group)
         # FSDP1's cap on gathers in flight: prefetching here holds one unit ahead at most
         del limit_all_gathers
         strategy, units, backward_prefetch = fsdp1_args.translate(
