@@ -2,7 +2,7 @@
 
 ``pp.FSDP.optim_state_dict(fsdp, opt)`` after ``STEPS`` steps equals one process's AdamW state on the whole
 batch, by parameter name (every state tensor to 1e-9, the step count and the hyperparameters), the same on every
-rank; ``torch.save`` round-trips it; ``pp.FSDP.optim_state_dict_to_load`` puts it into a fresh wrapper of
+rank, and what torch's own FSDP1 (over gloo, same ranks and batches) saves: names, tensors, param groups; ``torch.save`` round-trips it; ``pp.FSDP.optim_state_dict_to_load`` puts it into a fresh wrapper of
 another layout (flat full_shard saved, no_shard loaded; use_orig_params with param groups by name saved and
 loaded) and one more step there equals one process's ``STEPS + 1`` steps. A plain torch optimizer over the
 plain model loads it by name too (the consolidation a plain script does). Mismatches are ValueErrors.
@@ -81,6 +81,49 @@ def _check_against(rep: Report, label: str, osd: dict[str, Any], ref: Any, ref_o
     )
 
 
+def _torch_fsdp1(world: Any, orig: bool, by_name: bool) -> dict[str, Any]:
+    """torch's own FSDP1 (gloo, the same ranks and batches) trained as ours: its ``FSDP.optim_state_dict``."""
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    tm.init_gloo(world)
+    model = FullyShardedDataParallel(tm.build("gpt2"), device_id=torch.device("cpu"), use_orig_params=orig)
+    opt = torch.optim.AdamW(_groups(list(model.named_parameters()), by_name), lr=LR)
+    _train(model, opt, range(STEPS), world.rank, world.world_size)
+    osd: dict[str, Any] = FullyShardedDataParallel.optim_state_dict(model, opt)
+    return osd
+
+
+def _check_same_as_torch(rep: Report, label: str, ours: dict[str, Any], theirs: dict[str, Any]) -> None:
+    """Ours holds what torch's FSDP1 holds: the same names (tied aliases alike), state keys, values (1e-9),
+    param groups and hyperparameters (dict order aside: torch's state is not in the module's order)."""
+    rep.check(
+        f"{label}: the parameter names torch's FSDP1 saves",
+        sorted(ours["state"]) == sorted(theirs["state"]),
+        f"{sorted(set(ours['state']) ^ set(theirs['state']))[:4]}",
+    )
+    bad, aliased = [], 0
+    for name, want in theirs["state"].items():
+        if sorted(ours["state"].get(name, {})) != sorted(want):
+            bad.append(name)
+            continue
+        # torch 2.13's FSDP1 under use_orig_params (CPU, gloo) gives one storage for all of a parameter's state
+        # tensors (exp_avg reads as exp_avg_sq): values are compared where its tensors are distinct
+        storages = [v.untyped_storage().data_ptr() for v in want.values() if v.dim() > 0]
+        if len(set(storages)) < len(storages):
+            aliased += 1
+        elif not all(_close(ours["state"][name][k], want[k]) for k in want):
+            bad.append(name)
+    rep.check(f"{label}: every state tensor = torch FSDP1's", not bad, f"differ: {bad[:4]}")
+    if label == "flat":
+        rep.check(f"{label}: torch's values were all compared", aliased == 0, f"{aliased} aliased")
+    rep.check(
+        f"{label}: param groups = torch FSDP1's",
+        ours["param_groups"] == theirs["param_groups"],
+        f"{[g['params'][:3] for g in ours['param_groups']]} vs {[g['params'][:3] for g in theirs['param_groups']]}",
+    )
+
+
 def scenario(world: Any, rep: Report) -> None:
     import torch
 
@@ -98,6 +141,7 @@ def scenario(world: Any, rep: Report) -> None:
         _train(fsdp, opt, range(STEPS), world.rank, n)
         osd = pp.FSDP.optim_state_dict(fsdp, opt)
         _check_against(rep, label, osd, ref, ref_opt)
+        _check_same_as_torch(rep, label, osd, _torch_fsdp1(world, orig, by_name))
         buffer = io.BytesIO()
         torch.save(osd, buffer)
         flat = np.concatenate([v.reshape(-1).numpy() for s in osd["state"].values() for v in s.values()])
