@@ -6,7 +6,8 @@ trainable parameters. With ``use_orig_params=True`` (FSDP1's condition for mixed
 with the adapters: outside the forward the module's parameters hold placeholders only; inside a step no more
 than a few units are gathered at once (a unit holding frozen parameters reshards once its module's input
 gradients are computed, not at the end of the backward); losses, adapters and the full state equal one process
-(and pp.DDP's the same). A wholly frozen teacher is sharded too and its logits equal the plain model's.
+(and pp.DDP's the same), and torch FSDP2's (``fully_shard`` over gloo: losses, and the share of the frozen base
+each rank holds). A wholly frozen teacher is sharded too and its logits equal the plain model's.
 """
 
 from __future__ import annotations
@@ -79,6 +80,24 @@ def _train_two_forwards_first(fsdp: Any, opt: Any, rank: int) -> list[float]:
     return losses
 
 
+def _fsdp2(world: Any) -> tuple[list[float], int]:
+    """torch's FSDP2 over gloo on the same LoRA model (``fully_shard`` per block, then the root), the same loop:
+    this rank's losses and the bytes of frozen parameters it holds."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    tm.init_gloo(world)
+    model = _lora()
+    for block in [m for m in model.modules() if isinstance(m, GPT2Block)]:
+        fully_shard(block)
+    fully_shard(model)
+    frozen = sum(p.to_local().numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    clip = lambda: torch.nn.utils.clip_grad_norm_(trainable, 1.0)  # noqa: E731
+    return _train(model, torch.optim.AdamW(trainable, lr=1e-2), world.rank, world.world_size, clip), frozen
+
+
 def _mean(g: Any, values: list[float]) -> np.ndarray:
     total = np.array(values)
     g.all_reduce(total)
@@ -106,8 +125,17 @@ def scenario(world: Any, rep: Report) -> None:
     )
     opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-2)  # the frozen pieces too, as a script passes them
     fsdp.reset_peak()
-    got = _mean(g, _train(model, opt, world.rank, n, lambda: fsdp.clip_grad_norm_(1.0)))
+    local = _train(model, opt, world.rank, n, lambda: fsdp.clip_grad_norm_(1.0))
+    got = _mean(g, local)
     rep.check("losses = one process", bool(np.allclose(got, want, rtol=1e-9)), f"{got} vs {want}")
+    theirs, their_frozen = _fsdp2(world)
+    rep.check("this rank's losses = torch FSDP2's", bool(np.allclose(local, theirs, rtol=1e-9)), f"{theirs}")
+    our_frozen = sum(p.numel() * p.element_size() for p in fsdp.parameters() if not p.requires_grad)
+    rep.check(
+        "this rank holds as much of the frozen base as under torch FSDP2 (padding aside)",
+        abs(our_frozen - their_frozen) <= 0.02 * their_frozen + 8192,
+        f"{our_frozen} vs {their_frozen} bytes",
+    )
     peak = fsdp.memory_stats()["params_gathered"]["peak"]
     every_unit = sum(u.padded for u in fsdp.units) * 8
     rep.check(
