@@ -52,6 +52,7 @@ if TYPE_CHECKING:
         tp_plan_for,
         vocab_parallel_cross_entropy,
     )
+    from paramplane.torch_distributed import init_torch_distributed
     from paramplane.work import Work
     from paramplane.world import KVStore, World, init
 
@@ -92,6 +93,7 @@ _LAZY = {
     "KVStore": "paramplane.world",
     "World": "paramplane.world",
     "init": "paramplane.world",
+    "init_torch_distributed": "paramplane.torch_distributed",
 }
 
 
@@ -146,6 +148,7 @@ __all__ = [
     "checkpoint",
     "convert_sync_batchnorm",
     "init",
+    "init_torch_distributed",
     "nn",
     "optim",
     "parallelize",

@@ -1,0 +1,409 @@
+"""torch.distributed over paramplane: a c10d backend, so that a script's own ``dist.*`` calls run unchanged.
+
+A torch training script calls ``torch.distributed`` beside its model wrapper: ``dist.all_reduce(loss)`` for
+logging, ``dist.barrier()`` around rank-0 work, ``dist.broadcast_object_list`` for a config, ``dist.new_group``
+for a subgroup, and libraries it uses do the same. ``pp.init_torch_distributed(world)`` makes torch's default
+process group a paramplane one over ``world``, so those calls run on the plane (and torch's own
+``DistributedDataParallel`` too)::
+
+    world = pp.init()
+    pp.init_torch_distributed(world)     # instead of dist.init_process_group("gloo")
+    dist.all_reduce(loss_sum)             # world.group's all_reduce, in place on the torch tensor
+    sub = dist.new_group([0, 1])          # world.new_group: members create groups in one order, as torch's
+
+Every collective checks its arguments before any communication (torch's ``ValueError``s and ours); shapes that
+disagree across ranks are a ``CollectiveMismatch`` from the plane, a dead peer a ``PeerLost``, a collective that
+does not complete a ``CollectiveTimeout`` after the world's timeout, as with paramplane's own calls.
+``async_op=True`` gives a torch ``Work`` whose ``wait()`` and ``get_future()`` follow the op.
+
+Supported: all_reduce (SUM, AVG, MIN, MAX, PRODUCT), reduce (as all_reduce: every rank gets the result),
+broadcast, all_gather, all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor, gather, scatter, barrier,
+send / recv / batch_isend_irecv (tag 0: messages between two ranks match in order), and what torch builds on them
+(``*_object`` calls; not ``monitored_barrier``); ``dist.new_group`` makes groups of this backend only (another
+backend's rendezvous needs store calls a Python store cannot serve). CPU tensors
+(torch's gloo devices); for CUDA tensors use the wrappers (``pp.DDP``, ``pp.FSDP``) after ``world.use_gpu()``.
+Other ops raise a ``RuntimeError`` naming the op. The store torch sees (``dist.distributed_c10d
+._get_default_store()``, and each group's) is the coordinator's key/value store, under the prefix ``torch/``:
+``set``, ``get`` (waits for the key, as torch's), ``add`` and ``compare_set`` (torch 2.13 lets a Python store
+serve those four).
+
+The ``*_object`` calls pickle the caller's objects, as torch's do: the plane carries their bytes and never
+unpickles anything itself; only ``dist.broadcast_object_list`` and its kind in the caller's own code do.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from paramplane.group import _then
+
+if TYPE_CHECKING:
+    from paramplane.group import ProcessGroup
+    from paramplane.world import World
+
+BACKEND = "paramplane"
+"""The backend's name in ``torch.distributed`` (``dist.get_backend()``)."""
+_OPS = {"SUM": "sum", "AVG": "mean", "MIN": "min", "MAX": "max", "PRODUCT": "product"}
+
+_lock = threading.Lock()
+_worlds: dict[str, World] = {}  # the world each initialised default group runs over, by job id
+_stores: dict[str, Any] = {}  # their stores: torch's C++ side calls the Python methods of a live object only
+
+
+def init_torch_distributed(world: World, *, timeout: timedelta | None = None) -> None:
+    """Make torch's default process group a paramplane one over ``world`` (module docstring); every rank of
+    ``world`` calls it once, where a torch script calls ``dist.init_process_group``. ``timeout`` is torch's
+    (default: the world's collective timeout)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise ValueError(
+            "torch.distributed is initialised already (dist.init_process_group ran): call "
+            "pp.init_torch_distributed(world) instead of it, not after it"
+        )
+    with _lock:
+        if not hasattr(dist.Backend, BACKEND.upper()):
+            dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+        _worlds[world.job_id] = world
+    if timeout is None:
+        timeout = timedelta(seconds=world.group.timeout)
+    store = _stores[world.job_id] = _kv_store(world)
+    dist.init_process_group(
+        BACKEND,
+        rank=world.rank,
+        world_size=world.world_size,
+        store=store,
+        timeout=timeout,
+        group_name=world.job_id,
+    )
+
+
+def _kv_store(world: World) -> Any:
+    """A torch ``Store`` over the coordinator's key/value store (keys under ``torch/``)."""
+    import torch.distributed as dist
+
+    kv, limit = world.kv, world.group.timeout
+
+    store_base: Any = dist.Store  # torch's Python-subclassable store
+
+    class KVStore(store_base):
+        def __init__(self) -> None:
+            super().__init__()
+            self._timeout = limit  # a get waits as long as a collective
+
+        def set(self, key: str, value: Any) -> None:
+            kv.set("torch/" + key, _bytes(value))
+
+        def get(self, key: str) -> bytes:
+            value = kv.get("torch/" + key, wait=True, timeout=self._timeout)
+            assert value is not None  # a waiting get answers the value or raises
+            return value
+
+        def add(self, key: str, amount: int) -> int:
+            return kv.add("torch/" + key, int(amount))
+
+        def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+            want = _bytes(expected)
+            _, after = kv.compare_set("torch/" + key, want if want else None, _bytes(desired))
+            return after if after is not None else want
+
+    return KVStore()
+
+
+def _bytes(value: Any) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    return bytes(value)
+
+
+def _create(options: Any, _backend_options: Any = None) -> Any:
+    """torch's backend creator: the default group over the world, a ``dist.new_group`` over its ranks."""
+    group_name = options.group_id
+    with _lock:
+        worlds = list(_worlds.values())
+    world = next((w for w in worlds if group_name == w.job_id), None) or (worlds[-1] if worlds else None)
+    if world is None:
+        raise RuntimeError(
+            "the paramplane backend runs over a paramplane world: call pp.init_torch_distributed(world) "
+            "instead of dist.init_process_group('paramplane')"
+        )
+    ranks = list(options.global_ranks_in_group)
+    if not ranks or ranks == list(range(world.world_size)):
+        group = world.group
+    else:
+        made = world.new_group(ranks, timeout=options.timeout.total_seconds())
+        assert made is not None  # torch creates a group's backend on its members only
+        group = made
+    return plane_process_group(group)
+
+
+def _plane_work(future: concurrent.futures.Future[Any], result: Any) -> Any:
+    """A torch ``Work`` over one plane op's future; its torch future holds ``result`` (the op's tensors)."""
+    import torch
+    import torch.distributed as dist
+
+    work_base: Any = dist.Work
+
+    class PlaneWork(work_base):
+        def __init__(self) -> None:
+            super().__init__()
+            self._torch_future: torch.futures.Future[Any] = torch.futures.Future()
+
+            def done(f: concurrent.futures.Future[Any]) -> None:
+                exc = f.exception()
+                if exc is not None:
+                    self._torch_future.set_exception(exc)
+                else:
+                    self._torch_future.set_result(result)
+
+            future.add_done_callback(done)
+
+        def wait(self, timeout: timedelta | None = None) -> bool:
+            future.result(None if timeout is None or not timeout else timeout.total_seconds())
+            return True
+
+        def is_completed(self) -> bool:
+            return future.done()
+
+        def is_success(self) -> bool:
+            return future.done() and future.exception() is None
+
+        def exception(self) -> BaseException | None:
+            return future.exception() if future.done() else None
+
+        def get_future(self) -> torch.futures.Future[Any]:
+            return self._torch_future
+
+    return PlaneWork()
+
+
+def _future(work: Any) -> concurrent.futures.Future[Any]:
+    return work.future
+
+
+def _check_tag(tag: int, op: str) -> None:
+    if tag != 0:
+        raise ValueError(
+            f"{op} with tag={tag}: the paramplane backend matches messages between two ranks in order, "
+            "tags are not supported (pass tag=0)"
+        )
+
+
+def _op(reduce_op: Any, what: str) -> str:
+    name = str(getattr(reduce_op, "op", reduce_op)).rsplit(".", 1)[-1]
+    if name not in _OPS:
+        raise ValueError(f"{what}: the paramplane backend reduces with {sorted(_OPS)}, not {name}")
+    return _OPS[name]
+
+
+def _one(tensors: list[Any], what: str) -> Any:
+    if len(tensors) != 1:
+        raise ValueError(f"{what} takes one tensor per rank (one device), got {len(tensors)}")
+    return tensors[0]
+
+
+def _contiguous(t: Any, what: str) -> Any:
+    if not t.is_contiguous():
+        raise ValueError(f"{what} needs a contiguous tensor (call .contiguous() first)")
+    if t.device.type != "cpu":
+        raise ValueError(
+            f"{what}: the paramplane torch.distributed backend takes CPU tensors, got one on {t.device} "
+            "(for CUDA models use pp.DDP / pp.FSDP after world.use_gpu())"
+        )
+    return t
+
+
+_built: list[type] = []  # PlaneProcessGroup, made on first use (importing this module does not import torch)
+
+
+def plane_process_group(group: ProcessGroup) -> Any:
+    """A torch ``ProcessGroup`` over the paramplane ``group`` (module docstring); ``dist.init_process_group`` and
+    ``dist.new_group`` make them once ``init_torch_distributed`` ran."""
+    with _lock:
+        if not _built:
+            _built.append(_build())
+    return _built[0](group)
+
+
+def _build() -> type:
+    import torch
+    import torch.distributed as dist
+
+    base: Any = dist.ProcessGroup  # torch's overloads are not this class's (one tensor list per call)
+
+    class Built(base):
+        def __init__(self, group: ProcessGroup) -> None:
+            super().__init__(group.rank, group.size)
+            self.plane_group = group
+
+        def getBackendName(self) -> str:  # torch's name
+            return BACKEND
+
+        def _as_work(self, work: Any, result: Any) -> Any:
+            return _plane_work(_future(work), result)
+
+        def allreduce(self, tensors: list[Any], opts: Any) -> Any:
+            t = _contiguous(_one(tensors, "all_reduce"), "all_reduce")
+            op = _op(opts.reduceOp, "all_reduce")
+            return self._as_work(self.plane_group.all_reduce(t, op, async_op=True), tensors)
+
+        def allreduce_coalesced(self, tensors: list[Any], opts: Any) -> Any:
+            op = _op(opts.reduceOp, "all_reduce_coalesced")
+            works = [
+                self.plane_group.all_reduce(_contiguous(t, "all_reduce_coalesced"), op, async_op=True)
+                for t in tensors
+            ]
+            return _plane_work(_all(works), tensors)
+
+        def broadcast(self, tensors: list[Any], opts: Any) -> Any:
+            t = _contiguous(_one(tensors, "broadcast"), "broadcast")
+            return self._as_work(self.plane_group.broadcast(t, opts.rootRank, async_op=True), tensors)
+
+        def allgather(self, output_tensors: list[list[Any]], input_tensors: list[Any], opts: Any) -> Any:
+            t = _contiguous(_one(input_tensors, "all_gather"), "all_gather")
+            outs = _one(output_tensors, "all_gather")
+            n = self.plane_group.size
+            if len(outs) != n or any(o.shape != t.shape or o.dtype != t.dtype for o in outs):
+                raise ValueError(
+                    f"all_gather needs {n} output tensors shaped like the input {tuple(t.shape)}"
+                )
+            gathered = torch.empty((n * t.numel(),), dtype=t.dtype)
+            work = self.plane_group.all_gather(t.reshape(-1), out=gathered, async_op=True)
+
+            def split(_: Any) -> None:
+                for i, o in enumerate(outs):
+                    o.copy_(gathered[i * t.numel() : (i + 1) * t.numel()].view(t.shape))
+
+            return _plane_work(_then(_future(work), split), output_tensors)
+
+        def _allgather_base(self, output: Any, input: Any, opts: Any) -> Any:  # torch's name
+            t = _contiguous(input, "all_gather_into_tensor")
+            n = self.plane_group.size
+            if output.numel() != n * t.numel() or output.dtype != t.dtype or not output.is_contiguous():
+                raise ValueError(
+                    f"all_gather_into_tensor needs a contiguous {t.dtype} output of {n} x {t.numel()} elements"
+                )
+            work = self.plane_group.all_gather(t.reshape(-1), out=output.view(-1), async_op=True)
+            return self._as_work(work, output)
+
+        def reduce_scatter(self, output_tensors: list[Any], input_tensors: list[list[Any]], opts: Any) -> Any:
+            out = _contiguous(_one(output_tensors, "reduce_scatter"), "reduce_scatter")
+            ins = _one(input_tensors, "reduce_scatter")
+            n = self.plane_group.size
+            if len(ins) != n or any(i.shape != out.shape or i.dtype != out.dtype for i in ins):
+                raise ValueError(f"reduce_scatter needs {n} input tensors shaped like the output")
+            flat = torch.cat([i.reshape(-1) for i in ins])
+            op = _op(opts.reduceOp, "reduce_scatter")
+            work = self.plane_group.reduce_scatter(flat, op, out=out.view(-1), async_op=True)
+            return self._as_work(work, output_tensors)
+
+        def _reduce_scatter_base(self, output: Any, input: Any, opts: Any) -> Any:
+            out = _contiguous(output, "reduce_scatter_tensor")
+            t = _contiguous(input, "reduce_scatter_tensor")
+            n = self.plane_group.size
+            if t.numel() != n * out.numel() or t.dtype != out.dtype:
+                raise ValueError(
+                    f"reduce_scatter_tensor needs an input of {n} x {out.numel()} {out.dtype} elements"
+                )
+            op = _op(opts.reduceOp, "reduce_scatter_tensor")
+            work = self.plane_group.reduce_scatter(t.view(-1), op, out=out.view(-1), async_op=True)
+            return self._as_work(work, output)
+
+        def gather(self, output_tensors: list[list[Any]], input_tensors: list[Any], opts: Any) -> Any:
+            t = _contiguous(_one(input_tensors, "gather"), "gather")
+            root = opts.rootRank
+            if self.plane_group.rank == root:
+                outs = _one(output_tensors, "gather")
+                if len(outs) != self.plane_group.size or any(o.shape != t.shape for o in outs):
+                    raise ValueError(
+                        f"gather needs {self.plane_group.size} output tensors shaped like the input"
+                    )
+            work = self.plane_group.gather(t.reshape(-1), root, async_op=True)
+
+            def place(got: Any) -> None:
+                if got is not None:
+                    for i, o in enumerate(_one(output_tensors, "gather")):
+                        o.copy_(got[i * t.numel() : (i + 1) * t.numel()].view(t.shape))
+
+            return _plane_work(_then(_future(work), place), output_tensors)
+
+        def scatter(self, output_tensors: list[Any], input_tensors: list[list[Any]], opts: Any) -> Any:
+            out = _contiguous(_one(output_tensors, "scatter"), "scatter")
+            root = opts.rootRank
+            if self.plane_group.rank == root:
+                chunks = [_contiguous(c, "scatter") for c in _one(input_tensors, "scatter")]
+                if len(chunks) != self.plane_group.size or any(c.shape != out.shape for c in chunks):
+                    raise ValueError(
+                        f"scatter needs {self.plane_group.size} input tensors shaped like the output"
+                    )
+                work = self.plane_group.scatter(chunks, root, async_op=True)
+                return _plane_work(_then(_future(work), out.copy_), output_tensors)
+            return self._as_work(self.plane_group.scatter(out, root, async_op=True), output_tensors)
+
+        def barrier(self, opts: Any = None) -> Any:
+            return self._as_work(self.plane_group.barrier(async_op=True), None)
+
+        def send(self, tensors: list[Any], dst: int, tag: int) -> Any:
+            _check_tag(tag, "send")
+            t = _contiguous(_one(tensors, "send"), "send")
+            return self._as_work(self.plane_group.send(t, dst, async_op=True), tensors)
+
+        def recv(self, tensors: list[Any], src: int, tag: int) -> Any:
+            _check_tag(tag, "recv")
+            t = _contiguous(_one(tensors, "recv"), "recv")
+            return self._as_work(self.plane_group.recv(t, src, async_op=True), tensors)
+
+        all_gather_single = _allgather_base  # torch 2.13's name for all_gather_into_tensor's call
+        reduce_scatter_single = _reduce_scatter_base  # and reduce_scatter_tensor's
+
+        def reduce(self, tensors: list[Any], opts: Any) -> Any:
+            """torch's ``dist.reduce``: as all_reduce (every rank gets the result, which torch allows)."""
+            t = _contiguous(_one(tensors, "reduce"), "reduce")
+            op = _op(opts.reduceOp, "reduce")
+            return self._as_work(self.plane_group.all_reduce(t, op, async_op=True), tensors)
+
+        def alltoall_base(self, *args: Any) -> Any:
+            raise RuntimeError("torch.distributed all_to_all_single: not supported by the paramplane backend")
+
+        def alltoall(self, *args: Any) -> Any:
+            raise RuntimeError("torch.distributed all_to_all: not supported by the paramplane backend")
+
+        def recv_anysource(self, *args: Any) -> Any:
+            raise RuntimeError("torch.distributed recv without src: not supported by the paramplane backend")
+
+        def size(self) -> int:
+            return self.plane_group.size
+
+        def rank(self) -> int:
+            return self.plane_group.rank
+
+    Built.__name__ = Built.__qualname__ = "PlaneProcessGroup"
+    return Built
+
+
+def _all(works: list[Any]) -> concurrent.futures.Future[Any]:
+    """A future done when every one of ``works`` is (the first error, if any)."""
+    out: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    futures = [_future(w) for w in works]
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def done(_: concurrent.futures.Future[Any]) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        error = next((f.exception() for f in futures if f.exception() is not None), None)
+        if error is not None:
+            out.set_exception(error)
+        else:
+            out.set_result(None)
+
+    if not futures:
+        out.set_result(None)
+    for f in futures:
+        f.add_done_callback(done)
+    return out

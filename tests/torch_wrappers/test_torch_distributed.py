@@ -1,0 +1,25 @@
+"""``pp.init_torch_distributed(world)``: a script's own ``torch.distributed`` calls (and torch's own DDP) run
+over paramplane. Every rank checks in ``tests/workers/torch_dist.py``."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from _world import run_world
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="needs the test extra (torch, transformers)"
+)
+
+# world size -> every rank's env (world 2 on shared memory, world 3 over gRPC)
+WORLDS = {2: {"PARAMPLANE_TRANSPORT": "shm"}, 3: {"PARAMPLANE_TRANSPORT": "grpc"}}
+
+
+@pytest.mark.parametrize("num_ranks", sorted(WORLDS), ids=lambda n: f"world{n}")
+def test_torch_distributed_calls_and_torchs_ddp_run_over_the_plane(num_ranks: int) -> None:
+    """Every dist collective gives what all ranks' inputs make (sync and async), objects, a new_group, the
+    store across ranks; torch's DDP over the backend trains GPT-2 as one process; bad input is a clear error."""
+    env = {"PARAMPLANE_TIMEOUT": "30", **WORLDS[num_ranks]}
+    out = run_world(num_ranks, "torch_dist.py", env=env, timeout=120)
+    out.check_ok(min_checks=29)

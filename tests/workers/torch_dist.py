@@ -1,0 +1,211 @@
+"""A script's own ``torch.distributed`` calls over ``pp.init_torch_distributed(world)`` (world 2 or 3).
+
+Every collective a training script or library calls through ``dist.*`` gives, on every rank, what the ranks'
+known inputs make (computed here from all of them: a reduction over other ranks' values, not this rank's own),
+synchronously and with ``async_op``; ``*_object`` calls, ``dist.new_group`` (a non-member gets no group), the
+default store across ranks; torch's own ``DistributedDataParallel`` over the backend trains transformers'
+GPT-2 equal to one process on the whole batch (float64, 1e-9). Bad input is a clear error, before anything is
+sent: a tag, an unsupported op or reduction, shapes that disagree across ranks (CollectiveMismatch).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _torch_models as tm
+from _common import Report, run_rank
+
+import paramplane as pp
+
+STEPS = 3
+
+
+def _value(rank: int) -> Any:
+    import torch
+
+    return torch.tensor([rank + 1.0, 2.0 * rank - 1.0, 0.5 + rank], dtype=torch.float64)
+
+
+def _collectives(world: Any, rep: Report) -> None:
+    import torch
+    import torch.distributed as dist
+
+    r, n = world.rank, world.world_size
+    every = [_value(i) for i in range(n)]
+    want = {
+        "SUM": sum(every),
+        "AVG": sum(every) / n,
+        "MIN": torch.stack(every).min(0).values,
+        "MAX": torch.stack(every).max(0).values,
+        "PRODUCT": torch.stack(every).prod(0),
+    }
+    for name, expected in want.items():
+        t = _value(r)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, name))
+        rep.check(f"all_reduce {name}", torch.allclose(t, expected, rtol=1e-12), f"{t} vs {expected}")
+    t = _value(r)
+    work = dist.all_reduce(t, async_op=True)
+    got = work.get_future().wait()
+    rep.check(
+        "async all_reduce: wait() and the future's value",
+        work.wait() and torch.equal(t, want["SUM"]) and torch.equal(got[0], want["SUM"]),
+        f"{t}",
+    )
+    outs = [torch.empty(3, dtype=torch.float64) for _ in range(n)]
+    dist.all_gather(outs, _value(r))
+    rep.check("all_gather", all(torch.equal(o, e) for o, e in zip(outs, every)), f"{outs}")
+    flat = torch.empty(3 * n, dtype=torch.float64)
+    dist.all_gather_into_tensor(flat, _value(r))
+    rep.check("all_gather_into_tensor", torch.equal(flat, torch.cat(every)), f"{flat}")
+    pieces = [_value(r) * (i + 1) for i in range(n)]  # rank r sends pieces[i] to rank i
+    out = torch.empty(3, dtype=torch.float64)
+    dist.reduce_scatter(out, pieces)
+    rep.check("reduce_scatter", torch.allclose(out, want["SUM"] * (r + 1), rtol=1e-12), f"{out}")
+    out = torch.empty(3, dtype=torch.float64)
+    dist.reduce_scatter_tensor(out, torch.cat(pieces))
+    rep.check("reduce_scatter_tensor", torch.allclose(out, want["SUM"] * (r + 1), rtol=1e-12), f"{out}")
+    t = _value(r)
+    dist.broadcast(t, src=n - 1)
+    rep.check("broadcast from the last rank", torch.equal(t, every[-1]), f"{t}")
+    gathered = [torch.empty(3, dtype=torch.float64) for _ in range(n)] if r == 0 else None
+    dist.gather(_value(r), gathered, dst=0)
+    rep.check("gather to rank 0", r != 0 or all(torch.equal(g, e) for g, e in zip(gathered or [], every)))
+    out = torch.empty(3, dtype=torch.float64)
+    dist.scatter(out, [_value(i) * 10 for i in range(n)] if r == 0 else None, src=0)
+    rep.check("scatter from rank 0", torch.equal(out, every[r] * 10), f"{out}")
+    t = _value(r)
+    dist.reduce(t, dst=0)
+    rep.check("reduce to rank 0", r != 0 or torch.equal(t, want["SUM"]), f"{t}")
+    # a ring of point-to-point messages, blocking one way and async the other
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    got_p2p = torch.empty(3, dtype=torch.float64)
+    ops = [dist.P2POp(dist.isend, _value(r), nxt), dist.P2POp(dist.irecv, got_p2p, prv)]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    rep.check("batch_isend_irecv around a ring", torch.equal(got_p2p, every[prv]), f"{got_p2p}")
+    if r == 0:
+        dist.send(_value(0) * 7, dst=1)
+    elif r == 1:
+        t = torch.empty(3, dtype=torch.float64)
+        dist.recv(t, src=0)
+        rep.check("send / recv", torch.equal(t, every[0] * 7), f"{t}")
+
+    objs: list[Any] = [{"config": "from rank 0", "lr": 0.1}] if r == 0 else [None]
+    dist.broadcast_object_list(objs, src=0)
+    rep.check("broadcast_object_list", objs == [{"config": "from rank 0", "lr": 0.1}], f"{objs}")
+    everyone: list[Any] = [None] * n
+    dist.all_gather_object(everyone, {"rank": r})
+    rep.check("all_gather_object", everyone == [{"rank": i} for i in range(n)], f"{everyone}")
+
+    sub = dist.new_group([0, 1])
+    if r in (0, 1):
+        t = _value(r)
+        dist.all_reduce(t, group=sub)
+        rep.check("a new_group's all_reduce", torch.equal(t, every[0] + every[1]), f"{t}")
+        rep.check("the subgroup's size", dist.get_world_size(sub) == 2, "")
+    else:
+        rep.check("a non-member gets no group", sub == dist.GroupMember.NON_GROUP_MEMBER, f"{sub}")
+
+    store = dist.distributed_c10d._get_default_store()
+    if r == 0:
+        store.set("config", "set by rank 0")
+    rep.check("the store: a get waits for another rank's set", store.get("config") == b"set by rank 0")
+    store.add("arrived", 1)
+    dist.barrier()
+    rep.check("the store: add counts every rank", store.add("arrived", 0) == n, "")
+
+
+def _train(model: Any, opt: Any, rank: int | None, n: int) -> list[float]:
+    """``STEPS`` steps of the usual loop (rank None: one process on every rank's batch); this rank's losses."""
+    losses = []
+    for step in range(STEPS):
+        parts = [rank] if rank is not None else list(range(n))
+        loss = sum(tm.loss64(model, tm.batch("gpt2", step, p)) for p in parts) / len(parts)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _torch_ddp(world: Any, rep: Report) -> None:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    n = world.world_size
+    ref = tm.build("gpt2")
+    want = _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), None, n)
+    model = tm.build("gpt2", seed=world.rank)  # DDP's wrap broadcasts rank 0's weights
+    ddp = DistributedDataParallel(model)
+    local = np.array(_train(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-2), world.rank, n))
+    world.group.all_reduce(local)
+    got = local / n
+    rep.check("torch's DDP over the backend: losses = one process", bool(np.allclose(got, want, rtol=1e-9)))
+    state, ref_state = model.state_dict(), ref.state_dict()
+    bad = [k for k in ref_state if not torch.allclose(state[k], ref_state[k], rtol=1e-9, atol=1e-12)]
+    rep.check("torch's DDP over the backend: parameters = one process", not bad, f"{bad[:3]}")
+
+
+def _errors(world: Any, rep: Report) -> None:
+    import torch
+    import torch.distributed as dist
+
+    r = world.rank
+    rep.raises(
+        "a tag", ValueError, lambda: dist.send(torch.ones(1), dst=(r + 1) % 2, tag=3), "tag=3", "in order"
+    )
+    rep.raises(
+        "an unsupported reduction",
+        ValueError,
+        lambda: dist.all_reduce(torch.ones(1, dtype=torch.int64), op=dist.ReduceOp.BAND),
+        "BAND",
+    )
+    rep.raises(
+        "all_to_all",
+        RuntimeError,
+        lambda: dist.all_to_all_single(torch.empty(4), torch.ones(4)),
+        "all_to_all_single",
+        "not supported",
+    )
+    rep.raises(
+        "a non-contiguous tensor",
+        ValueError,
+        lambda: dist.all_reduce(torch.ones(4, 4).t()),
+        ".contiguous()",
+    )
+    rep.raises(
+        "pp.init_torch_distributed twice",
+        ValueError,
+        lambda: pp.init_torch_distributed(world),
+        "initialised already",
+    )
+    rep.raises(
+        "shapes that disagree across ranks",
+        pp.CollectiveMismatch,
+        lambda: dist.all_reduce(torch.ones(2 + r)),
+    )
+
+
+def scenario(world: Any, rep: Report) -> None:
+    import torch.distributed as dist
+
+    pp.init_torch_distributed(world)
+    rep.check(
+        "torch sees the backend, the rank and the world size",
+        (dist.get_backend(), dist.get_rank(), dist.get_world_size())
+        == ("paramplane", world.rank, world.world_size),
+        f"{dist.get_backend()} {dist.get_rank()} {dist.get_world_size()}",
+    )
+    _collectives(world, rep)
+    _torch_ddp(world, rep)
+    _errors(world, rep)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run_rank(scenario)
