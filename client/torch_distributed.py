@@ -49,8 +49,10 @@ BACKEND = "paramplane"
 _OPS = {"SUM": "sum", "AVG": "mean", "MIN": "min", "MAX": "max", "PRODUCT": "product"}
 
 _lock = threading.Lock()
-_worlds: dict[str, World] = {}  # the world each initialised default group runs over, by job id
-_stores: dict[str, Any] = {}  # their stores: torch's C++ side calls the Python methods of a live object only
+_current: dict[
+    str, Any
+] = {}  # "world": the world torch's groups run over; "store": its store (torch's C++ side
+# calls the Python methods of a live object only). Process-wide, as torch's default group is.
 
 
 def init_torch_distributed(world: World, *, timeout: timedelta | None = None) -> None:
@@ -67,17 +69,11 @@ def init_torch_distributed(world: World, *, timeout: timedelta | None = None) ->
     with _lock:
         if not hasattr(dist.Backend, BACKEND.upper()):
             dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
-        _worlds[world.job_id] = world
+        _current["world"], _current["store"] = world, _kv_store(world)
     if timeout is None:
         timeout = timedelta(seconds=world.group.timeout)
-    store = _stores[world.job_id] = _kv_store(world)
     dist.init_process_group(
-        BACKEND,
-        rank=world.rank,
-        world_size=world.world_size,
-        store=store,
-        timeout=timeout,
-        group_name=world.job_id,
+        BACKEND, rank=world.rank, world_size=world.world_size, store=_current["store"], timeout=timeout
     )
 
 
@@ -121,10 +117,8 @@ def _bytes(value: Any) -> bytes:
 
 def _create(options: Any, _backend_options: Any = None) -> Any:
     """torch's backend creator: the default group over the world, a ``dist.new_group`` over its ranks."""
-    group_name = options.group_id
     with _lock:
-        worlds = list(_worlds.values())
-    world = next((w for w in worlds if group_name == w.job_id), None) or (worlds[-1] if worlds else None)
+        world: World | None = _current.get("world")
     if world is None:
         raise RuntimeError(
             "the paramplane backend runs over a paramplane world: call pp.init_torch_distributed(world) "
@@ -137,7 +131,7 @@ def _create(options: Any, _backend_options: Any = None) -> Any:
         made = world.new_group(ranks, timeout=options.timeout.total_seconds())
         assert made is not None  # torch creates a group's backend on its members only
         group = made
-    return plane_process_group(group)
+    return plane_process_group(group, options.group_id)
 
 
 def _plane_work(future: concurrent.futures.Future[Any], result: Any) -> Any:
@@ -219,13 +213,13 @@ def _contiguous(t: Any, what: str) -> Any:
 _built: list[type] = []  # PlaneProcessGroup, made on first use (importing this module does not import torch)
 
 
-def plane_process_group(group: ProcessGroup) -> Any:
-    """A torch ``ProcessGroup`` over the paramplane ``group`` (module docstring); ``dist.init_process_group`` and
-    ``dist.new_group`` make them once ``init_torch_distributed`` ran."""
+def plane_process_group(group: ProcessGroup, name: str) -> Any:
+    """A torch ``ProcessGroup`` named ``name`` over the paramplane ``group`` (module docstring);
+    ``dist.init_process_group`` and ``dist.new_group`` make them once ``init_torch_distributed`` ran."""
     with _lock:
         if not _built:
             _built.append(_build())
-    return _built[0](group)
+    return _built[0](group, name)
 
 
 def _build() -> type:
@@ -235,9 +229,15 @@ def _build() -> type:
     base: Any = dist.ProcessGroup  # torch's overloads are not this class's (one tensor list per call)
 
     class Built(base):
-        def __init__(self, group: ProcessGroup) -> None:
+        def __init__(self, group: ProcessGroup, name: str) -> None:
             super().__init__(group.rank, group.size)
             self.plane_group = group
+            self._name = name
+
+        @property
+        def group_name(self) -> str:
+            """torch's name of the group (torch sets it on a backend it builds itself; DeviceMesh reads it)."""
+            return self._name
 
         def getBackendName(self) -> str:  # torch's name
             return BACKEND

@@ -3,8 +3,9 @@
 Every collective a training script or library calls through ``dist.*`` gives, on every rank, what the ranks'
 known inputs make (computed here from all of them: a reduction over other ranks' values, not this rank's own),
 synchronously and with ``async_op``; ``*_object`` calls, ``dist.new_group`` (a non-member gets no group), the
-default store across ranks; torch's own ``DistributedDataParallel`` over the backend trains transformers'
-GPT-2 equal to one process on the whole batch (float64, 1e-9). Bad input is a clear error, before anything is
+default store across ranks; torch's own ``DistributedDataParallel`` and FSDP2 (``fully_shard``, its DeviceMesh
+over the default group) over the backend train transformers' GPT-2 equal to one process on the whole batch
+(float64, 1e-9). Bad input is a clear error, before anything is
 sent: a tag, an unsupported op or reduction, shapes that disagree across ranks (CollectiveMismatch).
 """
 
@@ -151,6 +152,44 @@ def _torch_ddp(world: Any, rep: Report) -> None:
     rep.check("torch's DDP over the backend: parameters = one process", not bad, f"{bad[:3]}")
 
 
+def _torch_fsdp2(world: Any, rep: Report) -> None:
+    """torch's FSDP2 (``fully_shard`` per block, then the root; a DeviceMesh over the default group) over the
+    backend, with clipping: losses and gradient norms = one process."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    n = world.world_size
+    ref = tm.build("gpt2")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model = tm.build("gpt2")
+    for block in [m for m in model.modules() if isinstance(m, tm.block_class(model))]:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    got, want = [], []
+    for step in range(STEPS):
+        loss = tm.loss64(model, tm.batch("gpt2", step, world.rank))
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).full_tensor()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = sum(tm.loss64(ref, tm.batch("gpt2", step, r)) for r in range(n)) / n
+        ref_loss.backward()
+        want.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        got.append(float(norm))
+        total = np.array([float(loss.detach())])
+        world.group.all_reduce(total)
+        want.append(float(ref_loss.detach()))
+        got.append(float(total[0]) / n)
+    rep.check(
+        "torch's FSDP2 over the backend: norms and losses = one process",
+        bool(np.allclose(got, want, rtol=1e-9)),
+        f"{got} vs {want}",
+    )
+
+
 def _errors(world: Any, rep: Report) -> None:
     import torch
     import torch.distributed as dist
@@ -203,6 +242,7 @@ def scenario(world: Any, rep: Report) -> None:
     )
     _collectives(world, rep)
     _torch_ddp(world, rep)
+    _torch_fsdp2(world, rep)
     _errors(world, rep)
     dist.destroy_process_group()
 
