@@ -71,6 +71,9 @@ class BenchConfig:
     under TLS)."""
     gloo: bool = True
     """Also time torch.distributed gloo (skipped with a note when torch is not importable)."""
+    torch_backend: bool = False
+    """Also time the same ``torch.distributed`` calls as gloo's over paramplane (``pp.init_torch_distributed``;
+    rows say ``paramplane-torch``), on each of ``transports``: the backend's cost over paramplane's own calls."""
     rawtcp: bool = True
     """Also time a bare two-process socket ring all-reduce (world 2 only): the loopback-plus-add limit."""
     iters: int | None = None
@@ -258,14 +261,23 @@ def _paramplane_rank(cfg: BenchConfig, transport: str, out: Path) -> None:
     world.shutdown()
 
 
-def _gloo_rank(cfg: BenchConfig, rank: int, n: int, store: str, out: Path) -> None:
+def _gloo_rank(cfg: BenchConfig, rank: int, n: int, store: str, out: Path, impl: str = "gloo") -> None:
+    """torch.distributed's calls over gloo, or (``impl`` "paramplane-torch") over paramplane's backend."""
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
     timeout = timedelta(seconds=cfg.timeout_s)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=n, timeout=timeout)
+    world = None
+    if impl == "gloo":
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=n, timeout=timeout)
+    else:
+        import paramplane as pp
+
+        world = pp.init()
+        pp.init_torch_distributed(world, timeout=timeout)
+        rank = world.rank
 
     def make_call(op: str, count: int) -> Callable[[], object]:
         return _gloo_call(op, torch.zeros(count), torch.zeros(count // n))
@@ -275,18 +287,21 @@ def _gloo_rank(cfg: BenchConfig, rank: int, n: int, store: str, out: Path) -> No
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t.item())
 
-    rows = _rank_loop(cfg, "gloo", "gloo", n, make_call, dist.barrier, worst)
+    transport = "gloo" if world is None else os.environ["PARAMPLANE_BENCH_TRANSPORT"]
+    rows = _rank_loop(cfg, impl, transport, n, make_call, dist.barrier, worst)
     if rank == 0:
         out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     dist.destroy_process_group()
+    if world is not None:
+        world.shutdown()
 
 
 def _worker(spec: dict[str, Any]) -> None:
     fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["config"].items()}
     cfg = BenchConfig(**fields)
     out = Path(spec["out"])
-    if spec["impl"] == "gloo":
-        _gloo_rank(cfg, spec["rank"], spec["world"], spec["store"], out)
+    if spec["impl"] in ("gloo", "paramplane-torch"):
+        _gloo_rank(cfg, spec["rank"], spec["world"], spec["store"], out, spec["impl"])
     elif spec["impl"] == "rawtcp":
         _rawtcp_rank(cfg, spec["rank"], spec["store"], out)
     else:
@@ -373,13 +388,15 @@ def _run_world(cfg: BenchConfig, impl: str, transport: str, world: int) -> list[
     # Our launcher's malloc defaults for our ranks only (a MALLOC_* set here wins, as with the launcher): a peer
     # runs at its own defaults.
     env = dict(os.environ)
+    ours = impl in ("paramplane", "paramplane-torch")
     for key, value in MALLOC_ENV.items():
-        if impl == "paramplane":
+        if ours:
             env.setdefault(key, value)
         else:
             env.pop(key, None)
-    if impl == "paramplane":
+    if ours:
         env.update(
+            PARAMPLANE_BENCH_TRANSPORT=transport,
             PARAMPLANE_TRANSPORT="shm" if transport == "shm" else "grpc",
             PARAMPLANE_TCP_LANE="0" if transport == "grpc-stream" else "1",
             # lane-tcp stands for the inter-host path: loopback TCP, not a same-machine socket.
@@ -396,7 +413,7 @@ def _run_world(cfg: BenchConfig, impl: str, transport: str, world: int) -> list[
             spec.update(out=str(out), config=asdict(cfg))
             return [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
 
-        run = run_world(world, command, env=env, timeout_s=cfg.timeout_s, coordinator=impl == "paramplane")
+        run = run_world(world, command, env=env, timeout_s=cfg.timeout_s, coordinator=ours)
         failed = [r for r in run.ranks if r.returncode != 0]
         if failed or run.timed_out:
             raise RuntimeError(
@@ -437,11 +454,11 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in rows:
         at = (r["op"], r["world_size"], r["bytes"])
         ref = gloo.get(at)
-        if r["impl"] != "paramplane" or ref is None:
+        if r["impl"] not in ("paramplane", "paramplane-torch") or ref is None:
             continue
         line = {
             "bench": "collectives_summary",
-            **{k: r[k] for k in ("transport", "op", "world_size", "bytes")},
+            **{k: r[k] for k in ("impl", "transport", "op", "world_size", "bytes")},
         }
         line["busbw_vs_gloo"] = _sig(r["busbw_GBps"] / ref["busbw_GBps"], 3)
         line["p50_vs_gloo"] = _sig(r["p50_us"] / ref["p50_us"], 3)
@@ -517,6 +534,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namesp
         "--repeats", type=int, default=None, help="interleaved rounds, median kept (default 1; --latency 5)"
     )
     p.add_argument("--no-gloo", action="store_true", help="skip torch.distributed gloo")
+    p.add_argument(
+        "--torch-backend",
+        action="store_true",
+        help="also time the torch.distributed calls over paramplane (pp.init_torch_distributed)",
+    )
     p.add_argument("--no-rawtcp", action="store_true", help="skip the bare socket all_reduce (world 2)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per world (default 600)")
     p.add_argument("--out", type=Path, default=None, help="append the JSON lines to this file")
@@ -539,6 +561,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namesp
             transports=tuple(ALIASES.get(t, t) for t in args.transports),
             latency_bytes=args.latency_bytes,
             gloo=not args.no_gloo,
+            torch_backend=args.torch_backend,
             rawtcp=not args.no_rawtcp,
             iters=iters,
             timeout_s=min(args.timeout, 60.0) if quick else args.timeout,
@@ -555,6 +578,8 @@ def main(argv: list[str] | None = None) -> int:
         _worker(json.loads(args.worker))
         return 0
     impls = [("paramplane", t) for t in cfg.transports]
+    if cfg.torch_backend and torch_available():
+        impls += [("paramplane-torch", t) for t in cfg.transports]
     if cfg.rawtcp and "all_reduce" in cfg.ops and 2 in cfg.worlds:
         impls.append(("rawtcp", "rawtcp"))
     if cfg.gloo:

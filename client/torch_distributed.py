@@ -136,42 +136,59 @@ def _create(options: Any, _backend_options: Any = None) -> Any:
 
 def _plane_work(future: concurrent.futures.Future[Any], result: Any) -> Any:
     """A torch ``Work`` over one plane op's future; its torch future holds ``result`` (the op's tensors)."""
+    with _lock:
+        if not _work_class:
+            _work_class.append(_build_work())
+    return _work_class[0](future, result)
+
+
+_work_class: list[type] = []
+_DONE: concurrent.futures.Future[Any] = concurrent.futures.Future()  # the future of an op already done
+_DONE.set_result(None)
+
+
+def _build_work() -> type:
     import torch
     import torch.distributed as dist
 
     work_base: Any = dist.Work
 
     class PlaneWork(work_base):
-        def __init__(self) -> None:
+        def __init__(self, future: concurrent.futures.Future[Any], result: Any) -> None:
             super().__init__()
-            self._torch_future: torch.futures.Future[Any] = torch.futures.Future()
-
-            def done(f: concurrent.futures.Future[Any]) -> None:
-                exc = f.exception()
-                if exc is not None:
-                    self._torch_future.set_exception(exc)
-                else:
-                    self._torch_future.set_result(result)
-
-            future.add_done_callback(done)
+            self._future, self._result = future, result
+            self._torch_future: torch.futures.Future[Any] | None = None  # made on the first get_future()
 
         def wait(self, timeout: timedelta | None = None) -> bool:
-            future.result(None if timeout is None or not timeout else timeout.total_seconds())
+            self._future.result(None if not timeout else timeout.total_seconds())
             return True
 
         def is_completed(self) -> bool:
-            return future.done()
+            return self._future.done()
 
         def is_success(self) -> bool:
-            return future.done() and future.exception() is None
+            return self._future.done() and self._future.exception() is None
 
         def exception(self) -> BaseException | None:
-            return future.exception() if future.done() else None
+            return self._future.exception() if self._future.done() else None
 
         def get_future(self) -> torch.futures.Future[Any]:
+            if self._torch_future is None:
+                made: torch.futures.Future[Any] = torch.futures.Future()
+                self._torch_future = made
+                result = self._result
+
+                def done(f: concurrent.futures.Future[Any]) -> None:
+                    exc = f.exception()
+                    if exc is not None:
+                        made.set_exception(exc)
+                    else:
+                        made.set_result(result)
+
+                self._future.add_done_callback(done)
             return self._torch_future
 
-    return PlaneWork()
+    return PlaneWork
 
 
 def _future(work: Any) -> concurrent.futures.Future[Any]:
@@ -245,10 +262,22 @@ def _build() -> type:
         def _as_work(self, work: Any, result: Any) -> Any:
             return _plane_work(_future(work), result)
 
+        def _issue(self, opts: Any, call: Any, result: Any, then: Any = None) -> Any:
+            """``call(async_op)`` (a paramplane op) as a torch ``Work`` holding ``result``; ``then(value)`` after
+            it. torch says (``opts.asyncOp``) whether the caller goes on before waiting: if not, the op runs on
+            the caller's thread (paramplane's fast path, no future) and the Work is done."""
+            if getattr(opts, "asyncOp", True):
+                future = _future(call(True))
+                return _plane_work(_then(future, then) if then is not None else future, result)
+            value = call(False)
+            if then is not None:
+                then(value)
+            return _plane_work(_DONE, result)
+
         def allreduce(self, tensors: list[Any], opts: Any) -> Any:
             t = _contiguous(_one(tensors, "all_reduce"), "all_reduce")
             op = _op(opts.reduceOp, "all_reduce")
-            return self._as_work(self.plane_group.all_reduce(t, op, async_op=True), tensors)
+            return self._issue(opts, lambda a: self.plane_group.all_reduce(t, op, async_op=a), tensors)
 
         def allreduce_coalesced(self, tensors: list[Any], opts: Any) -> Any:
             op = _op(opts.reduceOp, "all_reduce_coalesced")
@@ -260,7 +289,9 @@ def _build() -> type:
 
         def broadcast(self, tensors: list[Any], opts: Any) -> Any:
             t = _contiguous(_one(tensors, "broadcast"), "broadcast")
-            return self._as_work(self.plane_group.broadcast(t, opts.rootRank, async_op=True), tensors)
+            return self._issue(
+                opts, lambda a: self.plane_group.broadcast(t, opts.rootRank, async_op=a), tensors
+            )
 
         def allgather(self, output_tensors: list[list[Any]], input_tensors: list[Any], opts: Any) -> Any:
             t = _contiguous(_one(input_tensors, "all_gather"), "all_gather")
@@ -271,13 +302,14 @@ def _build() -> type:
                     f"all_gather needs {n} output tensors shaped like the input {tuple(t.shape)}"
                 )
             gathered = torch.empty((n * t.numel(),), dtype=t.dtype)
-            work = self.plane_group.all_gather(t.reshape(-1), out=gathered, async_op=True)
 
             def split(_: Any) -> None:
                 for i, o in enumerate(outs):
                     o.copy_(gathered[i * t.numel() : (i + 1) * t.numel()].view(t.shape))
 
-            return _plane_work(_then(_future(work), split), output_tensors)
+            flat = t.reshape(-1)
+            call = lambda a: self.plane_group.all_gather(flat, out=gathered, async_op=a)  # noqa: E731
+            return self._issue(opts, call, output_tensors, split)
 
         def _allgather_base(self, output: Any, input: Any, opts: Any) -> Any:  # torch's name
             t = _contiguous(input, "all_gather_into_tensor")
@@ -286,8 +318,10 @@ def _build() -> type:
                 raise ValueError(
                     f"all_gather_into_tensor needs a contiguous {t.dtype} output of {n} x {t.numel()} elements"
                 )
-            work = self.plane_group.all_gather(t.reshape(-1), out=output.view(-1), async_op=True)
-            return self._as_work(work, output)
+            flat, into = t.reshape(-1), output.view(-1)
+            return self._issue(
+                opts, lambda a: self.plane_group.all_gather(flat, out=into, async_op=a), output
+            )
 
         def reduce_scatter(self, output_tensors: list[Any], input_tensors: list[list[Any]], opts: Any) -> Any:
             out = _contiguous(_one(output_tensors, "reduce_scatter"), "reduce_scatter")
@@ -297,8 +331,9 @@ def _build() -> type:
                 raise ValueError(f"reduce_scatter needs {n} input tensors shaped like the output")
             flat = torch.cat([i.reshape(-1) for i in ins])
             op = _op(opts.reduceOp, "reduce_scatter")
-            work = self.plane_group.reduce_scatter(flat, op, out=out.view(-1), async_op=True)
-            return self._as_work(work, output_tensors)
+            into = out.view(-1)
+            call = lambda a: self.plane_group.reduce_scatter(flat, op, out=into, async_op=a)  # noqa: E731
+            return self._issue(opts, call, output_tensors)
 
         def _reduce_scatter_base(self, output: Any, input: Any, opts: Any) -> Any:
             out = _contiguous(output, "reduce_scatter_tensor")
@@ -309,8 +344,9 @@ def _build() -> type:
                     f"reduce_scatter_tensor needs an input of {n} x {out.numel()} {out.dtype} elements"
                 )
             op = _op(opts.reduceOp, "reduce_scatter_tensor")
-            work = self.plane_group.reduce_scatter(t.view(-1), op, out=out.view(-1), async_op=True)
-            return self._as_work(work, output)
+            flat, into = t.view(-1), out.view(-1)
+            call = lambda a: self.plane_group.reduce_scatter(flat, op, out=into, async_op=a)  # noqa: E731
+            return self._issue(opts, call, output)
 
         def gather(self, output_tensors: list[list[Any]], input_tensors: list[Any], opts: Any) -> Any:
             t = _contiguous(_one(input_tensors, "gather"), "gather")
@@ -321,14 +357,16 @@ def _build() -> type:
                     raise ValueError(
                         f"gather needs {self.plane_group.size} output tensors shaped like the input"
                     )
-            work = self.plane_group.gather(t.reshape(-1), root, async_op=True)
 
             def place(got: Any) -> None:
                 if got is not None:
                     for i, o in enumerate(_one(output_tensors, "gather")):
                         o.copy_(got[i * t.numel() : (i + 1) * t.numel()].view(t.shape))
 
-            return _plane_work(_then(_future(work), place), output_tensors)
+            flat = t.reshape(-1)
+            return self._issue(
+                opts, lambda a: self.plane_group.gather(flat, root, async_op=a), output_tensors, place
+            )
 
         def scatter(self, output_tensors: list[Any], input_tensors: list[list[Any]], opts: Any) -> Any:
             out = _contiguous(_one(output_tensors, "scatter"), "scatter")
@@ -339,12 +377,14 @@ def _build() -> type:
                     raise ValueError(
                         f"scatter needs {self.plane_group.size} input tensors shaped like the output"
                     )
-                work = self.plane_group.scatter(chunks, root, async_op=True)
-                return _plane_work(_then(_future(work), out.copy_), output_tensors)
-            return self._as_work(self.plane_group.scatter(out, root, async_op=True), output_tensors)
+                call = lambda a: self.plane_group.scatter(chunks, root, async_op=a)  # noqa: E731
+                return self._issue(opts, call, output_tensors, out.copy_)
+            return self._issue(
+                opts, lambda a: self.plane_group.scatter(out, root, async_op=a), output_tensors
+            )
 
         def barrier(self, opts: Any = None) -> Any:
-            return self._as_work(self.plane_group.barrier(async_op=True), None)
+            return self._issue(opts, lambda a: self.plane_group.barrier(async_op=a), None)
 
         def send(self, tensors: list[Any], dst: int, tag: int) -> Any:
             _check_tag(tag, "send")
@@ -363,7 +403,7 @@ def _build() -> type:
             """torch's ``dist.reduce``: as all_reduce (every rank gets the result, which torch allows)."""
             t = _contiguous(_one(tensors, "reduce"), "reduce")
             op = _op(opts.reduceOp, "reduce")
-            return self._as_work(self.plane_group.all_reduce(t, op, async_op=True), tensors)
+            return self._issue(opts, lambda a: self.plane_group.all_reduce(t, op, async_op=a), tensors)
 
         def alltoall_base(self, *args: Any) -> Any:
             raise RuntimeError("torch.distributed all_to_all_single: not supported by the paramplane backend")
