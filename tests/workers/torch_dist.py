@@ -11,6 +11,7 @@ sent: a tag, an unsupported op or reduction, shapes that disagree across ranks (
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -247,5 +248,38 @@ def scenario(world: Any, rep: Report) -> None:
     dist.destroy_process_group()
 
 
+def survive_a_crash(world: Any, rep: Report) -> None:
+    """(argv ``crash``) Rank 1 dies of an exception after one all_reduce: the others' next ``dist`` call and an
+    async one fail with WorldAborted naming it, not after the group timeout."""
+    import torch
+    import torch.distributed as dist
+
+    pp.init_torch_distributed(world)
+    dist.all_reduce(torch.ones(2))
+    work = dist.all_reduce(torch.ones(2), async_op=True)
+    rep.raises("an async call's wait() names the crash", pp.WorldAborted, work.wait, "bad batch at step 3")
+    rep.raises(
+        "a call after the crash names it",
+        pp.WorldAborted,
+        lambda: dist.all_reduce(torch.ones(2)),
+        "rank 1 exited with ValueError: bad batch at step 3",
+    )
+
+
+def crash(world: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    pp.init_torch_distributed(world)
+    dist.all_reduce(torch.ones(2))
+    raise ValueError("bad batch at step 3")
+
+
 if __name__ == "__main__":
-    run_rank(scenario)
+    if sys.argv[1:] == ["crash"]:
+        if os.environ["PARAMPLANE_RANK"] == "1":
+            with pp.init() as crashing:
+                crash(crashing)
+        run_rank(survive_a_crash)
+    else:
+        run_rank(scenario)
