@@ -66,12 +66,16 @@ def test_quick_run_emits_one_valid_row_per_case(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not bench.torch_available(), reason="torch.distributed not installed")
 def test_quick_run_with_gloo_adds_peer_rows_and_ratios() -> None:
-    _, lines = _run("--quick", "--transports", "shm", "--ops", "all_reduce", "--sizes", "4K", "--torch-backend")
+    _, lines = _run(
+        "--quick", "--transports", "shm", "--ops", "all_reduce", "--sizes", "4K", "--torch-backend"
+    )
     rows = {r["impl"]: r for r in lines if r["bench"] == "collectives"}
     assert set(rows) == {"paramplane", "paramplane-torch", "gloo", "rawtcp"}
     for row in rows.values():
         _check_row(row)
-    assert rows["paramplane-torch"]["transport"] == "shm"  # gloo's calls, over the backend on paramplane's shm
+    assert (
+        rows["paramplane-torch"]["transport"] == "shm"
+    )  # gloo's calls, over the backend on paramplane's shm
     summaries = {r["impl"]: r for r in lines if r["bench"] == "collectives_summary"}
     assert set(summaries) == {"paramplane", "paramplane-torch"}
     summary = summaries["paramplane"]
