@@ -84,24 +84,44 @@ def module_attribute(wrapper: Any, name: str) -> Any:
 
 
 def wrapper_group(wrapper: str, group: Any, process_group: Any) -> ProcessGroup:
-    """The group a wrapper runs over: ``group`` or torch's keyword ``process_group`` (one of them, or both the
-    same object), a ``ProcessGroup``; else a ValueError naming the mistake."""
+    """The group a wrapper runs over: ``group`` or torch's keyword ``process_group`` (one of them, or both the same
+    object), a ``ProcessGroup`` or a torch group of paramplane's torch.distributed backend; with neither, torch's
+    default group when ``pp.init_torch_distributed`` made it. Else a ValueError naming the mistake."""
     if group is not None and process_group is not None and group is not process_group:
         raise ValueError(f"{wrapper}: group and process_group name different groups; pass one of them")
     chosen = group if group is not None else process_group
     if chosen is None:
+        chosen = _torch_default_group()
+    if chosen is None:
         raise ValueError(
             f"{wrapper} needs a group: pass world.group (or a subgroup), positionally or as process_group= "
-            "(there is no default group: torch's default one is world.group here)"
+            "(or call pp.init_torch_distributed(world) first: torch's default group is then the default)"
         )
     if isinstance(chosen, tuple):
         raise ValueError(
             f"{wrapper}: process_group=(intra, inter) is FSDP1's HYBRID_SHARD form; pass world.group with "
             "strategy='hybrid_shard' and intra_size= (the shard group's size) instead"
         )
+    plane = getattr(chosen, "plane_group", None)  # a torch group of paramplane's backend
+    if isinstance(plane, ProcessGroup):
+        return plane
     if not isinstance(chosen, ProcessGroup):
+        if type(chosen).__module__.startswith("torch"):
+            raise ValueError(
+                f"{wrapper} runs over paramplane groups, got a torch.distributed group of another backend: pass "
+                "world.group, or a group of the backend pp.init_torch_distributed(world) sets up"
+            )
         raise ValueError(f"{wrapper} needs a ProcessGroup, got {type(chosen).__name__}")
     return chosen
+
+
+def _torch_default_group() -> ProcessGroup | None:
+    """The paramplane group behind torch's default group, if ``pp.init_torch_distributed`` made it."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_initialized():
+        return None
+    plane = getattr(dist.distributed_c10d._get_default_group(), "plane_group", None)
+    return plane if isinstance(plane, ProcessGroup) else None
 
 
 def check_device_ids(module: Any, device_ids: Any, output_device: Any) -> None:

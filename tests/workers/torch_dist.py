@@ -135,6 +135,20 @@ def _train(model: Any, opt: Any, rank: int | None, n: int) -> list[float]:
     return losses
 
 
+def _pp_wrappers(world: Any, rep: Report) -> None:
+    """pp.DDP / pp.FSDP take torch's groups of the backend: none (the default group) or ``process_group=``."""
+    import torch.distributed as dist
+
+    ddp = pp.DDP(tm.build("gpt2"))
+    rep.check("pp.DDP without a group runs over torch's default group", ddp.group is world.group, f"{ddp.group}")
+    sub = dist.new_group(list(range(world.world_size)))
+    fsdp = pp.FSDP(tm.build("gpt2"), process_group=sub)
+    rep.check("pp.FSDP(process_group=a torch group of the backend)", fsdp.group is sub.plane_group, "")
+    loss = tm.loss64(fsdp, tm.batch("gpt2", 0, world.rank))
+    loss.backward()
+    rep.check("and trains a step", all(p.grad is not None for p in fsdp.parameters()), "")
+
+
 def _torch_ddp(world: Any, rep: Report) -> None:
     import torch
     from torch.nn.parallel import DistributedDataParallel
@@ -242,6 +256,7 @@ def scenario(world: Any, rep: Report) -> None:
         f"{dist.get_backend()} {dist.get_rank()} {dist.get_world_size()}",
     )
     _collectives(world, rep)
+    _pp_wrappers(world, rep)
     _torch_ddp(world, rep)
     _torch_fsdp2(world, rep)
     _errors(world, rep)
