@@ -140,7 +140,9 @@ def _pp_wrappers(world: Any, rep: Report) -> None:
     import torch.distributed as dist
 
     ddp = pp.DDP(tm.build("gpt2"))
-    rep.check("pp.DDP without a group runs over torch's default group", ddp.group is world.group, f"{ddp.group}")
+    rep.check(
+        "pp.DDP without a group runs over torch's default group", ddp.group is world.group, f"{ddp.group}"
+    )
     sub = dist.new_group(list(range(world.world_size)))
     fsdp = pp.FSDP(tm.build("gpt2"), process_group=sub)
     rep.check("pp.FSDP(process_group=a torch group of the backend)", fsdp.group is sub.plane_group, "")
