@@ -217,6 +217,8 @@ def _one(tensors: list[Any], what: str) -> Any:
 
 
 def _contiguous(t: Any, what: str) -> Any:
+    """``t`` for the plane: its storage without autograd (c10d ops write tensors that require grad in place, as
+    gloo's do: a parameter broadcast under no_grad, a loss reduced for logging); checked first."""
     if not t.is_contiguous():
         raise ValueError(f"{what} needs a contiguous tensor (call .contiguous() first)")
     if t.device.type != "cpu":
@@ -224,7 +226,7 @@ def _contiguous(t: Any, what: str) -> Any:
             f"{what}: the paramplane torch.distributed backend takes CPU tensors, got one on {t.device} "
             "(for CUDA models use pp.DDP / pp.FSDP after world.use_gpu())"
         )
-    return t
+    return t.detach()
 
 
 _built: list[type] = []  # PlaneProcessGroup, made on first use (importing this module does not import torch)

@@ -58,6 +58,14 @@ def _collectives(world: Any, rep: Report) -> None:
         work.wait() and torch.equal(t, want["SUM"]) and torch.equal(got[0], want["SUM"]),
         f"{t}",
     )
+    w = _value(r).requires_grad_()
+    loss = (w * 2).sum()  # a loss reduced for logging, as gloo allows: in place, autograd untouched
+    dist.all_reduce(loss)
+    rep.check("all_reduce of a tensor that requires grad", float(loss) == float(want["SUM"].sum() * 2), "")
+    for dtype in (torch.bfloat16, torch.int64):
+        t = torch.full((4,), r + 1, dtype=dtype)
+        dist.all_reduce(t)
+        rep.check(f"all_reduce {dtype}", bool((t == n * (n + 1) // 2).all()), f"{t}")
     outs = [torch.empty(3, dtype=torch.float64) for _ in range(n)]
     dist.all_gather(outs, _value(r))
     rep.check("all_gather", all(torch.equal(o, e) for o, e in zip(outs, every)), f"{outs}")
