@@ -43,6 +43,10 @@ even repeats), each row tagged with its ``repeat``; ratios pair the rows of one 
 configuration gives the median and the range of each ratio over the repeats: on two shared cores one pair of
 runs of four ranks each varies by several percent, more than the differences it is run to find.
 
+``--torch-backend``: a third implementation per configuration, torch's own ``DistributedDataParallel`` /
+FSDP2 over paramplane's ``torch.distributed`` backend (``pp.init_torch_distributed``; rows ``torch-paramplane``,
+ratios against torch's gloo row like ours; CPU only).
+
 ``--device cuda`` (a GPU machine): the same on CUDA, torch's peers on NCCL instead of gloo. Each rank takes
 its GPU (``world.use_gpu()``; ranks share GPU 0 where there are fewer GPUs, and torch's ranks then get the
 same ``NCCL_HOSTID`` per rank that paramplane's runtime sets, see ``_gpu.peer_rank_env``); a step ends with
@@ -76,7 +80,10 @@ WRAPPERS = {
     ("torch", "ddp"): "torch DDP (gloo)",
     ("paramplane", "fsdp"): "pp.FSDP full_shard",
     ("torch", "fsdp"): "torch FSDP2 fully_shard (gloo)",
+    ("torch-paramplane", "ddp"): "torch DDP (paramplane backend)",
+    ("torch-paramplane", "fsdp"): "torch FSDP2 fully_shard (paramplane backend)",
 }
+OURS = ("paramplane", "torch-paramplane")  # impls whose ranks run on paramplane's plane
 THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 MALLOC = MALLOC_DEFAULTS  # the launcher's, for paramplane ranks only
 SIZE_FLAGS = ("layers", "embd", "vocab", "seq", "resnet_depth", "resnet_width", "image", "local_batch")
@@ -174,10 +181,12 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     cuda = args.device == "cuda"
     world: Any = None
-    if args.impl == "paramplane":
+    if args.impl in OURS:
         world = pp.init()
         if cuda:
             torch.cuda.set_device(world.use_gpu())
+        if args.impl == "torch-paramplane":  # torch's own wrappers over the plane
+            pp.init_torch_distributed(world)
     else:
         import torch.distributed as dist
 
@@ -249,12 +258,12 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         "train_rss_start": train_rss_start,
         "gpu_peak": int(torch.cuda.max_memory_allocated()) if cuda else None,
     }
+    if args.impl != "paramplane":
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     if world is not None:
         world.group.barrier()
         world.shutdown()
-    else:
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
     return out
 
 
@@ -281,7 +290,7 @@ def _spawn(impl: str, model: str, mode: str, world: int, args: argparse.Namespac
 
         rank_env = peer_rank_env(impl, world, torch.cuda.device_count())
     env = dict(os.environ, **THREADS, PARAMPLANE_TIMEOUT="600")
-    if impl == "paramplane" and args.malloc == "launcher":  # our launcher's defaults; torch runs at its own
+    if impl in OURS and args.malloc == "launcher":  # our launcher's defaults; torch runs at its own
         for key, value in MALLOC.items():
             env.setdefault(key, value)
     else:
@@ -294,7 +303,7 @@ def _spawn(impl: str, model: str, mode: str, world: int, args: argparse.Namespac
                 lambda r: [*cmd, "--rank", str(r), "--store", os.path.join(tmp, "store")],
                 env=env,
                 rank_env=rank_env,
-                coordinator=impl == "paramplane",
+                coordinator=impl in OURS,
                 timeout_s=args.rank_timeout,
                 stderr="inherit",
             ),
@@ -345,11 +354,11 @@ def _row(
         "gpu_peak_max": max(r["gpu_peak"] or 0 for r in ranks) or None,
         **({"phase_peaks_max": _phase_max(ranks)} if args.phase_peaks else {}),
         "threads_per_rank": 1,
-        "malloc_env": impl == "paramplane" and args.malloc == "launcher",
+        "malloc_env": impl in OURS and args.malloc == "launcher",
         # the trim threshold our ranks ran with (the launcher's was 1 GiB before 2026-11-26; a user's env wins)
         "malloc_trim": (
             os.environ.get("MALLOC_TRIM_THRESHOLD_", MALLOC["MALLOC_TRIM_THRESHOLD_"])
-            if impl == "paramplane" and args.malloc == "launcher"
+            if impl in OURS and args.malloc == "launcher"
             else None
         ),
     }
@@ -372,9 +381,10 @@ RATIOS = ("step_vs_torch", "cpu_vs_torch", "train_peak_vs_torch", "rss_peak_vs_t
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Give each paramplane row its ratios against torch's row of the same model, mode, world and repeat."""
+    """Give each paramplane row (``pp.*`` or torch's wrappers over the backend) its ratios against torch's row of
+    the same model, mode, world and repeat."""
     for row in rows:
-        if row["impl"] != "paramplane":
+        if row["impl"] not in OURS:
             continue
         peer = next(
             (
@@ -403,15 +413,16 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     over the repeats."""
     configs: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for row in rows:
-        if row["impl"] == "paramplane" and "step_vs_torch" in row:
-            configs.setdefault(_config(row), []).append(row)
+        if row["impl"] in OURS and "step_vs_torch" in row:
+            configs.setdefault((row["impl"], *_config(row)), []).append(row)
     out = []
-    for (model, mode, world), runs in configs.items():
+    for (impl, model, mode, world), runs in configs.items():
         if len(runs) < 2:
             continue
         summary: dict[str, Any] = {
             "bench": "torch_models",
             "summary": True,
+            "impl": impl,
             "model": model,
             "mode": mode,
             "world_size": world,
@@ -485,7 +496,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, help="append the JSON lines here too")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--impl", choices=("paramplane", "torch"), help=argparse.SUPPRESS)
+    parser.add_argument("--impl", choices=("paramplane", "torch", "torch-paramplane"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--torch-backend",
+        action="store_true",
+        help="also run torch's own DDP / FSDP2 over paramplane's torch.distributed backend (pp.init_torch_distributed)",
+    )
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--world-size", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -498,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--bucket-mb must be at least 0 (0: each DDP's default)")
     models = _csv(args.models, MODELS, "--models", parser)
     modes = _csv(args.modes, MODES, "--modes", parser)
+    if args.torch_backend and args.device != "cpu":
+        parser.error("--torch-backend runs on CPU only (the backend takes CPU tensors)")
     try:
         worlds = [int(w) for w in args.worlds.split(",")]
     except ValueError:
@@ -523,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
             for mode in modes:
                 for repeat in range(args.repeats):
                     impls = ("paramplane", "torch") if repeat % 2 == 0 else ("torch", "paramplane")
+                    if args.torch_backend:
+                        impls = (*impls, "torch-paramplane")
                     for impl in impls:
                         row = _row(impl, model, mode, world, _spawn(impl, model, mode, world, args), args)
                         rows.append(row | ({"repeat": repeat} if args.repeats > 1 else {}))

@@ -191,6 +191,7 @@ def test_torch_models_tiny_run_sets_pp_fsdp_beside_torch_fsdp2_on_one_gpt(tmp_pa
         "--warmup",
         "1",
         *TINY_GPT,
+        "--torch-backend",
     ]
     proc = subprocess.run(
         [sys.executable, str(TORCH_MODELS), *args, "--out", str(out)],
@@ -205,9 +206,11 @@ def test_torch_models_tiny_run_sets_pp_fsdp_beside_torch_fsdp2_on_one_gpt(tmp_pa
     assert [(r["impl"], r["wrapper"]) for r in rows] == [
         ("paramplane", "pp.FSDP full_shard"),
         ("torch", "torch FSDP2 fully_shard (gloo)"),
+        ("torch-paramplane", "torch FSDP2 fully_shard (paramplane backend)"),
     ]
-    ours, theirs = rows
-    assert ours["params"] == theirs["params"] > 0  # the same model on both sides
+    ours, theirs, backend = rows
+    assert ours["params"] == theirs["params"] == backend["params"] > 0  # the same model on every side
+    assert backend["step_vs_torch"] == pytest.approx(backend["step_s_median"] / theirs["step_s_median"])
     for row in rows:
         assert row["model"] == "gpt2" and row["world_size"] == 2 and row["steps"] == 2
         assert 0 < row["step_s_min"] <= row["step_s_median"] and row["train_rss_peak_max"] > 0
