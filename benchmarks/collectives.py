@@ -271,7 +271,9 @@ def _gloo_rank(cfg: BenchConfig, rank: int, n: int, store: str, out: Path, impl:
     timeout = timedelta(seconds=cfg.timeout_s)
     world = None
     if impl == "gloo":
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=n, timeout=timeout)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store}", rank=rank, world_size=n, timeout=timeout
+        )
     else:
         import paramplane as pp
 

@@ -540,9 +540,9 @@ def main(argv: list[str] | None = None) -> int:
         for world in worlds:
             for mode in modes:
                 for repeat in range(args.repeats):
-                    impls = ("paramplane", "torch") if repeat % 2 == 0 else ("torch", "paramplane")
+                    impls = ["paramplane", "torch"] if repeat % 2 == 0 else ["torch", "paramplane"]
                     if args.torch_backend:
-                        impls = (*impls, "torch-paramplane")
+                        impls.append("torch-paramplane")
                     for impl in impls:
                         row = _row(impl, model, mode, world, _spawn(impl, model, mode, world, args), args)
                         rows.append(row | ({"repeat": repeat} if args.repeats > 1 else {}))
