@@ -14,7 +14,7 @@ process group a paramplane one over ``world``, so those calls run on the plane (
 Every collective checks its arguments before any communication (torch's ``ValueError``s and ours); shapes that
 disagree across ranks are a ``CollectiveMismatch`` from the plane, a dead peer a ``PeerLost``, a collective that
 does not complete a ``CollectiveTimeout`` after the world's timeout, as with paramplane's own calls.
-``async_op=True`` gives a torch ``Work`` whose ``wait()`` and ``get_future()`` follow the op.
+``async_op=True`` gives a torch ``Work`` whose ``wait()`` and ``getfuture_of()`` follow the op.
 
 Supported: all_reduce (SUM, AVG, MIN, MAX, PRODUCT), reduce (as all_reduce: every rank gets the result),
 broadcast, all_gather, all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor, gather, scatter, barrier,
@@ -33,12 +33,13 @@ unpickles anything itself; only ``dist.broadcast_object_list`` and its kind in t
 
 from __future__ import annotations
 
-import concurrent.futures
 import threading
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from paramplane.group import _then
+from paramplane.torch_store import kv_store
+from paramplane.torch_work import DONE, all_done, future_of, plane_work
 
 if TYPE_CHECKING:
     from paramplane.group import ProcessGroup
@@ -69,50 +70,12 @@ def init_torch_distributed(world: World, *, timeout: timedelta | None = None) ->
     with _lock:
         if not hasattr(dist.Backend, BACKEND.upper()):
             dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
-        _current["world"], _current["store"] = world, _kv_store(world)
+        _current["world"], _current["store"] = world, kv_store(world)
     if timeout is None:
         timeout = timedelta(seconds=world.group.timeout)
     dist.init_process_group(
         BACKEND, rank=world.rank, world_size=world.world_size, store=_current["store"], timeout=timeout
     )
-
-
-def _kv_store(world: World) -> Any:
-    """A torch ``Store`` over the coordinator's key/value store (keys under ``torch/``)."""
-    import torch.distributed as dist
-
-    kv, limit = world.kv, world.group.timeout
-
-    store_base: Any = dist.Store  # torch's Python-subclassable store
-
-    class KVStore(store_base):
-        def __init__(self) -> None:
-            super().__init__()
-            self._timeout = limit  # a get waits as long as a collective
-
-        def set(self, key: str, value: Any) -> None:
-            kv.set("torch/" + key, _bytes(value))
-
-        def get(self, key: str) -> bytes:
-            value = kv.get("torch/" + key, wait=True, timeout=self._timeout)
-            assert value is not None  # a waiting get answers the value or raises
-            return value
-
-        def add(self, key: str, amount: int) -> int:
-            return kv.add("torch/" + key, int(amount))
-
-        def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
-            want = _bytes(expected)
-            _, after = kv.compare_set("torch/" + key, want if want else None, _bytes(desired))
-            return after if after is not None else want
-
-    return KVStore()
-
-
-def _bytes(value: Any) -> bytes:
-    if isinstance(value, str):
-        return value.encode()
-    return bytes(value)
 
 
 def _create(options: Any, _backend_options: Any = None) -> Any:
@@ -132,67 +95,6 @@ def _create(options: Any, _backend_options: Any = None) -> Any:
         assert made is not None  # torch creates a group's backend on its members only
         group = made
     return plane_process_group(group, options.group_id)
-
-
-def _plane_work(future: concurrent.futures.Future[Any], result: Any) -> Any:
-    """A torch ``Work`` over one plane op's future; its torch future holds ``result`` (the op's tensors)."""
-    with _lock:
-        if not _work_class:
-            _work_class.append(_build_work())
-    return _work_class[0](future, result)
-
-
-_work_class: list[type] = []
-_DONE: concurrent.futures.Future[Any] = concurrent.futures.Future()  # the future of an op already done
-_DONE.set_result(None)
-
-
-def _build_work() -> type:
-    import torch
-    import torch.distributed as dist
-
-    work_base: Any = dist.Work
-
-    class PlaneWork(work_base):
-        def __init__(self, future: concurrent.futures.Future[Any], result: Any) -> None:
-            super().__init__()
-            self._future, self._result = future, result
-            self._torch_future: torch.futures.Future[Any] | None = None  # made on the first get_future()
-
-        def wait(self, timeout: timedelta | None = None) -> bool:
-            self._future.result(None if not timeout else timeout.total_seconds())
-            return True
-
-        def is_completed(self) -> bool:
-            return self._future.done()
-
-        def is_success(self) -> bool:
-            return self._future.done() and self._future.exception() is None
-
-        def exception(self) -> BaseException | None:
-            return self._future.exception() if self._future.done() else None
-
-        def get_future(self) -> torch.futures.Future[Any]:
-            if self._torch_future is None:
-                made: torch.futures.Future[Any] = torch.futures.Future()
-                self._torch_future = made
-                result = self._result
-
-                def done(f: concurrent.futures.Future[Any]) -> None:
-                    exc = f.exception()
-                    if exc is not None:
-                        made.set_exception(exc)
-                    else:
-                        made.set_result(result)
-
-                self._future.add_done_callback(done)
-            return self._torch_future
-
-    return PlaneWork
-
-
-def _future(work: Any) -> concurrent.futures.Future[Any]:
-    return work.future
 
 
 def _check_tag(tag: int, op: str) -> None:
@@ -262,19 +164,19 @@ def _build() -> type:
             return BACKEND
 
         def _as_work(self, work: Any, result: Any) -> Any:
-            return _plane_work(_future(work), result)
+            return plane_work(future_of(work), result)
 
         def _issue(self, opts: Any, call: Any, result: Any, then: Any = None) -> Any:
             """``call(async_op)`` (a paramplane op) as a torch ``Work`` holding ``result``; ``then(value)`` after
             it. torch says (``opts.asyncOp``) whether the caller goes on before waiting: if not, the op runs on
             the caller's thread (paramplane's fast path, no future) and the Work is done."""
             if getattr(opts, "asyncOp", True):
-                future = _future(call(True))
-                return _plane_work(_then(future, then) if then is not None else future, result)
+                future = future_of(call(True))
+                return plane_work(_then(future, then) if then is not None else future, result)
             value = call(False)
             if then is not None:
                 then(value)
-            return _plane_work(_DONE, result)
+            return plane_work(DONE, result)
 
         def allreduce(self, tensors: list[Any], opts: Any) -> Any:
             t = _contiguous(_one(tensors, "all_reduce"), "all_reduce")
@@ -287,7 +189,7 @@ def _build() -> type:
                 self.plane_group.all_reduce(_contiguous(t, "all_reduce_coalesced"), op, async_op=True)
                 for t in tensors
             ]
-            return _plane_work(_all(works), tensors)
+            return plane_work(all_done(works), tensors)
 
         def broadcast(self, tensors: list[Any], opts: Any) -> Any:
             t = _contiguous(_one(tensors, "broadcast"), "broadcast")
@@ -424,28 +326,3 @@ def _build() -> type:
 
     Built.__name__ = Built.__qualname__ = "PlaneProcessGroup"
     return Built
-
-
-def _all(works: list[Any]) -> concurrent.futures.Future[Any]:
-    """A future done when every one of ``works`` is (the first error, if any)."""
-    out: concurrent.futures.Future[Any] = concurrent.futures.Future()
-    futures = [_future(w) for w in works]
-    left = [len(futures)]
-    lock = threading.Lock()
-
-    def done(_: concurrent.futures.Future[Any]) -> None:
-        with lock:
-            left[0] -= 1
-            if left[0]:
-                return
-        error = next((f.exception() for f in futures if f.exception() is not None), None)
-        if error is not None:
-            out.set_exception(error)
-        else:
-            out.set_result(None)
-
-    if not futures:
-        out.set_result(None)
-    for f in futures:
-        f.add_done_callback(done)
-    return out
