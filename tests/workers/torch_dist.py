@@ -66,6 +66,13 @@ def _collectives(world: Any, rep: Report) -> None:
         t = torch.full((4,), r + 1, dtype=dtype)
         dist.all_reduce(t)
         rep.check(f"all_reduce {dtype}", bool((t == n * (n + 1) // 2).all()), f"{t}")
+    pair = [_value(r), _value(r)[:2] * 3]
+    dist.all_reduce_coalesced(pair)
+    rep.check(
+        "all_reduce_coalesced",
+        torch.equal(pair[0], want["SUM"]) and torch.equal(pair[1], want["SUM"][:2] * 3),
+        f"{pair}",
+    )
     outs = [torch.empty(3, dtype=torch.float64) for _ in range(n)]
     dist.all_gather(outs, _value(r))
     rep.check("all_gather", all(torch.equal(o, e) for o, e in zip(outs, every)), f"{outs}")
