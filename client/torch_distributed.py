@@ -14,7 +14,7 @@ process group a paramplane one over ``world``, so those calls run on the plane (
 Every collective checks its arguments before any communication (torch's ``ValueError``s and ours); shapes that
 disagree across ranks are a ``CollectiveMismatch`` from the plane, a dead peer a ``PeerLost``, a collective that
 does not complete a ``CollectiveTimeout`` after the world's timeout, as with paramplane's own calls.
-``async_op=True`` gives a torch ``Work`` whose ``wait()`` and ``getfuture_of()`` follow the op.
+``async_op=True`` gives a torch ``Work`` whose ``wait()`` and ``get_future()`` follow the op.
 
 Supported: all_reduce (SUM, AVG, MIN, MAX, PRODUCT), reduce (as all_reduce: every rank gets the result),
 broadcast, all_gather, all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor, gather, scatter, barrier,
@@ -50,10 +50,9 @@ BACKEND = "paramplane"
 _OPS = {"SUM": "sum", "AVG": "mean", "MIN": "min", "MAX": "max", "PRODUCT": "product"}
 
 _lock = threading.Lock()
-_current: dict[
-    str, Any
-] = {}  # "world": the world torch's groups run over; "store": its store (torch's C++ side
-# calls the Python methods of a live object only). Process-wide, as torch's default group is.
+# "world": the world torch's groups run over; "store": its store (torch's C++ side calls the Python methods of a
+# live object only). Process-wide, as torch's default group is.
+_current: dict[str, Any] = {}
 
 
 def init_torch_distributed(world: World, *, timeout: timedelta | None = None) -> None:

@@ -71,6 +71,7 @@ def _build_work() -> type:
 
 
 def future_of(work: Any) -> concurrent.futures.Future[Any]:
+    """The future of a paramplane ``Work`` (an op issued with ``async_op=True``)."""
     return work.future
 
 
