@@ -261,8 +261,11 @@ def _paramplane_rank(cfg: BenchConfig, transport: str, out: Path) -> None:
     world.shutdown()
 
 
-def _gloo_rank(cfg: BenchConfig, rank: int, n: int, store: str, out: Path, impl: str = "gloo") -> None:
-    """torch.distributed's calls over gloo, or (``impl`` "paramplane-torch") over paramplane's backend."""
+def _torch_dist_rank(
+    cfg: BenchConfig, rank: int, n: int, store: str, out: Path, impl: str = "gloo", transport: str = "gloo"
+) -> None:
+    """torch.distributed's calls over gloo, or (``impl`` "paramplane-torch") over paramplane's backend on
+    ``transport``."""
     from datetime import timedelta
 
     import torch
@@ -289,7 +292,6 @@ def _gloo_rank(cfg: BenchConfig, rank: int, n: int, store: str, out: Path, impl:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t.item())
 
-    transport = "gloo" if world is None else os.environ["PARAMPLANE_BENCH_TRANSPORT"]
     rows = _rank_loop(cfg, impl, transport, n, make_call, dist.barrier, worst)
     if rank == 0:
         out.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -303,7 +305,9 @@ def _worker(spec: dict[str, Any]) -> None:
     cfg = BenchConfig(**fields)
     out = Path(spec["out"])
     if spec["impl"] in ("gloo", "paramplane-torch"):
-        _gloo_rank(cfg, spec["rank"], spec["world"], spec["store"], out, spec["impl"])
+        _torch_dist_rank(
+            cfg, spec["rank"], spec["world"], spec["store"], out, spec["impl"], spec["transport"]
+        )
     elif spec["impl"] == "rawtcp":
         _rawtcp_rank(cfg, spec["rank"], spec["store"], out)
     else:
@@ -398,7 +402,6 @@ def _run_world(cfg: BenchConfig, impl: str, transport: str, world: int) -> list[
             env.pop(key, None)
     if ours:
         env.update(
-            PARAMPLANE_BENCH_TRANSPORT=transport,
             PARAMPLANE_TRANSPORT="shm" if transport == "shm" else "grpc",
             PARAMPLANE_TCP_LANE="0" if transport == "grpc-stream" else "1",
             # lane-tcp stands for the inter-host path: loopback TCP, not a same-machine socket.
