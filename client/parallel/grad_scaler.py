@@ -8,7 +8,7 @@ halves its scale while the others step, and the ranks' parameters part silently.
 ``ShardedGradScaler`` (FSDP1) does over a torch process group, this one all-reduces (max) the inf/NaN flag
 over ``process_group`` as it unscales, so every rank skips the same steps and keeps the same scale::
 
-    scaler = pp.ShardedGradScaler("cpu", process_group=world.group)
+    scaler = pp.ShardedGradScaler("cpu", process_group=world.group)  # or fsdp.group, a subgroup
     with torch.autocast("cpu", dtype=torch.float16):
         loss = fsdp(**batch).loss
     scaler.scale(loss).backward()
@@ -16,6 +16,10 @@ over ``process_group`` as it unscales, so every rank skips the same steps and ke
     fsdp.clip_grad_norm_(1.0)
     scaler.step(opt)
     scaler.update()
+
+``process_group`` is taken as by ``pp.FSDP``: a ``ProcessGroup`` or a torch group of paramplane's
+torch.distributed backend; left out, torch's default group once ``pp.init_torch_distributed(world)`` made it (as
+torch's ``ShardedGradScaler`` defaults to ``dist.group.WORLD``), else a ValueError.
 
 Every rank of the group must unscale each optimizer (``unscale_`` or ``step``) the same number of times in
 the same order (a collective each). torch is imported when the class is first used.
@@ -27,7 +31,7 @@ import functools
 from typing import Any
 
 from paramplane.group import ProcessGroup
-from paramplane.parallel.torch_params import torch_stream
+from paramplane.parallel.torch_params import torch_stream, wrapper_group
 
 __all__ = ["ShardedGradScaler"]  # noqa: F822 (the module __getattr__)
 
@@ -49,15 +53,11 @@ def _scaler_class() -> type:
             growth_interval: int = 2000,
             enabled: bool = True,
             *,
-            process_group: ProcessGroup,
+            process_group: Any = None,
         ) -> None:
-            if not isinstance(process_group, ProcessGroup):
-                raise ValueError(
-                    f"ShardedGradScaler needs process_group=, a paramplane ProcessGroup, got "
-                    f"{type(process_group).__name__}"
-                )
+            group = wrapper_group("ShardedGradScaler", None, process_group)
             super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
-            self.process_group = process_group
+            self.process_group: ProcessGroup = group
 
         def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
             super().unscale_(optimizer)

@@ -164,6 +164,16 @@ def _pp_wrappers(world: Any, rep: Report) -> None:
     loss = tm.loss64(fsdp, tm.batch("gpt2", 0, world.rank))
     loss.backward()
     rep.check("and trains a step", all(p.grad is not None for p in fsdp.parameters()), "")
+    scaler = pp.ShardedGradScaler("cpu")
+    rep.check(
+        "pp.ShardedGradScaler without a group: torch's default group", scaler.process_group is world.group, ""
+    )
+    scaler = pp.ShardedGradScaler("cpu", process_group=sub)
+    rep.check(
+        "pp.ShardedGradScaler(process_group=a torch group of the backend)",
+        scaler.process_group is sub.plane_group,
+        "",
+    )
 
 
 def _torch_ddp(world: Any, rep: Report) -> None:
