@@ -13,8 +13,8 @@ For every (impl, transport, world size) a fresh world of rank processes is start
 rank times every call of every (op, size) and takes the median of its per-iteration times; rank 0
 gathers the ranks' medians through the group and reports the largest. ``bytes`` is the whole buffer
 as nccl-tests counts it: the all-reduce / broadcast array, the all-gather output, the reduce-scatter
-input (float32). algbw = bytes / p50, busbw = algbw * (all_reduce 2(n-1)/n, all_gather and
-reduce_scatter (n-1)/n, broadcast 1).
+input, the all-to-all input (float32). algbw = bytes / p50, busbw = algbw * (all_reduce 2(n-1)/n, all_gather,
+reduce_scatter and all_to_all (n-1)/n, broadcast 1).
 
 Small messages are timed two ways (sizes up to ``latency_bytes``): ``hot_p50_us`` back to back (the
 calls of ``p50_us``) and ``cold_p50_us`` each call issued right after a barrier, as after a compute
@@ -45,7 +45,7 @@ from typing import Any
 from paramplane.launch import MALLOC_DEFAULTS
 from paramplane.local_world import run_world
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 TRANSPORTS = ("lane-unix", "lane-tcp", "shm", "grpc-stream")
 DEFAULT_TRANSPORTS = TRANSPORTS
 ALIASES = {"grpc": "lane-tcp", "grpc-streams": "grpc-stream"}  # the names of earlier runs
@@ -122,7 +122,7 @@ def bus_factor(op: str, n: int) -> float:
     """busbw / algbw for ``op`` over ``n`` ranks (nccl-tests PERFORMANCE.md)."""
     if op == "all_reduce":
         return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n
     if op == "broadcast":
         return 1.0
@@ -200,6 +200,9 @@ def _paramplane_call(g: Any, op: str, x: Any) -> Callable[[], object]:
         base, extra = divmod(x.size, g.size)
         piece = np.empty(base + (1 if g.rank < extra else 0), x.dtype)
         return lambda: g.reduce_scatter(x, out=piece)
+    if op == "all_to_all":
+        exchanged = np.empty_like(x)
+        return lambda: g.all_to_all(x, out=exchanged)
     return lambda: g.all_reduce(x)
 
 
@@ -215,6 +218,9 @@ def _gloo_call(op: str, big: Any, small: Any) -> Callable[[], object]:
     if op == "reduce_scatter":
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return lambda: scatter(small, big)
+    if op == "all_to_all":
+        exchanged = big.clone()
+        return lambda: dist.all_to_all_single(exchanged, big)
     return lambda: dist.broadcast(big, src=0)
 
 
@@ -519,7 +525,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namesp
     p = argparse.ArgumentParser(
         prog="paramplane bench collectives", description=(__doc__ or "").split("\n")[0]
     )
-    p.add_argument("--ops", type=_csv(str), default=OPS, help="comma list (default: all four)")
+    p.add_argument("--ops", type=_csv(str), default=OPS, help="comma list (default: all five)")
     p.add_argument("--sizes", type=_csv(_size), default=None, help="e.g. 4K,1M,64M (default 4K..64M)")
     p.add_argument("--worlds", type=_csv(int), default=(2, 4), help="comma list of world sizes (default 2,4)")
     p.add_argument(

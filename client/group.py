@@ -163,6 +163,15 @@ class ProcessGroup:
         fut = self._e.reduce_scatter(arr, op, into, async_op=async_op)
         return self._as("reduce_scatter", fut, async_op, wrap if out is None else lambda _: out)
 
+    def all_to_all(self, x: Any, *, out: Any = None, async_op: bool = False) -> Any:
+        """Exchange blocks: axis 0 of ``x`` is split into ``size`` equal blocks, block ``j`` going to group rank
+        ``j``; the result's block ``j`` is what rank ``j`` sent this rank (``torch.distributed.all_to_all_single``
+        without split sizes). ``out`` (optional, not overlapping ``x``) receives the result."""
+        arr, wrap = from_foreign(x)
+        into, _ = from_foreign(out)
+        fut = self._e.all_to_all(arr, into, async_op=async_op)
+        return self._as("all_to_all", fut, async_op, wrap if out is None else lambda _: out)
+
     def gather(self, x: Any, dst: int = 0, *, async_op: bool = False) -> Any:
         """On ``dst``: every rank's ``x`` concatenated along axis 0 in group order; elsewhere None."""
         arr, wrap = from_foreign(x)
@@ -244,6 +253,9 @@ class ProcessGroup:
 
     async def all_gather_async(self, x: Any, *, out: Any = None) -> Any:
         return await self._await(self.all_gather(x, out=out, async_op=True))
+
+    async def all_to_all_async(self, x: Any, *, out: Any = None) -> Any:
+        return await self._await(self.all_to_all(x, out=out, async_op=True))
 
     async def reduce_scatter_async(self, x: Any, op: str = "sum", *, out: Any = None) -> Any:
         return await self._await(self.reduce_scatter(x, op, out=out, async_op=True))

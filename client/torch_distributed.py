@@ -17,7 +17,8 @@ does not complete a ``CollectiveTimeout`` after the world's timeout, as with par
 ``async_op=True`` gives a torch ``Work`` whose ``wait()`` and ``get_future()`` follow the op.
 
 Supported: all_reduce (SUM, AVG, MIN, MAX, PRODUCT), reduce (as all_reduce: every rank gets the result),
-broadcast, all_gather, all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor, gather, scatter, barrier,
+broadcast, all_gather, all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor, gather, scatter,
+all_to_all_single and all_to_all (equal blocks: every split the same size; uneven splits are a ValueError), barrier,
 send / recv / batch_isend_irecv (tag 0: messages between two ranks match in order), and what torch builds on them
 (``*_object`` calls; not ``monitored_barrier``); ``dist.new_group`` makes groups of this backend only (another
 backend's rendezvous needs store calls a Python store cannot serve). CPU tensors
@@ -308,11 +309,62 @@ def _build() -> type:
             op = _op(opts.reduceOp, "reduce")
             return self._issue(opts, lambda a: self.plane_group.all_reduce(t, op, async_op=a), tensors)
 
-        def alltoall_base(self, *args: Any) -> Any:
-            raise RuntimeError("torch.distributed all_to_all_single: not supported by the paramplane backend")
+        def alltoall_base(
+            self,
+            output: Any,
+            input: Any,
+            output_split_sizes: list[int],
+            input_split_sizes: list[int],
+            opts: Any,
+        ) -> Any:
+            """``dist.all_to_all_single``: equal blocks of axis 0 (split sizes, when given, must be equal)."""
+            out = _contiguous(output, "all_to_all_single")
+            t = _contiguous(input, "all_to_all_single")
+            n = self.plane_group.size
+            rows = t.shape[0] if t.dim() else 0
+            for name, splits in (
+                ("output_split_sizes", output_split_sizes),
+                ("input_split_sizes", input_split_sizes),
+            ):
+                if splits and (len(splits) != n or any(s * n != rows for s in splits)):
+                    raise ValueError(
+                        f"all_to_all_single: the paramplane backend exchanges equal blocks; {name}={list(splits)} "
+                        f"is not {n} x {rows // n}"
+                    )
+            if out.shape != t.shape or out.dtype != t.dtype:
+                raise ValueError(
+                    f"all_to_all_single needs an output shaped like the input, {tuple(t.shape)} {t.dtype}, got "
+                    f"{tuple(out.shape)} {out.dtype}"
+                )
+            return self._issue(opts, lambda a: self.plane_group.all_to_all(t, out=out, async_op=a), output)
 
-        def alltoall(self, *args: Any) -> Any:
-            raise RuntimeError("torch.distributed all_to_all: not supported by the paramplane backend")
+        def all_to_all_single(self, *args: Any) -> Any:  # torch 2.13's name for all_to_all_single's call
+            return self.alltoall_base(*args)
+
+        def alltoall(self, output_tensors: list[Any], input_tensors: list[Any], opts: Any) -> Any:
+            """``dist.all_to_all``: one tensor per rank each way, all of one shape and dtype."""
+            n = self.plane_group.size
+            ins = [_contiguous(t, "all_to_all") for t in input_tensors]
+            outs = [_contiguous(t, "all_to_all") for t in output_tensors]
+            if len(ins) != n or len(outs) != n:
+                raise ValueError(
+                    f"all_to_all takes {n} input and {n} output tensors, got {len(ins)} and {len(outs)}"
+                )
+            first = ins[0]
+            if any(t.shape != first.shape or t.dtype != first.dtype for t in ins + outs):
+                raise ValueError(
+                    "all_to_all: the paramplane backend exchanges tensors of one shape and dtype (every input and "
+                    "output alike)"
+                )
+            flat = torch.cat([t.reshape(-1) for t in ins])
+            got = torch.empty_like(flat)
+
+            def split(_: Any) -> None:
+                for i, o in enumerate(outs):
+                    o.copy_(got[i * first.numel() : (i + 1) * first.numel()].view(first.shape))
+
+            call = lambda a: self.plane_group.all_to_all(flat, out=got, async_op=a)  # noqa: E731
+            return self._issue(opts, call, output_tensors, split)
 
         def recv_anysource(self, *args: Any) -> Any:
             raise RuntimeError("torch.distributed recv without src: not supported by the paramplane backend")

@@ -126,5 +126,15 @@ def scatter(
     return out
 
 
+def all_to_all(comm: Comm, spec: OpSpec, deadline: float, x: Any, out: Any) -> Any:
+    """Into ``out``, or (None) a new array like ``x``, which is returned."""
+    if out is None:
+        out = array_module(x).empty_like(x)
+    flat, result = _Staged(x, comm), _Staged(out, comm, copy_in=False)
+    comm.all_to_all(spec, flat.flat, result.flat, deadline)
+    result.write_back()
+    return out
+
+
 def barrier(comm: Comm, spec: OpSpec, deadline: float) -> None:
     comm.barrier(spec, deadline)

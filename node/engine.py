@@ -262,6 +262,22 @@ class GroupEngine(PointToPointOps):
         run = collective_ops.scatter
         return self._issue("scatter", out, f"src={src}", async_op, run, chunks, src, out)
 
+    def all_to_all(
+        self, x: Any, out: Any = None, *, async_op: bool = False
+    ) -> concurrent.futures.Future[Any]:
+        """Split axis 0 of ``x`` into ``size`` equal blocks, block ``j`` to group rank ``j``; the result (``out``
+        or a new array, the future's value) holds rank ``j``'s block for this rank at block ``j``."""
+        check_array(x, writable=False)
+        if x.ndim == 0 or x.shape[0] % self.size:
+            raise ValueError(
+                f"all_to_all splits axis 0 into {self.size} equal blocks (one per rank of group '{self.name}'): "
+                f"got shape {tuple(x.shape)}"
+            )
+        check_out(out, tuple(x.shape), x)
+        if out is not None and (out is x or array_module(x).may_share_memory(out, x)):
+            raise ValueError("all_to_all: out must not overlap the input")
+        return self._issue("all_to_all", x, "", async_op, collective_ops.all_to_all, x, out)
+
     def barrier(self, *, async_op: bool = False) -> concurrent.futures.Future[None]:
         """Done once every rank of the group has entered."""
         return self._issue("barrier", _BARRIER_TOKEN, "", async_op, collective_ops.barrier)

@@ -66,6 +66,9 @@ class HierarchicalComm:
     ) -> None:
         self.flat.scatter(spec, pieces, root, out, deadline)
 
+    def all_to_all(self, spec: OpSpec, flat: np.ndarray, out: np.ndarray, deadline: float) -> None:
+        self.flat.all_to_all(spec, flat, out, deadline)
+
     def barrier(self, spec: OpSpec, deadline: float) -> None:
         self.flat.barrier(spec, deadline)
 

@@ -215,6 +215,18 @@ def scatter(
         ch.recv(root, spec, 0, out.nbytes, copy_into(out, 0))
 
 
+def all_to_all(ch: FrameChannel, spec: OpSpec, flat: np.ndarray, out: np.ndarray) -> None:
+    """``flat``'s piece ``j`` goes to index ``j``; ``out``'s piece ``j`` comes from index ``j``."""
+    size, me = flat.size // ch.n, ch.index
+    out[me * size : (me + 1) * size] = flat[me * size : (me + 1) * size]
+    others = [(me + k) % ch.n for k in range(1, ch.n)]  # each rank starts with its next neighbour
+    for j in others:
+        ch.send(j, spec, 0, flat[j * size : (j + 1) * size])
+    for j in others:
+        ch.recv(j, spec, 0, size * flat.itemsize, copy_into(out, j * size))
+    ch.flush()
+
+
 def barrier(ch: FrameChannel, spec: OpSpec) -> None:
     others = [j for j in range(ch.n) if j != ch.index]
     for j in others:

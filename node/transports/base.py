@@ -56,6 +56,10 @@ class Comm(Protocol):
     ) -> None:
         """``out`` receives ``pieces[rank]`` of ``root``."""
 
+    def all_to_all(self, spec: OpSpec, flat: Array, out: Array, deadline: float) -> None:
+        """``flat`` holds ``n`` equal pieces, piece ``j`` for group index ``j``; ``out`` (the same size) receives
+        rank ``j``'s piece for this rank at piece ``j``."""
+
     def barrier(self, spec: OpSpec, deadline: float) -> None:
         """Return once every rank of the group has entered."""
 
@@ -110,6 +114,9 @@ class LocalComm:
     ) -> None:
         assert pieces is not None
         out[...] = pieces[0]
+
+    def all_to_all(self, spec: OpSpec, flat: Array, out: Array, deadline: float) -> None:
+        out[...] = flat
 
     def barrier(self, spec: OpSpec, deadline: float) -> None:
         return None

@@ -357,6 +357,9 @@ class GrpcTransport:
     ) -> None:
         ring.scatter(self._on_thread(deadline), spec, pieces, root, out)
 
+    def all_to_all(self, spec: OpSpec, flat: np.ndarray, out: np.ndarray, deadline: float) -> None:
+        ring.all_to_all(self._on_thread(deadline), spec, flat, out)
+
     def barrier(self, spec: OpSpec, deadline: float) -> None:
         ring.barrier(self._on_thread(deadline), spec)
 

@@ -251,6 +251,9 @@ class NcclComm:
     ) -> None:
         self._unsupported("scatter")
 
+    def all_to_all(self, spec: OpSpec, flat: Any, out: Any, deadline: float) -> None:
+        self._unsupported("all_to_all")
+
     def barrier(self, spec: OpSpec, deadline: float) -> None:
         self._unsupported("barrier")
 

@@ -400,6 +400,24 @@ class ShmComm:
             self._first_sync(spec, deadline, r == 0)
             out[s:e] = slots[self.index, : e - s]
 
+    def all_to_all(self, spec: OpSpec, flat: np.ndarray, out: np.ndarray, deadline: float) -> None:
+        """Each round, a rank's slot holds ``n`` sub-slots, one per destination; one sync per round (the two
+        banks alternate, as in ``_exchange``)."""
+        self._begin(spec)
+        n, me = self.n, self.index
+        size = flat.size // n
+        sub = self.slot_bytes // flat.itemsize // n
+        assert sub > 0, "a shm slot holds at least one element per rank"
+        for r, (s, e) in enumerate(self._rounds(size, sub)):
+            m = e - s
+            slots = self._slots(flat.dtype)
+            mine = slots[me]
+            for j in range(n):
+                mine[j * sub : j * sub + m] = flat[j * size + s : j * size + e]
+            self._first_sync(spec, deadline, r == 0)
+            for j in range(n):
+                out[j * size + s : j * size + e] = slots[j, me * sub : me * sub + m]
+
     def barrier(self, spec: OpSpec, deadline: float) -> None:
         self._begin(spec)
         self._first_sync(spec, deadline, True)

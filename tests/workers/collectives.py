@@ -113,6 +113,20 @@ def movement(world: pp.World, rep: Report, full_big: bool) -> None:
             else:
                 rep.check(f"gather {tag} non-root gets None", got is None, repr(type(got)))
 
+            blocks = [data(r, f"{tag}/a2a", dtype, (n * shape[0], *shape[1:])) for r in range(n)]
+            rows = shape[0]
+            want = np.concatenate([b[me * rows : (me + 1) * rows] for b in blocks])
+            rep.equal(f"all_to_all {tag}", g.all_to_all(blocks[me]), want)
+            buf = np.empty_like(blocks[me])
+            rep.check(f"all_to_all {tag} out= is filled", g.all_to_all(blocks[me], out=buf) is buf)
+            rep.equal(f"all_to_all {tag} out=", buf, want)
+            rep.raises(
+                f"all_to_all {tag} out= the input",
+                ValueError,
+                lambda x=blocks[me]: g.all_to_all(x, out=x),
+                "must not overlap",
+            )
+
             chunks = [data(root, f"{tag}/chunk{i}", dtype, shape) for i in range(n)]
             if me == root:
                 got = g.scatter(chunks, src=root)

@@ -30,8 +30,10 @@ def errors(world: pp.World, rep: Report) -> None:
     g = world.group
     stuck_group = world.new_group([0, 1], timeout=30)
     mismatch_group = world.new_group([0, 1])
+    a2a_group = world.new_group([0, 1])
     fresh_group = world.new_group([0, 1])
     assert stuck_group is not None and mismatch_group is not None and fresh_group is not None
+    assert a2a_group is not None
 
     # Bad input on rank 0 alone: ValueError before any communication, so the group stays in step.
     if me == 0:
@@ -47,6 +49,9 @@ def errors(world: pp.World, rep: Report) -> None:
         )
         rep.raises("input: bad src", ValueError, lambda: g.broadcast(np.ones(3), src=5))
         rep.raises("input: non-array", ValueError, lambda: g.all_reduce([1.0, 2.0]))
+        rep.raises(
+            "input: all_to_all of 3 rows over 2 ranks", ValueError, lambda: g.all_to_all(np.ones(3)), "equal"
+        )
     x = np.full(3, me + 1.0)
     g.all_reduce(x)
     rep.equal("input: group still in step after bad input", x, np.full(3, 3.0))
@@ -76,6 +81,10 @@ def errors(world: pp.World, rep: Report) -> None:
     exc = rep.raises("mismatch: both ranks", pp.CollectiveMismatch, lambda: wz.wait(30), "(3,)", "(4,)")
     rep.raises("mismatch: sticky", pp.CollectiveMismatch, lambda: mismatch_group.barrier())
     rep.values["mismatch_text"] = str(exc)
+    a = np.ones((4, 2) if me == 0 else (4, 3), np.float32)  # blocks of 2 against 3 elements
+    rep.raises(
+        "mismatch: all_to_all", pp.CollectiveMismatch, lambda: a2a_group.all_to_all(a), "(4, 2)", "(4, 3)"
+    )
     world.barrier("after-mismatch", timeout=KV_TIMEOUT)
 
     # Group timeout (PARAMPLANE_TIMEOUT) with rank 1 never calling: CollectiveTimeout on rank 0.

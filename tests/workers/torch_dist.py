@@ -6,7 +6,7 @@ synchronously and with ``async_op``; ``*_object`` calls, ``dist.new_group`` (a n
 default store across ranks; torch's own ``DistributedDataParallel`` and FSDP2 (``fully_shard``, its DeviceMesh
 over the default group) over the backend train transformers' GPT-2 equal to one process on the whole batch
 (float64, 1e-9). Bad input is a clear error, before anything is
-sent: a tag, an unsupported op or reduction, shapes that disagree across ranks (CollectiveMismatch).
+sent: a tag, uneven all_to_all splits, an unsupported reduction, shapes that disagree across ranks (CollectiveMismatch).
 """
 
 from __future__ import annotations
@@ -95,6 +95,20 @@ def _collectives(world: Any, rep: Report) -> None:
     out = torch.empty(3, dtype=torch.float64)
     dist.scatter(out, [_value(i) * 10 for i in range(n)] if r == 0 else None, src=0)
     rep.check("scatter from rank 0", torch.equal(out, every[r] * 10), f"{out}")
+    # all_to_all: rank r sends block i (its value times i + 1) to rank i, so rank r receives every rank's r + 1 block
+    blocks = torch.cat([_value(r) * (i + 1) for i in range(n)])
+    out = torch.empty_like(blocks)
+    dist.all_to_all_single(out, blocks)
+    rep.check("all_to_all_single", torch.equal(out, torch.cat([e * (r + 1) for e in every])), f"{out}")
+    out = torch.empty_like(blocks)
+    dist.all_to_all_single(out, blocks, [3] * n, [3] * n, async_op=True).wait()
+    rep.check(
+        "async all_to_all_single with equal split sizes",
+        torch.equal(out, torch.cat([e * (r + 1) for e in every])),
+    )
+    outs = [torch.empty(3, dtype=torch.float64) for _ in range(n)]
+    dist.all_to_all(outs, [_value(r) - i for i in range(n)])
+    rep.check("all_to_all", all(torch.equal(o, e - r) for o, e in zip(outs, every)), f"{outs}")
     t = _value(r)
     dist.reduce(t, dst=0)
     rep.check("reduce to rank 0", r != 0 or torch.equal(t, want["SUM"]), f"{t}")
@@ -246,12 +260,20 @@ def _errors(world: Any, rep: Report) -> None:
         lambda: dist.all_reduce(torch.ones(1, dtype=torch.int64), op=dist.ReduceOp.BAND),
         "BAND",
     )
+    n = world.world_size
     rep.raises(
-        "all_to_all",
-        RuntimeError,
-        lambda: dist.all_to_all_single(torch.empty(4), torch.ones(4)),
-        "all_to_all_single",
-        "not supported",
+        "all_to_all_single with uneven splits",
+        ValueError,
+        lambda: dist.all_to_all_single(
+            torch.empty(n + 1), torch.ones(n + 1), [2] + [1] * (n - 1), [2] + [1] * (n - 1)
+        ),
+        "equal blocks",
+    )
+    rep.raises(
+        "all_to_all_single of a length the ranks do not divide",
+        ValueError,
+        lambda: dist.all_to_all_single(torch.empty(n + 1), torch.ones(n + 1)),
+        "equal blocks",
     )
     rep.raises(
         "a non-contiguous tensor",
