@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from paramplane.all_to_all import uneven_all_to_all
 from paramplane.node.arrays import from_foreign, is_cupy
 from paramplane.node.counters import RankCounters
 from paramplane.node.engine import SENT, GroupEngine
@@ -163,13 +164,28 @@ class ProcessGroup:
         fut = self._e.reduce_scatter(arr, op, into, async_op=async_op)
         return self._as("reduce_scatter", fut, async_op, wrap if out is None else lambda _: out)
 
-    def all_to_all(self, x: Any, *, out: Any = None, async_op: bool = False) -> Any:
-        """Exchange blocks: axis 0 of ``x`` is split into ``size`` equal blocks, block ``j`` going to group rank
-        ``j``; the result's block ``j`` is what rank ``j`` sent this rank (``torch.distributed.all_to_all_single``
-        without split sizes). ``out`` (optional, not overlapping ``x``) receives the result."""
+    def all_to_all(
+        self,
+        x: Any,
+        *,
+        out: Any = None,
+        in_splits: Sequence[int] | None = None,
+        out_splits: Sequence[int] | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        """Exchange blocks of axis 0: block ``j`` of ``x`` goes to group rank ``j``, and the result's block ``j``
+        is what rank ``j`` sent this rank (``torch.distributed.all_to_all_single``). Without split sizes the
+        blocks are equal (axis 0 divides by the group's size). ``in_splits`` (rows to each rank) and
+        ``out_splits`` (rows from each; left out: as many as each sends) make them uneven, as a mixture of
+        experts routes tokens (``paramplane.all_to_all``); split sizes that disagree across ranks are a
+        ``CollectiveMismatch`` on every rank. ``out`` (optional, not overlapping ``x``) receives the result."""
         arr, wrap = from_foreign(x)
         into, _ = from_foreign(out)
-        fut = self._e.all_to_all(arr, into, async_op=async_op)
+        if in_splits is None and out_splits is None:
+            fut = self._e.all_to_all(arr, into, async_op=async_op)
+        else:  # several collectives, run here: an async_op Work is done when returned
+            fut = concurrent.futures.Future()
+            fut.set_result(uneven_all_to_all(self, arr, in_splits, out_splits, into))
         return self._as("all_to_all", fut, async_op, wrap if out is None else lambda _: out)
 
     def gather(self, x: Any, dst: int = 0, *, async_op: bool = False) -> Any:
@@ -254,8 +270,17 @@ class ProcessGroup:
     async def all_gather_async(self, x: Any, *, out: Any = None) -> Any:
         return await self._await(self.all_gather(x, out=out, async_op=True))
 
-    async def all_to_all_async(self, x: Any, *, out: Any = None) -> Any:
-        return await self._await(self.all_to_all(x, out=out, async_op=True))
+    async def all_to_all_async(
+        self,
+        x: Any,
+        *,
+        out: Any = None,
+        in_splits: Sequence[int] | None = None,
+        out_splits: Sequence[int] | None = None,
+    ) -> Any:
+        return await self._await(
+            self.all_to_all(x, out=out, in_splits=in_splits, out_splits=out_splits, async_op=True)
+        )
 
     async def reduce_scatter_async(self, x: Any, op: str = "sum", *, out: Any = None) -> Any:
         return await self._await(self.reduce_scatter(x, op, out=out, async_op=True))

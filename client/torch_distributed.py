@@ -18,7 +18,7 @@ does not complete a ``CollectiveTimeout`` after the world's timeout, as with par
 
 Supported: all_reduce (SUM, AVG, MIN, MAX, PRODUCT), reduce (as all_reduce: every rank gets the result),
 broadcast, all_gather, all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor, gather, scatter,
-all_to_all_single and all_to_all (equal blocks: every split the same size; uneven splits are a ValueError), barrier,
+all_to_all_single and all_to_all (split sizes included: ``paramplane.all_to_all``), barrier,
 send / recv / batch_isend_irecv (tag 0: messages between two ranks match in order), and what torch builds on them
 (``*_object`` calls; not ``monitored_barrier``); ``dist.new_group`` makes groups of this backend only (another
 backend's rendezvous needs store calls a Python store cannot serve). CPU tensors
@@ -317,32 +317,42 @@ def _build() -> type:
             input_split_sizes: list[int],
             opts: Any,
         ) -> Any:
-            """``dist.all_to_all_single``: equal blocks of axis 0 (split sizes, when given, must be equal)."""
+            """``dist.all_to_all_single``: equal blocks of axis 0, or the split sizes given (an empty list:
+            equal blocks on that side)."""
             out = _contiguous(output, "all_to_all_single")
             t = _contiguous(input, "all_to_all_single")
-            n = self.plane_group.size
-            rows = t.shape[0] if t.dim() else 0
-            for name, splits in (
-                ("output_split_sizes", output_split_sizes),
-                ("input_split_sizes", input_split_sizes),
-            ):
-                if splits and (len(splits) != n or any(s * n != rows for s in splits)):
-                    raise ValueError(
-                        f"all_to_all_single: the paramplane backend exchanges equal blocks; {name}={list(splits)} "
-                        f"is not {n} x {rows // n}"
-                    )
-            if out.shape != t.shape or out.dtype != t.dtype:
+            if out.dtype != t.dtype or out.shape[1:] != t.shape[1:]:
                 raise ValueError(
-                    f"all_to_all_single needs an output shaped like the input, {tuple(t.shape)} {t.dtype}, got "
-                    f"{tuple(out.shape)} {out.dtype}"
+                    f"all_to_all_single needs an output of rows like the input's, {tuple(t.shape[1:])} {t.dtype}, "
+                    f"got {tuple(out.shape)} {out.dtype}"
                 )
-            return self._issue(opts, lambda a: self.plane_group.all_to_all(t, out=out, async_op=a), output)
+            n = self.plane_group.size
+            if not input_split_sizes and not output_split_sizes:
+                if out.shape != t.shape:
+                    raise ValueError(
+                        f"all_to_all_single without split sizes needs an output shaped like the input, "
+                        f"{tuple(t.shape)}, got {tuple(out.shape)}"
+                    )
+                return self._issue(
+                    opts, lambda a: self.plane_group.all_to_all(t, out=out, async_op=a), output
+                )
+            if not output_split_sizes:
+                rows = out.shape[0] if out.dim() else 0
+                if rows % n:
+                    raise ValueError(
+                        f"all_to_all_single: without output_split_sizes the output's {rows} rows must divide by {n}"
+                    )
+                output_split_sizes = [rows // n] * n
+            splits = {"in_splits": list(input_split_sizes) or None, "out_splits": list(output_split_sizes)}
+            return self._issue(
+                opts, lambda a: self.plane_group.all_to_all(t, out=out, async_op=a, **splits), output
+            )
 
         def all_to_all_single(self, *args: Any) -> Any:  # torch 2.13's name for all_to_all_single's call
             return self.alltoall_base(*args)
 
         def alltoall(self, output_tensors: list[Any], input_tensors: list[Any], opts: Any) -> Any:
-            """``dist.all_to_all``: one tensor per rank each way, all of one shape and dtype."""
+            """``dist.all_to_all``: input ``i`` to rank ``i``, output ``j`` from rank ``j``, any shapes of one dtype."""
             n = self.plane_group.size
             ins = [_contiguous(t, "all_to_all") for t in input_tensors]
             outs = [_contiguous(t, "all_to_all") for t in output_tensors]
@@ -350,20 +360,25 @@ def _build() -> type:
                 raise ValueError(
                     f"all_to_all takes {n} input and {n} output tensors, got {len(ins)} and {len(outs)}"
                 )
-            first = ins[0]
-            if any(t.shape != first.shape or t.dtype != first.dtype for t in ins + outs):
-                raise ValueError(
-                    "all_to_all: the paramplane backend exchanges tensors of one shape and dtype (every input and "
-                    "output alike)"
-                )
+            if any(t.dtype != ins[0].dtype for t in ins + outs):
+                raise ValueError("all_to_all: every input and output tensor must have one dtype")
             flat = torch.cat([t.reshape(-1) for t in ins])
-            got = torch.empty_like(flat)
+            got = torch.empty(sum(o.numel() for o in outs), dtype=flat.dtype)
+            shapes = [i.shape for i in ins]
+            same = all(s == shapes[0] for s in shapes) and all(o.shape == shapes[0] for o in outs)
+            splits = (
+                {}
+                if same
+                else {"in_splits": [i.numel() for i in ins], "out_splits": [o.numel() for o in outs]}
+            )
 
             def split(_: Any) -> None:
-                for i, o in enumerate(outs):
-                    o.copy_(got[i * first.numel() : (i + 1) * first.numel()].view(first.shape))
+                start = 0
+                for o in outs:
+                    o.copy_(got[start : start + o.numel()].view(o.shape))
+                    start += o.numel()
 
-            call = lambda a: self.plane_group.all_to_all(flat, out=got, async_op=a)  # noqa: E731
+            call = lambda a: self.plane_group.all_to_all(flat, out=got, async_op=a, **splits)  # noqa: E731
             return self._issue(opts, call, output_tensors, split)
 
         def recv_anysource(self, *args: Any) -> Any:

@@ -168,6 +168,31 @@ def extras(world: pp.World, rep: Report) -> None:
         w.wait(30)
         rep.equal(f"send/recv {tag}", buf, data((me - 1) % n, tag, DTYPES["float32"], shape))
 
+    # all_to_all with split sizes: rank r sends (r + j) % 3 rows to rank j (some none), rows of 5 float32
+    def rows_to(src: int, dst: int) -> np.ndarray:
+        count = (src + dst) % 3
+        return (np.arange(count * 5, dtype=np.float32).reshape(count, 5) + 1000 * src + 100 * dst).astype(
+            np.float32
+        )
+
+    x = np.concatenate([rows_to(me, j) for j in range(n)])
+    want = np.concatenate([rows_to(j, me) for j in range(n)])
+    sends = [(me + j) % 3 for j in range(n)]
+    rep.equal("all_to_all with in_splits", g.all_to_all(x, in_splits=sends), want)
+    buf = np.empty_like(want)
+    w = g.all_to_all(x, out=buf, in_splits=sends, out_splits=[(j + me) % 3 for j in range(n)], async_op=True)
+    rep.check(
+        "all_to_all with in_splits and out_splits into out=", w.wait(30) is buf and np.array_equal(buf, want)
+    )
+    empty = g.all_to_all(np.zeros((0, 5), np.float32), in_splits=[0] * n)
+    rep.check("all_to_all of no rows", empty.shape == (0, 5), str(empty.shape))
+    rep.raises(
+        "all_to_all in_splits that do not sum to the rows",
+        ValueError,
+        lambda: g.all_to_all(x, in_splits=[s + 1 for s in sends]),
+        "sum to",
+    )
+
     if n < 4:
         return
     # Subgroup of 2 inside the world; non-members get None.

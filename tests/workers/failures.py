@@ -81,6 +81,20 @@ def errors(world: pp.World, rep: Report) -> None:
     exc = rep.raises("mismatch: both ranks", pp.CollectiveMismatch, lambda: wz.wait(30), "(3,)", "(4,)")
     rep.raises("mismatch: sticky", pp.CollectiveMismatch, lambda: mismatch_group.barrier())
     rep.values["mismatch_text"] = str(exc)
+    # Split sizes that disagree (rank 0 sends rank 1 two rows, rank 1 expects one): every rank raises before
+    # any data moves, and the group stays usable.
+    b = np.ones((3, 2), np.float32)
+    rep.raises(
+        "mismatch: all_to_all split sizes",
+        pp.CollectiveMismatch,
+        lambda: a2a_group.all_to_all(
+            b, in_splits=[1, 2] if me == 0 else [2, 1], out_splits=[1, 1] if me == 1 else None
+        ),
+        "split sizes disagree",
+    )
+    s = np.full(2, me + 1.0)
+    a2a_group.all_reduce(s)
+    rep.equal("mismatch: the group still works after split sizes that disagree", s, np.full(2, 3.0))
     a = np.ones((4, 2) if me == 0 else (4, 3), np.float32)  # blocks of 2 against 3 elements
     rep.raises(
         "mismatch: all_to_all", pp.CollectiveMismatch, lambda: a2a_group.all_to_all(a), "(4, 2)", "(4, 3)"

@@ -6,7 +6,7 @@ synchronously and with ``async_op``; ``*_object`` calls, ``dist.new_group`` (a n
 default store across ranks; torch's own ``DistributedDataParallel`` and FSDP2 (``fully_shard``, its DeviceMesh
 over the default group) over the backend train transformers' GPT-2 equal to one process on the whole batch
 (float64, 1e-9). Bad input is a clear error, before anything is
-sent: a tag, uneven all_to_all splits, an unsupported reduction, shapes that disagree across ranks (CollectiveMismatch).
+sent: a tag, all_to_all split sizes that do not add up, an unsupported reduction, shapes that disagree across ranks (CollectiveMismatch).
 """
 
 from __future__ import annotations
@@ -109,6 +109,19 @@ def _collectives(world: Any, rep: Report) -> None:
     outs = [torch.empty(3, dtype=torch.float64) for _ in range(n)]
     dist.all_to_all(outs, [_value(r) - i for i in range(n)])
     rep.check("all_to_all", all(torch.equal(o, e - r) for o, e in zip(outs, every)), f"{outs}")
+    # uneven, as a mixture of experts routes tokens: rank r sends i + 1 rows of [r, i] to rank i
+    ins = torch.cat([torch.tensor([[float(r), float(i)]] * (i + 1)) for i in range(n)])
+    out = torch.empty(n * (r + 1), 2)
+    dist.all_to_all_single(out, ins, [r + 1] * n, [i + 1 for i in range(n)])
+    want_rows = torch.cat([torch.tensor([[float(j), float(r)]] * (r + 1)) for j in range(n)])
+    rep.check("all_to_all_single with split sizes", torch.equal(out, want_rows), f"{out}")
+    outs = [torch.empty(j + 1, 2) for j in range(n)]  # from rank j: j + 1 rows
+    dist.all_to_all(outs, [torch.full((r + 1, 2), 10.0 * r + i) for i in range(n)])
+    rep.check(
+        "all_to_all of tensors of different shapes",
+        all(torch.equal(o, torch.full((j + 1, 2), 10.0 * j + r)) for j, o in enumerate(outs)),
+        f"{outs}",
+    )
     t = _value(r)
     dist.reduce(t, dst=0)
     rep.check("reduce to rank 0", r != 0 or torch.equal(t, want["SUM"]), f"{t}")
@@ -262,12 +275,10 @@ def _errors(world: Any, rep: Report) -> None:
     )
     n = world.world_size
     rep.raises(
-        "all_to_all_single with uneven splits",
+        "all_to_all_single with split sizes that do not sum to the input",
         ValueError,
-        lambda: dist.all_to_all_single(
-            torch.empty(n + 1), torch.ones(n + 1), [2] + [1] * (n - 1), [2] + [1] * (n - 1)
-        ),
-        "equal blocks",
+        lambda: dist.all_to_all_single(torch.empty(n + 1), torch.ones(n + 1), [1] * n, [1] * n),
+        "sum to",
     )
     rep.raises(
         "all_to_all_single of a length the ranks do not divide",
