@@ -20,7 +20,8 @@ Supported: all_reduce (SUM, AVG, MIN, MAX, PRODUCT), reduce (as all_reduce: ever
 broadcast, all_gather, all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor, gather, scatter,
 all_to_all_single and all_to_all (split sizes included: ``paramplane.all_to_all``), barrier,
 send / recv / batch_isend_irecv (tag 0: messages between two ranks match in order), and what torch builds on them
-(``*_object`` calls; not ``monitored_barrier``); ``dist.new_group`` makes groups of this backend only (another
+(``*_object`` calls, torch's functional collectives that DTensor and tensor parallel issue from C++: the
+``*_coalesced`` calls; not ``monitored_barrier``); ``dist.new_group`` makes groups of this backend only (another
 backend's rendezvous needs store calls a Python store cannot serve). CPU tensors
 (torch's gloo devices); for CUDA tensors use the wrappers (``pp.DDP``, ``pp.FSDP``) after ``world.use_gpu()``.
 Other ops raise a ``RuntimeError`` naming the op. The store torch sees (``dist.distributed_c10d
@@ -215,14 +216,18 @@ def _build() -> type:
             call = lambda a: self.plane_group.all_gather(flat, out=gathered, async_op=a)  # noqa: E731
             return self._issue(opts, call, output_tensors, split)
 
-        def _allgather_base(self, output: Any, input: Any, opts: Any) -> Any:  # torch's name
+        def _gather_pair(self, output: Any, input: Any) -> tuple[Any, Any]:
+            """``all_gather_into_tensor``'s tensors, checked, as the plane's (input, out)."""
             t = _contiguous(input, "all_gather_into_tensor")
             n = self.plane_group.size
             if output.numel() != n * t.numel() or output.dtype != t.dtype or not output.is_contiguous():
                 raise ValueError(
                     f"all_gather_into_tensor needs a contiguous {t.dtype} output of {n} x {t.numel()} elements"
                 )
-            flat, into = t.reshape(-1), output.view(-1)
+            return t.reshape(-1), output.detach().view(-1)
+
+        def _allgather_base(self, output: Any, input: Any, opts: Any) -> Any:  # torch's name
+            flat, into = self._gather_pair(output, input)
             return self._issue(
                 opts, lambda a: self.plane_group.all_gather(flat, out=into, async_op=a), output
             )
@@ -239,7 +244,8 @@ def _build() -> type:
             call = lambda a: self.plane_group.reduce_scatter(flat, op, out=into, async_op=a)  # noqa: E731
             return self._issue(opts, call, output_tensors)
 
-        def _reduce_scatter_base(self, output: Any, input: Any, opts: Any) -> Any:
+        def _scatter_pair(self, output: Any, input: Any) -> tuple[Any, Any]:
+            """``reduce_scatter_tensor``'s tensors, checked, as the plane's (input, out)."""
             out = _contiguous(output, "reduce_scatter_tensor")
             t = _contiguous(input, "reduce_scatter_tensor")
             n = self.plane_group.size
@@ -247,8 +253,11 @@ def _build() -> type:
                 raise ValueError(
                     f"reduce_scatter_tensor needs an input of {n} x {out.numel()} {out.dtype} elements"
                 )
+            return t.view(-1), out.view(-1)
+
+        def _reduce_scatter_base(self, output: Any, input: Any, opts: Any) -> Any:
             op = _op(opts.reduceOp, "reduce_scatter_tensor")
-            flat, into = t.view(-1), out.view(-1)
+            flat, into = self._scatter_pair(output, input)
             call = lambda a: self.plane_group.reduce_scatter(flat, op, out=into, async_op=a)  # noqa: E731
             return self._issue(opts, call, output)
 
@@ -299,6 +308,22 @@ def _build() -> type:
             _check_tag(tag, "recv")
             t = _contiguous(_one(tensors, "recv"), "recv")
             return self._as_work(self.plane_group.recv(t, src, async_op=True), tensors)
+
+        def allgather_into_tensor_coalesced(self, outputs: list[Any], inputs: list[Any], opts: Any) -> Any:
+            """Several ``all_gather_into_tensor`` at once: torch's functional collectives (DTensor's
+            redistribute, tensor parallel) call this one from C++."""
+            pairs = [self._gather_pair(o, i) for o, i in zip(outputs, inputs, strict=True)]
+            works = [self.plane_group.all_gather(flat, out=into, async_op=True) for flat, into in pairs]
+            return plane_work(all_done(works), outputs)
+
+        def reduce_scatter_tensor_coalesced(self, outputs: list[Any], inputs: list[Any], opts: Any) -> Any:
+            """Several ``reduce_scatter_tensor`` at once (torch's functional collectives, from C++)."""
+            op = _op(opts.reduceOp, "reduce_scatter_tensor")
+            pairs = [self._scatter_pair(o, i) for o, i in zip(outputs, inputs, strict=True)]
+            works = [
+                self.plane_group.reduce_scatter(flat, op, out=into, async_op=True) for flat, into in pairs
+            ]
+            return plane_work(all_done(works), outputs)
 
         all_gather_single = _allgather_base  # torch 2.13's name for all_gather_into_tensor's call
         reduce_scatter_single = _reduce_scatter_base  # and reduce_scatter_tensor's

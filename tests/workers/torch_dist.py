@@ -5,7 +5,8 @@ known inputs make (computed here from all of them: a reduction over other ranks'
 synchronously and with ``async_op``; ``*_object`` calls, ``dist.new_group`` (a non-member gets no group), the
 default store across ranks; torch's own ``DistributedDataParallel`` and FSDP2 (``fully_shard``, its DeviceMesh
 over the default group) over the backend train transformers' GPT-2 equal to one process on the whole batch
-(float64, 1e-9). Bad input is a clear error, before anything is
+(float64, 1e-9); torch's tensor parallel (``parallelize_module``) and DTensor redistributions (functional
+collectives, issued from C++) give the plain module's values. Bad input is a clear error, before anything is
 sent: a tag, all_to_all split sizes that do not add up, an unsupported reduction, shapes that disagree across ranks (CollectiveMismatch).
 """
 
@@ -259,6 +260,59 @@ def _torch_fsdp2(world: Any, rep: Report) -> None:
     )
 
 
+def _torch_tensor_parallel(world: Any, rep: Report) -> None:
+    """torch's own tensor parallel (``parallelize_module``) and DTensor redistributions, whose functional
+    collectives torch issues from C++, over the backend."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    r, n = world.rank, world.world_size
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 6 * n), torch.nn.ReLU(), torch.nn.Linear(6 * n, 8)).double()
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 6 * n), torch.nn.ReLU(), torch.nn.Linear(6 * n, 8)
+    ).double()
+    model.load_state_dict(ref.state_dict())
+    mesh = init_device_mesh("cpu", (n,))
+    tp = parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    y, want = tp(x), ref(x)
+    y.square().sum().backward()
+    want.square().sum().backward()
+    rep.check(
+        "torch's parallelize_module over the backend: the output = the plain module's",
+        torch.allclose(y, want, rtol=1e-12),
+    )
+    full = [p.grad.full_tensor() for p in tp.parameters()]  # all-gathers through the functional collectives
+    rep.check(
+        "and every gradient (full_tensor) = the plain module's",
+        all(torch.allclose(g, p.grad, rtol=1e-12) for g, p in zip(full, ref.parameters())),
+    )
+    local = torch.arange(2.0 * n, dtype=torch.float64) * (r + 1)
+    shard = DTensor.from_local(local, mesh, [Partial()]).redistribute(mesh, [Shard(0)]).to_local()
+    total = torch.arange(2.0 * n, dtype=torch.float64) * (n * (n + 1) // 2)
+    rep.check(
+        "DTensor Partial -> Shard (a reduce-scatter)",
+        torch.equal(shard, total[2 * r : 2 * r + 2]),
+        f"{shard}",
+    )
+    whole = DTensor.from_local(local[:2], mesh, [Shard(0)]).redistribute(mesh, [Replicate()]).to_local()
+    rep.check(
+        "DTensor Shard -> Replicate (an all-gather)",
+        torch.equal(whole, torch.cat([torch.arange(2.0, dtype=torch.float64) * (i + 1) for i in range(n)])),
+        f"{whole}",
+    )
+    matrix = torch.arange(4.0 * n * n, dtype=torch.float64).view(2 * n, 2 * n)
+    columns = DTensor.from_local(matrix[2 * r : 2 * r + 2], mesh, [Shard(0)]).redistribute(mesh, [Shard(1)])
+    rep.check(
+        "DTensor Shard(0) -> Shard(1) (an all-to-all)",
+        torch.equal(columns.to_local(), matrix[:, 2 * r : 2 * r + 2]),
+        f"{columns.to_local()}",
+    )
+
+
 def _errors(world: Any, rep: Report) -> None:
     import torch
     import torch.distributed as dist
@@ -319,6 +373,7 @@ def scenario(world: Any, rep: Report) -> None:
     _pp_wrappers(world, rep)
     _torch_ddp(world, rep)
     _torch_fsdp2(world, rep)
+    _torch_tensor_parallel(world, rep)
     _errors(world, rep)
     dist.destroy_process_group()
 
