@@ -6,7 +6,7 @@ synchronously and with ``async_op``; ``*_object`` calls, ``dist.new_group`` (a n
 default store across ranks; torch's own ``DistributedDataParallel`` and FSDP2 (``fully_shard``, its DeviceMesh
 over the default group) over the backend train transformers' GPT-2 equal to one process on the whole batch
 (float64, 1e-9); torch's tensor parallel (``parallelize_module``) and DTensor redistributions (functional
-collectives, issued from C++) give the plain module's values. Bad input is a clear error, before anything is
+collectives, issued from C++) and torch's pipelining (GPipe, 1F1B) give the plain module's values. Bad input is a clear error, before anything is
 sent: a tag, all_to_all split sizes that do not add up, an unsupported reduction, shapes that disagree across ranks (CollectiveMismatch).
 """
 
@@ -313,6 +313,52 @@ def _torch_tensor_parallel(world: Any, rep: Report) -> None:
     )
 
 
+def _torch_pipelining(world: Any, rep: Report) -> None:
+    """torch's own ``torch.distributed.pipelining`` (GPipe, 1F1B) over the backend: one stage per rank, the
+    losses and each stage's gradients equal the plain model's on the whole batch."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    r, n = world.rank, world.world_size
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(n)]).double()
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(n)]).double()
+    model.load_state_dict(ref.state_dict())
+    x = torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    target = torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+
+    def loss_fn(y: Any, t: Any) -> Any:
+        return (y - t).square().sum()
+
+    want = loss_fn(ref(x), target)
+    want.backward()
+    stage = PipelineStage(model[r], r, n, torch.device("cpu"))
+    for schedule in (ScheduleGPipe, Schedule1F1B):
+        model.zero_grad(set_to_none=True)
+        run = schedule(stage, n_microbatches=4, loss_fn=loss_fn)
+        losses: list[Any] = []
+        if r == 0:
+            run.step(x)
+        elif r == n - 1:
+            run.step(target=target, losses=losses)
+        else:
+            run.step()
+        if r == n - 1:
+            got = float(sum(loss.detach() for loss in losses))
+            rep.check(
+                f"torch's {schedule.__name__} over the backend: the loss",
+                abs(got - float(want)) < 1e-9 * abs(float(want)),
+                f"{got} vs {float(want)}",
+            )
+        rep.check(
+            f"torch's {schedule.__name__}: this stage's gradients",
+            all(
+                torch.allclose(p.grad, q.grad / 4, rtol=1e-9)  # torch scales by 1 / microbatches
+                for p, q in zip(model[r].parameters(), ref[r].parameters())
+            ),
+        )
+
+
 def _errors(world: Any, rep: Report) -> None:
     import torch
     import torch.distributed as dist
@@ -374,6 +420,7 @@ def scenario(world: Any, rep: Report) -> None:
     _torch_ddp(world, rep)
     _torch_fsdp2(world, rep)
     _torch_tensor_parallel(world, rep)
+    _torch_pipelining(world, rep)
     _errors(world, rep)
     dist.destroy_process_group()
 
