@@ -9,6 +9,7 @@ import socket
 import struct
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -19,7 +20,14 @@ from paramplane.node.algorithms.ring import copy_into
 from paramplane.node.direct_lane import DirectLane, polling
 from paramplane.node.errors import PeerLost, TransportError
 from paramplane.node.frame_template import varint
-from paramplane.node.lane import ABSTRACT_SOCKETS, LaneReader, LaneServer, LaneStream, opening_mac
+from paramplane.node.lane import (
+    ABSTRACT_SOCKETS,
+    UNIX_BUFFER_BYTES,
+    LaneReader,
+    LaneServer,
+    LaneStream,
+    opening_mac,
+)
 from paramplane.node.peer import PeerPlane
 from paramplane.node.spec import OpSpec
 from paramplane.node.transports.grpc import GrpcChannel
@@ -148,6 +156,9 @@ async def test_a_lane_on_the_same_machine_takes_the_unix_socket_authenticated_al
         lane.opened = asyncio.ensure_future(lane.connect(TOKEN, _opening(), 5.0))
         await bounded(lane.opened)
         assert lane.sock is not None and lane.sock.family == socket.AF_UNIX
+        # its send buffer is widened where the system allows (Linux reports twice what was set)
+        allowed = min(UNIX_BUFFER_BYTES, int(Path("/proc/sys/net/core/wmem_max").read_text()))
+        assert lane.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= 2 * allowed
         await bounded(lane.send_frame([peer_pb2.FrameHeader(group="g", seq=5).SerializeToString()]))
         await bounded(lane.finish())
         await bounded(rec.done.wait())
