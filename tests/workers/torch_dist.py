@@ -6,7 +6,8 @@ synchronously and with ``async_op``; ``*_object`` calls, ``dist.new_group`` (a n
 default store across ranks; torch's own ``DistributedDataParallel`` and FSDP2 (``fully_shard``, its DeviceMesh
 over the default group) over the backend train transformers' GPT-2 equal to one process on the whole batch
 (float64, 1e-9); torch's tensor parallel (``parallelize_module``) and DTensor redistributions (functional
-collectives, issued from C++) and torch's pipelining (GPipe, 1F1B) give the plain module's values. Bad input is a clear error, before anything is
+collectives, issued from C++) and torch's pipelining (GPipe, 1F1B) give the plain module's values; a
+``torch.distributed.checkpoint`` save of the FSDP2 model loads back into a fresh one. Bad input is a clear error, before anything is
 sent: a tag, all_to_all split sizes that do not add up, an unsupported reduction, shapes that disagree across ranks (CollectiveMismatch).
 """
 
@@ -257,6 +258,27 @@ def _torch_fsdp2(world: Any, rep: Report) -> None:
         "torch's FSDP2 over the backend: norms and losses = one process",
         bool(np.allclose(got, want, rtol=1e-9)),
         f"{got} vs {want}",
+    )
+    # torch.distributed.checkpoint (its planning gathers and broadcasts objects): a sharded save of the trained
+    # model and optimizer, loaded into a fresh FSDP2 model, gives back the same full state
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = str(Path(os.environ["PARAMPLANE_TEST_OUT"]) / f"dcp-{n}")
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    fresh = tm.build("gpt2")
+    for block in [m for m in fresh.modules() if isinstance(m, tm.block_class(fresh))]:
+        fully_shard(block)
+    fully_shard(fresh)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    state = dict(zip(("model", "optim"), get_state_dict(fresh, fresh_opt), strict=True))
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    loaded = get_state_dict(fresh, fresh_opt)[0]
+    rep.check(
+        "torch.distributed.checkpoint over the backend: save, load into a fresh FSDP2 model, same full state",
+        all(torch.equal(v.full_tensor(), loaded[k].full_tensor()) for k, v in model_sd.items()),
     )
 
 
