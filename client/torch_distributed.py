@@ -22,8 +22,9 @@ all_to_all_single and all_to_all (split sizes included: ``paramplane.all_to_all`
 send / recv / batch_isend_irecv (tag 0: messages between two ranks match in order), and what torch builds on them
 (``*_object`` calls, torch's functional collectives that DTensor and tensor parallel issue from C++: the
 ``*_coalesced`` calls; not ``monitored_barrier``); ``dist.new_group`` makes groups of this backend only (another
-backend's rendezvous needs store calls a Python store cannot serve). CPU tensors
-(torch's gloo devices); for CUDA tensors use the wrappers (``pp.DDP``, ``pp.FSDP``) after ``world.use_gpu()``.
+backend's rendezvous needs store calls a Python store cannot serve). CPU tensors, and CUDA tensors (after
+``world.use_gpu()``; cupy views of them, NCCL inside the host for all_reduce, broadcast, all_gather and reduce_scatter,
+host staging for the rest, enqueued on torch's current stream before the call returns; not yet run on a GPU).
 Other ops raise a ``RuntimeError`` naming the op. The store torch sees (``dist.distributed_c10d
 ._get_default_store()``, and each group's) is the coordinator's key/value store, under the prefix ``torch/``:
 ``set``, ``get`` (waits for the key, as torch's), ``add`` and ``compare_set`` (torch 2.13 lets a Python store
@@ -35,6 +36,8 @@ unpickles anything itself; only ``dist.broadcast_object_list`` and its kind in t
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import threading
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -124,12 +127,37 @@ def _contiguous(t: Any, what: str) -> Any:
     gloo's do: a parameter broadcast under no_grad, a loss reduced for logging); checked first."""
     if not t.is_contiguous():
         raise ValueError(f"{what} needs a contiguous tensor (call .contiguous() first)")
-    if t.device.type != "cpu":
-        raise ValueError(
-            f"{what}: the paramplane torch.distributed backend takes CPU tensors, got one on {t.device} "
-            "(for CUDA models use pp.DDP / pp.FSDP after world.use_gpu())"
-        )
+    if t.device.type == "cuda":
+        if importlib.util.find_spec("cupy") is None:
+            raise ValueError(
+                f"{what}: a tensor on {t.device} needs cupy (pip install 'paramplane[gpu]') for the plane to move it"
+            )
+        if str(t.dtype) == "torch.bfloat16":
+            raise ValueError(
+                f"{what}: torch.bfloat16 on {t.device} is not moved by the plane (cupy holds no bfloat16)"
+            )
+    elif t.device.type != "cpu":
+        raise ValueError(f"{what}: the paramplane backend takes CPU and CUDA tensors, got one on {t.device}")
     return t.detach()
+
+
+def _anchor(result: Any) -> Any:
+    """The first tensor in an op's tensors (a tensor, a list, a list of lists), or None."""
+    while isinstance(result, (list, tuple)):
+        if not result:
+            return None
+        result = result[0]
+    return result if hasattr(result, "device") else None
+
+
+def _on_device(result: Any) -> contextlib.AbstractContextManager[None]:
+    """For CUDA tensors: torch's current stream as the one the plane enqueues on (NCCL inside the host)."""
+    anchor = _anchor(result)
+    if anchor is None or anchor.device.type != "cuda":
+        return contextlib.nullcontext()
+    from paramplane.parallel.torch_params import torch_stream
+
+    return torch_stream(anchor)
 
 
 _built: list[type] = []  # PlaneProcessGroup, made on first use (importing this module does not import torch)
@@ -170,7 +198,15 @@ def _build() -> type:
         def _issue(self, opts: Any, call: Any, result: Any, then: Any = None) -> Any:
             """``call(async_op)`` (a paramplane op) as a torch ``Work`` holding ``result``; ``then(value)`` after
             it. torch says (``opts.asyncOp``) whether the caller goes on before waiting: if not, the op runs on
-            the caller's thread (paramplane's fast path, no future) and the Work is done."""
+            the caller's thread (paramplane's fast path, no future) and the Work is done. An op on CUDA tensors
+            is enqueued on torch's current stream before this returns (as NCCL's are), so its Work is done too."""
+            anchor = _anchor(result)
+            if anchor is not None and anchor.device.type == "cuda":
+                with _on_device(anchor):
+                    value = call(False)
+                    if then is not None:
+                        then(value)
+                return plane_work(DONE, result)
             if getattr(opts, "asyncOp", True):
                 future = future_of(call(True))
                 return plane_work(_then(future, then) if then is not None else future, result)
@@ -186,10 +222,11 @@ def _build() -> type:
 
         def allreduce_coalesced(self, tensors: list[Any], opts: Any) -> Any:
             op = _op(opts.reduceOp, "all_reduce_coalesced")
-            works = [
-                self.plane_group.all_reduce(_contiguous(t, "all_reduce_coalesced"), op, async_op=True)
-                for t in tensors
-            ]
+            with _on_device(tensors):
+                works = [
+                    self.plane_group.all_reduce(_contiguous(t, "all_reduce_coalesced"), op, async_op=True)
+                    for t in tensors
+                ]
             return plane_work(all_done(works), tensors)
 
         def broadcast(self, tensors: list[Any], opts: Any) -> Any:
@@ -206,7 +243,7 @@ def _build() -> type:
                 raise ValueError(
                     f"all_gather needs {n} output tensors shaped like the input {tuple(t.shape)}"
                 )
-            gathered = torch.empty((n * t.numel(),), dtype=t.dtype)
+            gathered = torch.empty((n * t.numel(),), dtype=t.dtype, device=t.device)
 
             def split(_: Any) -> None:
                 for i, o in enumerate(outs):
@@ -302,27 +339,31 @@ def _build() -> type:
         def send(self, tensors: list[Any], dst: int, tag: int) -> Any:
             _check_tag(tag, "send")
             t = _contiguous(_one(tensors, "send"), "send")
-            return self._as_work(self.plane_group.send(t, dst, async_op=True), tensors)
+            with _on_device(t):
+                return self._as_work(self.plane_group.send(t, dst, async_op=True), tensors)
 
         def recv(self, tensors: list[Any], src: int, tag: int) -> Any:
             _check_tag(tag, "recv")
             t = _contiguous(_one(tensors, "recv"), "recv")
-            return self._as_work(self.plane_group.recv(t, src, async_op=True), tensors)
+            with _on_device(t):
+                return self._as_work(self.plane_group.recv(t, src, async_op=True), tensors)
 
         def allgather_into_tensor_coalesced(self, outputs: list[Any], inputs: list[Any], opts: Any) -> Any:
             """Several ``all_gather_into_tensor`` at once: torch's functional collectives (DTensor's
             redistribute, tensor parallel) call this one from C++."""
             pairs = [self._gather_pair(o, i) for o, i in zip(outputs, inputs, strict=True)]
-            works = [self.plane_group.all_gather(flat, out=into, async_op=True) for flat, into in pairs]
+            with _on_device(outputs):
+                works = [self.plane_group.all_gather(flat, out=into, async_op=True) for flat, into in pairs]
             return plane_work(all_done(works), outputs)
 
         def reduce_scatter_tensor_coalesced(self, outputs: list[Any], inputs: list[Any], opts: Any) -> Any:
             """Several ``reduce_scatter_tensor`` at once (torch's functional collectives, from C++)."""
             op = _op(opts.reduceOp, "reduce_scatter_tensor")
             pairs = [self._scatter_pair(o, i) for o, i in zip(outputs, inputs, strict=True)]
-            works = [
-                self.plane_group.reduce_scatter(flat, op, out=into, async_op=True) for flat, into in pairs
-            ]
+            with _on_device(outputs):
+                works = [
+                    self.plane_group.reduce_scatter(flat, op, out=into, async_op=True) for flat, into in pairs
+                ]
             return plane_work(all_done(works), outputs)
 
         all_gather_single = _allgather_base  # torch 2.13's name for all_gather_into_tensor's call
@@ -388,7 +429,7 @@ def _build() -> type:
             if any(t.dtype != ins[0].dtype for t in ins + outs):
                 raise ValueError("all_to_all: every input and output tensor must have one dtype")
             flat = torch.cat([t.reshape(-1) for t in ins])
-            got = torch.empty(sum(o.numel() for o in outs), dtype=flat.dtype)
+            got = torch.empty(sum(o.numel() for o in outs), dtype=flat.dtype, device=flat.device)
             shapes = [i.shape for i in ins]
             same = all(s == shapes[0] for s in shapes) and all(o.shape == shapes[0] for o in outs)
             splits = (

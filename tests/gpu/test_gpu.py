@@ -123,3 +123,14 @@ def test_torch_cuda_module_under_hybrid_shard_across_two_hosts() -> None:
     )
     results = world.check_ok()
     assert all(r["num_checks"] >= 5 for r in results), [r["num_checks"] for r in results]
+
+
+@pytest.mark.timeout(360)  # its own bounds (300 s), not the global 120 s
+@pytest.mark.skipif(not _torch_cuda(), reason="needs torch's CUDA build")
+def test_torch_distributed_calls_on_cuda_tensors_over_the_backend() -> None:
+    """``dist.*`` on CUDA tensors after ``pp.init_torch_distributed`` (NCCL inside the host, host staging for
+    all_to_all), and torch's own DDP on a CUDA module over the backend, equal to one process."""
+    from _world import run_world
+
+    world = run_world(2, "torch_dist_gpu.py", env={"PARAMPLANE_TIMEOUT": "120"}, timeout=300)
+    world.check_ok(min_checks=9)

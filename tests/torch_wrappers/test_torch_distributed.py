@@ -22,7 +22,7 @@ def test_torch_distributed_calls_and_torchs_ddp_run_over_the_plane(num_ranks: in
     store across ranks; torch's DDP and FSDP2 over the backend train GPT-2 as one process; bad input is a clear error."""
     env = {"PARAMPLANE_TIMEOUT": "30", **WORLDS[num_ranks]}
     out = run_world(num_ranks, "torch_dist.py", env=env, timeout=120)
-    out.check_ok(min_checks=53)
+    out.check_ok(min_checks=54)
 
 
 def test_a_crashed_rank_fails_the_others_dist_calls_naming_it() -> None:

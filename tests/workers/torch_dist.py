@@ -409,6 +409,12 @@ def _errors(world: Any, rep: Report) -> None:
         "equal blocks",
     )
     rep.raises(
+        "a tensor on neither the CPU nor a GPU",
+        ValueError,
+        lambda: dist.all_reduce(torch.ones(2, device="meta")),
+        "CPU and CUDA",
+    )
+    rep.raises(
         "a non-contiguous tensor",
         ValueError,
         lambda: dist.all_reduce(torch.ones(4, 4).t()),
