@@ -392,24 +392,12 @@ def _build() -> type:
                     f"all_to_all_single needs an output of rows like the input's, {tuple(t.shape[1:])} {t.dtype}, "
                     f"got {tuple(out.shape)} {out.dtype}"
                 )
-            n = self.plane_group.size
-            if not input_split_sizes and not output_split_sizes:
-                if out.shape != t.shape:
-                    raise ValueError(
-                        f"all_to_all_single without split sizes needs an output shaped like the input, "
-                        f"{tuple(t.shape)}, got {tuple(out.shape)}"
-                    )
-                return self._issue(
-                    opts, lambda a: self.plane_group.all_to_all(t, out=out, async_op=a), output
-                )
-            if not output_split_sizes:
-                rows = out.shape[0] if out.dim() else 0
-                if rows % n:
-                    raise ValueError(
-                        f"all_to_all_single: without output_split_sizes the output's {rows} rows must divide by {n}"
-                    )
-                output_split_sizes = [rows // n] * n
-            splits = {"in_splits": list(input_split_sizes) or None, "out_splits": list(output_split_sizes)}
+            # an empty list is equal blocks on that side: the plane's None (the output's: as many rows as are sent,
+            # which must fill the output, checked on every rank)
+            splits = {
+                "in_splits": list(input_split_sizes) or None,
+                "out_splits": list(output_split_sizes) or None,
+            }
             return self._issue(
                 opts, lambda a: self.plane_group.all_to_all(t, out=out, async_op=a, **splits), output
             )
