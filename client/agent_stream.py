@@ -6,22 +6,36 @@ opens at the agent's first join (or first call); when it breaks with calls unans
 session) and sends those calls again, for ``RECONNECT_S``; then they fail with the stream's error. Every call
 also has its own deadline.
 A coordinator without ``HostCalls`` (UNIMPLEMENTED) makes ``supported`` false: the agent's unary calls then.
+When the stream's acknowledgement offers a host lane (``coordinator/host_lane.py``), the session moves to it:
+the same messages on plain TCP, each answer handed to its call as it is read; a lane out of reach leaves the
+calls on the gRPC stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
 from paramplane.agent_relay import Relayed
-from paramplane.node.coord_client import CoordinatorClient
+from paramplane.node.coord_client import MAX_MESSAGE_BYTES, CoordinatorClient
 from paramplane.protos import coordinator_pb2 as pb
+from paramplane.protos.host_lane import FrameProtocol, LaneClosed, decode
+from paramplane.protos.net import host_port
 
+log = logging.getLogger("paramplane.agent")
+
+LANE_CONNECT_S = 2.0
+"""How long the agent tries to open the coordinator's host lane (and have its session taken) before it keeps
+its host calls on gRPC."""
 RECONNECT_S = 5.0
 """How long a broken stream with unanswered calls is opened again before those calls fail."""
 _BACKOFF_S = (0.05, 1.0)
@@ -35,6 +49,7 @@ class Unsupported(Exception):
 class _Pending:
     message: pb.HostCall
     fut: asyncio.Future[pb.HostAnswer]
+    on_answer: Callable[[pb.HostAnswer], None] | None = None
     sent_on: Any = None  # the stream it was last written on
 
 
@@ -52,16 +67,23 @@ class HostCallStream:
         self.supported = True
         """False once the coordinator answered UNIMPLEMENTED."""
         self._open = asyncio.Event()  # the coordinator took the session on the current stream
+        self._use_lane = True  # until the coordinator's host lane turned out out of reach
 
-    async def call(self, message: pb.HostCall, timeout_s: float) -> pb.HostAnswer:
+    async def call(
+        self,
+        message: pb.HostCall,
+        timeout_s: float,
+        on_answer: Callable[[pb.HostAnswer], None] | None = None,
+    ) -> pb.HostAnswer:
         """``message``'s answer; raises ``Relayed`` (no answer within ``timeout_s``, or the stream failed for
-        good) or ``Unsupported``."""
+        good) or ``Unsupported``. ``on_answer`` gets the answer as soon as it is read, before this call resumes
+        (a release reaches the waiting ranks one turn of the event loop sooner)."""
         if not self.supported:
             raise Unsupported
         self._last_id += 1
         message.call_id = self._last_id
         loop = asyncio.get_running_loop()
-        entry = _Pending(message, loop.create_future())
+        entry = _Pending(message, loop.create_future(), on_answer)
         self._pending[message.call_id] = entry
         # The deadline fails the call's own future (not ``wait_for``: its extra future costs the answer one more
         # turn of the event loop before the call resumes, on the release path of every barrier).
@@ -103,7 +125,7 @@ class HostCallStream:
         calls wait (for ``RECONNECT_S``)."""
         backoff, give_up = _BACKOFF_S[0], None
         while True:
-            stream = self._up.host_calls()
+            stream: Any = self._up.host_calls()
             error: Relayed
             try:
                 # The session first, alone until the coordinator acknowledges it (an answer with call id 0): a
@@ -111,6 +133,11 @@ class HostCallStream:
                 await stream.write(pb.HostCall(session=self._session))
                 while (answer := await stream.read()) is not grpc.aio.EOF and self._answered(answer):
                     pass
+                if answer is not grpc.aio.EOF and answer.lane_port and self._use_lane:
+                    lane = await self._open_lane(answer.lane_port)
+                    if lane is not None:  # the session moves to the lane (acknowledged there too)
+                        stream.cancel()
+                        stream = lane
                 if answer is not grpc.aio.EOF:
                     async with self._lock:
                         for call_id in sorted(self._pending):
@@ -129,6 +156,8 @@ class HostCallStream:
                 if task is not None and task.cancelling():
                     raise  # the agent stops
                 error = Relayed(grpc.StatusCode.CANCELLED, "the host stream was cancelled")
+            except (OSError, LaneClosed) as e:  # the lane broke
+                error = Relayed(grpc.StatusCode.UNAVAILABLE, f"the host lane to the coordinator broke: {e}")
             except grpc.aio.AioRpcError as e:
                 error = Relayed.of(e)
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
@@ -152,12 +181,51 @@ class HostCallStream:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, _BACKOFF_S[1])
 
+    async def _open_lane(self, port: int) -> _Lane | None:
+        """The session on a host lane at ``port`` (acknowledged), or None: then the gRPC stream it came on
+        carries the calls, and later streams do too (a lane that cannot be reached is not tried again)."""
+        where = self._up.lane_hello(self._session)
+        if where is None:
+            self._use_lane = False
+            return None
+        host, hello = where
+        lane = _Lane()
+        try:
+            await asyncio.wait_for(
+                asyncio.get_running_loop().create_connection(lambda: lane.conn, host, port), LANE_CONNECT_S
+            )
+        except (OSError, TimeoutError) as e:
+            log.warning(
+                "the coordinator's host lane %s is out of reach (%s): host calls stay on gRPC",
+                host_port(host, port),
+                e or "no answer in time",
+            )
+            self._use_lane = False
+            return None
+        try:
+            await lane.write(hello)
+            ack = await asyncio.wait_for(lane.read(), LANE_CONNECT_S)
+        except (OSError, LaneClosed, TimeoutError):
+            ack = grpc.aio.EOF
+        if ack is grpc.aio.EOF or ack.call_id != 0:
+            log.warning(
+                "the coordinator's host lane %s did not take the session: host calls stay on gRPC",
+                host_port(host, port),
+            )
+            lane.cancel()
+            self._use_lane = False
+            return None
+        lane.on_answer = self._answered  # as they are read: one turn of the event loop less per answer
+        return lane
+
     def _answered(self, answer: object) -> bool:
         """Hand ``answer`` to its call; False for the session's acknowledgement (call id 0)."""
         assert isinstance(answer, pb.HostAnswer)
         waiting = self._pending.get(answer.call_id)
         if waiting is not None and not waiting.fut.done():
             waiting.fut.set_result(answer)
+            if waiting.on_answer is not None:
+                waiting.on_answer(answer)
         return answer.call_id != 0
 
     def _fail(self, error: Exception) -> None:
@@ -169,6 +237,51 @@ class HostCallStream:
         if self._runner is not None:
             self._runner.cancel()
             await asyncio.gather(self._runner, return_exceptions=True)
+
+
+class _Lane:
+    """A host lane connection with what ``_run`` uses of a gRPC stream: ``write``, ``read`` (EOF once it has
+    closed), ``cancel``. Once ``on_answer`` is set, answers go to it as they are read, not through ``read``."""
+
+    def __init__(self) -> None:
+        self.conn = FrameProtocol(MAX_MESSAGE_BYTES, self._frame, self._closed)
+        self.on_answer: Callable[[pb.HostAnswer], object] | None = None
+        self._answers: collections.deque[pb.HostAnswer] = collections.deque()
+        self._ready: asyncio.Future[None] | None = None
+        self._closed_with: BaseException | None = None
+        self._is_closed = False
+
+    def _frame(self, data: bytes) -> None:
+        answer = decode(pb.HostAnswer(), data)
+        if self.on_answer is not None:
+            self.on_answer(answer)
+        else:
+            self._answers.append(answer)
+            self._wake()
+
+    def _closed(self, error: BaseException | None) -> None:
+        self._is_closed, self._closed_with = True, error
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_result(None)
+
+    async def write(self, message: Message) -> None:
+        self.conn.write(message)
+
+    async def read(self) -> Any:
+        while not self._answers:
+            if self._is_closed:
+                if isinstance(self._closed_with, LaneClosed):
+                    raise self._closed_with
+                return grpc.aio.EOF
+            self._ready = asyncio.get_running_loop().create_future()
+            await self._ready
+        return self._answers.popleft()
+
+    def cancel(self) -> None:
+        self.conn.close()
 
 
 def _expire(fut: asyncio.Future[pb.HostAnswer], call_id: int, timeout_s: float) -> None:

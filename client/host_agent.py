@@ -25,7 +25,7 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -330,23 +330,33 @@ class HostAgent(RelayServicer):
             ranks=first.ranks,
             timeout_s=first.timeout_s,
         )
+
+        def release(response: pb.BarrierHostResponse) -> None:
+            for (_, fut), error in zip(arrivals, response.errors, strict=True):
+                if not fut.done():
+                    fut.set_result(Relayed.of_call(error) if error.code else None)
+
         try:
-            response = await self._barrier_upstream(request)
+            release(await self._barrier_upstream(request, release))
         except (grpc.aio.AioRpcError, Relayed) as e:
             failed = Relayed.of(e) if isinstance(e, grpc.aio.AioRpcError) else e
             for _, fut in arrivals:
                 if not fut.done():
                     fut.set_result(failed)
-            return
-        for (_, fut), error in zip(arrivals, response.errors, strict=True):
-            if not fut.done():
-                fut.set_result(Relayed.of_call(error) if error.code else None)
 
-    async def _barrier_upstream(self, request: pb.BarrierHostRequest) -> pb.BarrierHostResponse:
+    async def _barrier_upstream(
+        self, request: pb.BarrierHostRequest, release: Callable[[pb.BarrierHostResponse], None]
+    ) -> pb.BarrierHostResponse:
+        """The host's arrivals at the coordinator; ``release`` gets a stream's answer as soon as it is read."""
         if self._host_stream.supported:
+
+            def on_answer(answer: pb.HostAnswer) -> None:
+                if answer.HasField("barrier"):
+                    release(answer.barrier)
+
             try:
                 answer = await self._host_stream.call(
-                    pb.HostCall(barrier=request), request.timeout_s + WAIT_MARGIN_S
+                    pb.HostCall(barrier=request), request.timeout_s + WAIT_MARGIN_S, on_answer
                 )
             except Unsupported:
                 pass

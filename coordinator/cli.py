@@ -9,14 +9,21 @@ import os
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from paramplane.coordinator.server import CoordinatorConfig, CoordinatorServer
 from paramplane.protos.fields import default_of, field_docs
 from paramplane.protos.net import TOKEN_ENV, prefer_control_latency, resolve_token
 
+
 # Flags that set a CoordinatorConfig field: (flag, field, type). Their help and default come from the field.
-FIELD_FLAGS: list[tuple[str, str, type]] = [
+def port_or_off(text: str) -> int | None:
+    """A port number, or ``off`` (None)."""
+    return None if text == "off" else int(text)
+
+
+FIELD_FLAGS: list[tuple[str, str, Callable[[str], object]]] = [
     ("--host", "host", str),
     ("--port", "port", int),
     ("--join-timeout", "join_timeout_s", float),
@@ -25,6 +32,7 @@ FIELD_FLAGS: list[tuple[str, str, type]] = [
     ("--progress-timeout", "progress_timeout_s", float),
     ("--http-port", "http_port", int),
     ("--http-host", "http_host", str),
+    ("--host-lane-port", "host_lane_port", port_or_off),
 ]
 
 

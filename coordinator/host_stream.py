@@ -40,12 +40,12 @@ Block = Callable[[Callable[[int], None], float], Awaitable[object]]
 Sync = Callable[[Callable[[], Any]], Awaitable[Any]]
 
 
-class _Session:
+class Session:
     """One agent's calls, across the streams it opens."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.context: grpc.aio.ServicerContext | None = None  # the stream answers go to (None: none now)
+        self.context: Any = None  # the stream answers go to (None: none now)
         self.lock = asyncio.Lock()  # one write at a time on a stream
         self.seen = 0  # the highest call id read
         self.running: dict[int, asyncio.Task[None]] = {}
@@ -68,7 +68,7 @@ class HostStreams:
     ) -> None:
         self._state, self._block, self._block_many, self._sync = state, block, block_many, sync
         self._num_calls = num_calls
-        self._sessions: dict[str, _Session] = {}
+        self._sessions: dict[str, Session] = {}
         self._drains: set[asyncio.Task[None]] = set()
 
     def _spawn(self, work: Awaitable[None]) -> None:
@@ -76,9 +76,10 @@ class HostStreams:
         self._drains.add(task)
         task.add_done_callback(self._drains.discard)
 
-    async def serve(self, calls: AsyncIterator[pb.HostCall], context: grpc.aio.ServicerContext) -> None:
-        """One stream: read calls until the agent closes it or goes away; answers are written as they come."""
-        session: _Session | None = None
+    async def serve(self, calls: AsyncIterator[pb.HostCall], context: Any, lane_port: int = 0) -> None:
+        """One gRPC stream: read calls until the agent closes it or goes away; answers are written as they
+        come. ``lane_port`` is offered in the acknowledgement."""
+        session: Session | None = None
         try:
             async for call in calls:
                 if session is None:
@@ -89,7 +90,7 @@ class HostStreams:
                         )
                     session = self._attach(call.session, context)
                     async with session.lock:
-                        await context.write(pb.HostAnswer())  # the session's acknowledgement: call id 0
+                        await context.write(pb.HostAnswer(lane_port=lane_port))  # the acknowledgement: id 0
                     if session.unsent:
                         self._spawn(self._drain(session))
                 elif session.context is not context:
@@ -97,28 +98,52 @@ class HostStreams:
                 if call.call_id:
                     self._take(session, call)
         finally:
-            if session is not None and session.context is context:
-                session.context = None
-                session.expiry = asyncio.get_running_loop().call_later(SESSION_GRACE_S, self._expire, session)
+            if session is not None:
+                self.detach(session, context)
 
-    def _attach(self, name: str, context: grpc.aio.ServicerContext) -> _Session:
+    def open_lane(self, name: str, context: Any) -> Session:
+        """The session ``name`` on a host lane (``host_lane.py``), acknowledged at once: ``context.send``
+        writes without waiting, ``context.write`` is awaited by the session's answers."""
+        self._num_calls["HostLane"] += 1
+        session = self._attach(name, context)
+        context.send(pb.HostAnswer())
+        if session.unsent:
+            self._spawn(self._drain(session))
+        return session
+
+    def take(self, session: Session, context: Any, call: pb.HostCall) -> bool:
+        """Take a call read on ``context``; False when a newer stream of the agent carries the session."""
+        if session.context is not context:
+            return False
+        if call.call_id:
+            self._num_calls["HostLane.calls"] += 1
+            self._take(session, call)
+        return True
+
+    def detach(self, session: Session, context: Any) -> None:
+        """``context`` ended: its session's calls wait ``SESSION_GRACE_S`` for the agent's next stream."""
+        if session.context is context:
+            session.context = None
+            session.expiry = asyncio.get_running_loop().call_later(SESSION_GRACE_S, self._expire, session)
+
+    def _attach(self, name: str, context: Any) -> Session:
         session = self._sessions.get(name)
         if session is None:
-            session = self._sessions[name] = _Session(name)
+            session = self._sessions[name] = Session(name)
         if session.expiry is not None:
             session.expiry.cancel()
             session.expiry = None
         session.context = context
         return session
 
-    def _expire(self, session: _Session) -> None:
+    def _expire(self, session: Session) -> None:
         if session.context is not None or self._sessions.get(session.name) is not session:
             return
         del self._sessions[session.name]
         for task in session.running.values():
             task.cancel()  # withdraws the calls' waiters from the state
 
-    def _take(self, session: _Session, call: pb.HostCall) -> None:
+    def _take(self, session: Session, call: pb.HostCall) -> None:
         call_id = call.call_id
         if call_id <= session.seen:
             if not call.resent:
@@ -141,7 +166,7 @@ class HostStreams:
         task = asyncio.ensure_future(self._run(session, call))
         session.running[call_id] = task
 
-    async def _run(self, session: _Session, call: pb.HostCall) -> None:
+    async def _run(self, session: Session, call: pb.HostCall) -> None:
         try:
             answer = await self._answer(call)
         except StateError as e:
@@ -174,7 +199,7 @@ class HostStreams:
             return pb.HostAnswer(call_id=call.call_id, value=pb.KVGetResponse(found=True, value=value))
         raise StateError(ErrorKind.INVALID_ARGUMENT, f"host call {call.call_id} carries no call")
 
-    async def _drain(self, session: _Session) -> None:
+    async def _drain(self, session: Session) -> None:
         """Write the session's unsent answers to its stream (those a broken write leaves wait for the next)."""
         async with session.lock:
             while session.unsent and (context := session.context) is not None:

@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from paramplane.coordinator.host_lane import HostLanes
 from paramplane.coordinator.hosts import serialize_join
 from paramplane.coordinator.http import HttpView
 from paramplane.coordinator.service import CoordinatorService
@@ -58,6 +59,10 @@ class CoordinatorConfig:
     None serves none."""
     http_host: str | None = None
     """Interface the live view binds (None: ``host``); anything but loopback needs a token."""
+    host_lane_port: int | None = 0
+    """TCP port (on ``host``) of the host lane: host agents' barriers and unique-id calls on plain TCP, without
+    gRPC's threads; offered to each agent on its gRPC stream, which it keeps using when the lane is out of reach.
+    0 picks a free one, None (``off``) serves none; never served with TLS (it is not encrypted)."""
     http_public: bool = False
     """Serve the live view without the token (it only reads); refused on an interface other than loopback
     when the job has no token."""
@@ -86,6 +91,8 @@ class CoordinatorConfig:
             )
         if not is_loopback(self.host) and not self.token:
             raise ValueError(f"refusing to bind {self.host} without a token; pass --token-file")
+        if self.host_lane_port is not None and not 0 <= self.host_lane_port <= 65535:
+            raise ValueError(f"host_lane_port must be in 0..65535 (or None), got {self.host_lane_port}")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be in 0..65535 (or None), got {self.http_port}")
         if self.http_port is not None and not is_loopback(self.view_host) and not self.token:
@@ -179,6 +186,7 @@ class CoordinatorServer:
         self._health = health_servicer
         self._stopped = False
         self.view: HttpView | None = None
+        self.lanes: HostLanes | None = None
 
     @classmethod
     async def start(cls, config: CoordinatorConfig) -> CoordinatorServer:
@@ -221,6 +229,14 @@ class CoordinatorServer:
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         self = cls(config, server, port, service, health_servicer)
+        if config.host_lane_port is not None and config.tls_cert is None:
+            lanes = HostLanes(service.host_streams, config.token, config.max_message_bytes)
+            try:
+                await lanes.start(config.host, config.host_lane_port)
+            except OSError:
+                await self.stop(0)
+                raise
+            self.lanes, service.lane_port = lanes, lanes.port
         if config.http_port is not None:
             view = HttpView(service.status, token=config.token, public=config.http_public)
             try:
@@ -264,6 +280,8 @@ class CoordinatorServer:
         try:
             await self._server.stop(grace)
         finally:
+            if self.lanes is not None:
+                await self.lanes.stop()
             await self._service.stop_ticker()
         log.info("coordinator stopped")
 

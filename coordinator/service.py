@@ -78,6 +78,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """Calls answered, by method name (counted by the server's handlers)."""
         self._peers_wire: tuple[tuple[RankInfo, ...], bytes] | None = None  # the last table, serialized
         self._hosts = HostStreams(state, self._block, self._block_many, self._sync, self.num_calls)
+        self.lane_port = 0
+        """The host lane's port offered to agents on their ``HostCalls`` streams (0: none)."""
+
+    @property
+    def host_streams(self) -> HostStreams:
+        """Every agent's host calls (the gRPC streams' and the host lanes')."""
+        return self._hosts
 
     # -- effects ----------------------------------------------------------------------------------
     def _flush(self) -> None:
@@ -395,4 +402,4 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def HostCalls(  # type: ignore[override]  # answers are written (context.write), not yielded
         self, request_iterator: AsyncIterator[pb.HostCall], context: grpc.aio.ServicerContext
     ) -> None:
-        await self._hosts.serve(request_iterator, context)
+        await self._hosts.serve(request_iterator, context, self.lane_port)

@@ -153,6 +153,10 @@ class CoordinatorClient:
         self.address = address
         self._timeout_s = _check_timeout(call_timeout_s)
         self._metadata = token_metadata(token)
+        self._token = token
+        self._lane_host = (
+            None if tls_root_cert is not None or address.startswith("unix:") else parse_address(address)[0]
+        )
         options = [
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -469,6 +473,13 @@ class CoordinatorClient:
         """A new ``HostCalls`` stream (the host agent's barriers, sets and waiting gets). Long-lived like a watch
         stream, so without a deadline: the agent times out each call on it."""
         return self._stub.HostCalls(metadata=self._metadata)
+
+    def lane_hello(self, session: str) -> tuple[str, pb.HostLaneHello] | None:
+        """The host to open a host lane on (the coordinator's own) and its first frame; None where no lane is
+        used (TLS: the lane is not encrypted; a local socket)."""
+        if self._lane_host is None:
+            return None
+        return self._lane_host, pb.HostLaneHello(token=self._token or "", session=session)
 
     def watch_as(self, epoch: int, rank: int) -> grpc.aio.UnaryStreamCall:
         """The Watch stream of ``epoch`` subscribed as ``rank``: the host agent holds one for its ranks."""

@@ -1216,6 +1216,34 @@ class BarrierHostResponse(_message.Message):
 Global___BarrierHostResponse: _TypeAlias = BarrierHostResponse  # noqa: Y015
 
 @_typing.final
+class HostLaneHello(_message.Message):
+    """The first frame on a host lane: a plain TCP connection to the coordinator's lane port that carries the
+    HostCalls stream's messages (length-prefixed: a 4-byte little-endian size, then the message) without gRPC.
+    The coordinator checks the token, then acknowledges the session (a HostAnswer with call id 0) as the stream
+    does, or closes the connection.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
+    token: _builtins.str
+    session: _builtins.str
+    def __init__(
+        self,
+        *,
+        token: _builtins.str = ...,
+        session: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session", b"session", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HostLaneHello: _TypeAlias = HostLaneHello  # noqa: Y015
+
+@_typing.final
 class HostCall(_message.Message):
     """One call of a host agent on its HostCalls stream."""
 
@@ -1270,10 +1298,15 @@ class HostAnswer(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     CALL_ID_FIELD_NUMBER: _builtins.int
+    LANE_PORT_FIELD_NUMBER: _builtins.int
     BARRIER_FIELD_NUMBER: _builtins.int
     VALUE_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     call_id: _builtins.int
+    lane_port: _builtins.int
+    """In the session's acknowledgement (call id 0) on the gRPC stream: the port of the coordinator's host lane on
+    the address the agent reached it at (0: it offers none). On the lane itself, unset.
+    """
     @_builtins.property
     def barrier(self) -> Global___BarrierHostResponse: ...
     @_builtins.property
@@ -1286,13 +1319,14 @@ class HostAnswer(_message.Message):
         self,
         *,
         call_id: _builtins.int = ...,
+        lane_port: _builtins.int = ...,
         barrier: Global___BarrierHostResponse | None = ...,
         value: Global___KVGetResponse | None = ...,
         error: Global___CallError | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["answer", b"answer", "barrier", b"barrier", "error", b"error", "value", b"value"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["answer", b"answer", "barrier", b"barrier", "call_id", b"call_id", "error", b"error", "value", b"value"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answer", b"answer", "barrier", b"barrier", "call_id", b"call_id", "error", b"error", "lane_port", b"lane_port", "value", b"value"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_answer: _TypeAlias = _typing.Literal["barrier", "value", "error"]  # noqa: Y015
     _WhichOneofArgType_answer: _TypeAlias = _typing.Literal["answer", b"answer"]  # noqa: Y015

@@ -110,7 +110,14 @@ def test_config_refuses_bad_settings() -> None:
         CoordinatorConfig(host="0.0.0.0", world_size=1)
     assert CoordinatorConfig(host="0.0.0.0", world_size=1, token="t").token == "t"
     assert "t0ken" not in repr(CoordinatorConfig(world_size=1, token="t0ken"))
-    for bad in ({"world_size": 0}, {"port": -1}, {"tls_cert": b"x"}, {"heartbeat_timeout_s": 0.5}):
+    bad_settings = (
+        {"world_size": 0},
+        {"port": -1},
+        {"tls_cert": b"x"},
+        {"heartbeat_timeout_s": 0.5},
+        {"host_lane_port": 65536},
+    )
+    for bad in bad_settings:
         with pytest.raises(ValueError):
             CoordinatorConfig(**{"world_size": 1, **bad})  # type: ignore[arg-type]
 
@@ -169,6 +176,7 @@ async def test_tls_join_and_a_plaintext_client_is_refused(self_signed_cert: tupl
     cert, key = self_signed_cert
     config = CoordinatorConfig(port=0, world_size=1, tls_cert=cert.read_bytes(), tls_key=key.read_bytes())
     server = await CoordinatorServer.start(config)
+    assert server.lanes is None  # the host lane is not encrypted: not served with TLS
     try:
         async with CoordinatorClient(server.address) as plain:
             with pytest.raises(CoordinatorUnavailable):

@@ -32,6 +32,15 @@ from paramplane.protos import coordinator_pb2 as pb
 async def world(num_hosts: int, per_host: int, num_direct: int = 0) -> AsyncIterator[tuple[Any, list[Any]]]:
     """A coordinator, ``num_hosts`` real agents (Unix sockets) of ``per_host`` ranks each and ``num_direct``
     ranks calling the coordinator themselves, all joined: (status client, ranks by rank)."""
+    async with served_world(num_hosts, per_host, num_direct) as (_, status, ranks):
+        yield status, ranks
+
+
+@asynccontextmanager
+async def served_world(
+    num_hosts: int, per_host: int, num_direct: int = 0
+) -> AsyncIterator[tuple[CoordinatorServer, Any, list[Any]]]:
+    """``world``, with its coordinator server first."""
     n = num_hosts * per_host + num_direct
     # No heartbeats here: a timeout longer than any test keeps the world from aborting for silence.
     server = await CoordinatorServer.start(CoordinatorConfig(port=0, world_size=n, heartbeat_timeout_s=120))
@@ -62,7 +71,7 @@ async def world(num_hosts: int, per_host: int, num_direct: int = 0) -> AsyncIter
         assert [c.membership.rank if c.membership else -1 for c in made] == list(range(n))
         status = CoordinatorClient(server.address, call_timeout_s=10.0)
         made.append(status)
-        yield status, made[:-1]
+        yield server, status, made[:-1]
     finally:
         for c in made:
             await c.close()
@@ -190,9 +199,9 @@ async def test_a_release_while_no_stream_is_open_is_answered_on_the_next_stream(
         )
         first = a.host_calls()
         await first.write(pb.HostCall(session="s"))
-        assert (
-            await asyncio.wait_for(answer_of(first), 30) == pb.HostAnswer()
-        )  # the session's acknowledgement
+        assert server.lanes is not None
+        # The session's acknowledgement, offering the host lane.
+        assert await asyncio.wait_for(answer_of(first), 30) == pb.HostAnswer(lane_port=server.lanes.port)
         await first.write(arrival)
         await until(lambda: _has(b, "HostCalls.barrier", 1), "the arrival on the first stream")
         first.cancel()
@@ -269,7 +278,8 @@ async def test_a_resent_call_whose_answer_is_no_longer_kept_is_answered_lost(
         get = pb.KVGetRequest(epoch=rank.membership.epoch, key="uid", wait=True, timeout_s=10)
         stream = rank.host_calls()
         await stream.write(pb.HostCall(session="s"))
-        assert await asyncio.wait_for(answer_of(stream), 30) == pb.HostAnswer()
+        assert server.lanes is not None
+        assert await asyncio.wait_for(answer_of(stream), 30) == pb.HostAnswer(lane_port=server.lanes.port)
         for call_id in (1, 2):  # the second answer pushes the first out of the 300 bytes kept
             await stream.write(pb.HostCall(call_id=call_id, kv_get=get))
             answer = await asyncio.wait_for(answer_of(stream), 30)

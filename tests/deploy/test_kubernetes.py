@@ -71,7 +71,9 @@ def test_manifests_shape() -> None:
         assert coord[probe]["exec"]["command"] == ["paramplane", "health", f"127.0.0.1:{port}"], probe
     service = _one("Service", "paramplane-coordinator")
     assert service["spec"]["selector"] == deploy["spec"]["selector"]["matchLabels"]
-    assert [p["targetPort"] for p in service["spec"]["ports"]] == [int(port)]
+    lane_port = _flag(coord["command"], "--host-lane-port")  # agents reach the lane at the Service's address
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == [int(port), int(lane_port)]
+    assert [p["port"] for p in service["spec"]["ports"]] == [int(port), int(lane_port)]
 
     job = _one("Job", "paramplane-train")
     spec = job["spec"]
