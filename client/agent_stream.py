@@ -46,10 +46,13 @@ class Unsupported(Exception):
 
 
 @dataclass
-class _Pending:
+class PendingCall:
+    """A call on the host stream, until it is answered (``HostCallStream.submit`` / ``answer``)."""
+
     message: pb.HostCall
     fut: asyncio.Future[pb.HostAnswer]
     on_answer: Callable[[pb.HostAnswer], None] | None = None
+    deadline: asyncio.TimerHandle | None = None
     sent_on: Any = None  # the stream it was last written on
 
 
@@ -60,7 +63,7 @@ class HostCallStream:
         self._up = upstream
         self._session = secrets.token_hex(16)
         self._last_id = 0
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, PendingCall] = {}
         self._stream: grpc.aio.StreamStreamCall | None = None  # open and attached
         self._lock = asyncio.Lock()  # one write at a time, in call-id order
         self._runner: asyncio.Task[None] | None = None
@@ -68,6 +71,7 @@ class HostCallStream:
         """False once the coordinator answered UNIMPLEMENTED."""
         self._open = asyncio.Event()  # the coordinator took the session on the current stream
         self._use_lane = True  # until the coordinator's host lane turned out out of reach
+        self._sends: set[asyncio.Future[None]] = set()
 
     async def call(
         self,
@@ -78,25 +82,49 @@ class HostCallStream:
         """``message``'s answer; raises ``Relayed`` (no answer within ``timeout_s``, or the stream failed for
         good) or ``Unsupported``. ``on_answer`` gets the answer as soon as it is read, before this call resumes
         (a release reaches the waiting ranks one turn of the event loop sooner)."""
+        return await self.answer(self.submit(message, timeout_s, on_answer))
+
+    def submit(
+        self,
+        message: pb.HostCall,
+        timeout_s: float,
+        on_answer: Callable[[pb.HostAnswer], None] | None = None,
+    ) -> PendingCall:
+        """``call`` in two halves: this one sends ``message`` before it returns when the session is on a host
+        lane (a write that does not wait), else has it sent; ``answer`` waits for its answer. Raises
+        ``Unsupported``."""
         if not self.supported:
             raise Unsupported
         self._last_id += 1
         message.call_id = self._last_id
         loop = asyncio.get_running_loop()
-        entry = _Pending(message, loop.create_future(), on_answer)
+        entry = PendingCall(message, loop.create_future(), on_answer)
         self._pending[message.call_id] = entry
         # The deadline fails the call's own future (not ``wait_for``: its extra future costs the answer one more
         # turn of the event loop before the call resumes, on the release path of every barrier).
-        deadline = loop.call_later(timeout_s, _expire, entry.fut, message.call_id, timeout_s)
+        entry.deadline = loop.call_later(timeout_s, _expire, entry.fut, message.call_id, timeout_s)
+        stream = self._stream
+        if self._runner is None or self._runner.done():
+            self.open()
+        elif isinstance(stream, _Lane) and not self._lock.locked():
+            try:
+                stream.conn.write(message)
+                entry.sent_on = stream
+            except ConnectionResetError:
+                pass  # broken: the runner sends it again on the next stream
+        else:
+            self._sends.add(sending := asyncio.ensure_future(self._send(entry)))
+            sending.add_done_callback(self._sends.discard)
+        return entry
+
+    async def answer(self, entry: PendingCall) -> pb.HostAnswer:
+        """The answer of a call ``submit`` made."""
         try:
-            if self._runner is None or self._runner.done():
-                self.open()
-            else:
-                await self._send(entry)
             return await entry.fut
         finally:
-            deadline.cancel()
-            del self._pending[message.call_id]
+            if entry.deadline is not None:
+                entry.deadline.cancel()
+            del self._pending[entry.message.call_id]
 
     def open(self) -> None:
         """Open the stream now (if not open): the agent does at its first join, so that its ranks' first calls
@@ -109,7 +137,7 @@ class HostCallStream:
         if self.supported:
             await self._open.wait()
 
-    async def _send(self, entry: _Pending) -> None:
+    async def _send(self, entry: PendingCall) -> None:
         async with self._lock:
             stream = self._stream
             if stream is None or entry.sent_on is stream or entry.fut.done():

@@ -25,14 +25,14 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from paramplane.agent_relay import Relayed, RelayServicer, quiet
-from paramplane.agent_stream import HostCallStream, Unsupported, upstream_kv
+from paramplane.agent_stream import HostCallStream, PendingCall, Unsupported, upstream_kv
 from paramplane.node.coord_client import WAIT_MARGIN_S, CoordinatorClient
 from paramplane.protos import coordinator_pb2 as pb
 
@@ -317,11 +317,13 @@ class HostAgent(RelayServicer):
         arrivals = self._barriers.pop(key, [])
         self._barrier_local.pop(key, None)
         if arrivals:
-            self._spawn(self._barrier_batch(arrivals))
+            self._spawn(self._barrier_batch(arrivals, *self._barrier_submit(arrivals)))
 
-    async def _barrier_batch(
+    def _barrier_submit(
         self, arrivals: list[tuple[pb.BarrierRequest, asyncio.Future[Relayed | None]]]
-    ) -> None:
+    ) -> tuple[pb.BarrierHostRequest, PendingCall | None]:
+        """The host's arrivals as one request, sent on the host stream now if it can be (on a host lane: before
+        the batch's task first runs), with its release handed to the ranks as soon as it is read."""
         first = arrivals[0][0]
         request = pb.BarrierHostRequest(
             epoch=first.epoch,
@@ -331,13 +333,26 @@ class HostAgent(RelayServicer):
             timeout_s=first.timeout_s,
         )
 
-        def release(response: pb.BarrierHostResponse) -> None:
-            for (_, fut), error in zip(arrivals, response.errors, strict=True):
-                if not fut.done():
-                    fut.set_result(Relayed.of_call(error) if error.code else None)
+        def on_answer(answer: pb.HostAnswer) -> None:
+            if answer.HasField("barrier"):
+                _release(arrivals, answer.barrier)
 
+        if not self._host_stream.supported:
+            return request, None
         try:
-            release(await self._barrier_upstream(request, release))
+            call = pb.HostCall(barrier=request)
+            return request, self._host_stream.submit(call, request.timeout_s + WAIT_MARGIN_S, on_answer)
+        except Unsupported:
+            return request, None
+
+    async def _barrier_batch(
+        self,
+        arrivals: list[tuple[pb.BarrierRequest, asyncio.Future[Relayed | None]]],
+        request: pb.BarrierHostRequest,
+        submitted: PendingCall | None,
+    ) -> None:
+        try:
+            _release(arrivals, await self._barrier_upstream(request, submitted))
         except (grpc.aio.AioRpcError, Relayed) as e:
             failed = Relayed.of(e) if isinstance(e, grpc.aio.AioRpcError) else e
             for _, fut in arrivals:
@@ -345,21 +360,15 @@ class HostAgent(RelayServicer):
                     fut.set_result(failed)
 
     async def _barrier_upstream(
-        self, request: pb.BarrierHostRequest, release: Callable[[pb.BarrierHostResponse], None]
+        self, request: pb.BarrierHostRequest, submitted: PendingCall | None
     ) -> pb.BarrierHostResponse:
-        """The host's arrivals at the coordinator; ``release`` gets a stream's answer as soon as it is read."""
-        if self._host_stream.supported:
-
-            def on_answer(answer: pb.HostAnswer) -> None:
-                if answer.HasField("barrier"):
-                    release(answer.barrier)
-
+        """The answer to the host's arrivals: on the host stream when they were submitted there, else the unary
+        call."""
+        if submitted is not None:
             try:
-                answer = await self._host_stream.call(
-                    pb.HostCall(barrier=request), request.timeout_s + WAIT_MARGIN_S, on_answer
-                )
+                answer = await self._host_stream.answer(submitted)
             except Unsupported:
-                pass
+                pass  # the coordinator refused the stream after the call was submitted
             else:
                 if answer.HasField("error"):
                     raise Relayed.of_call(answer.error)
@@ -372,3 +381,12 @@ class HostAgent(RelayServicer):
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> Any:
         self._beats.pop((request.epoch, request.rank), None)
         return await self._relay("Leave", request, context)
+
+
+def _release(
+    arrivals: list[tuple[pb.BarrierRequest, asyncio.Future[Relayed | None]]], response: pb.BarrierHostResponse
+) -> None:
+    """Each waiting rank its outcome (a rank answered already is left as it is)."""
+    for (_, fut), error in zip(arrivals, response.errors, strict=True):
+        if not fut.done():
+            fut.set_result(Relayed.of_call(error) if error.code else None)

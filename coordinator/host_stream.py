@@ -168,7 +168,7 @@ class HostStreams:
 
     async def _run(self, session: Session, call: pb.HostCall) -> None:
         try:
-            answer = await self._answer(call)
+            answer = await self._answer(session, call)
         except StateError as e:
             answer = pb.HostAnswer(call_id=call.call_id, error=call_error(e))
         except Exception as e:  # a bug: the agent still gets an answer, not a wait until its deadline
@@ -176,13 +176,19 @@ class HostStreams:
             answer = pb.HostAnswer(call_id=call.call_id, error=pb.CallError(code="INTERNAL", details=repr(e)))
         finally:
             session.running.pop(call.call_id, None)
+        if call.call_id in session.sent:
+            return  # written as it was settled (``_answer_now``)
         session.unsent[call.call_id] = answer
         await self._drain(session)
 
-    async def _answer(self, call: pb.HostCall) -> pb.HostAnswer:
+    async def _answer(self, session: Session, call: pb.HostCall) -> pb.HostAnswer:
         state, kind = self._state, call.WhichOneof("call")
         if kind == "barrier":
-            response = await barrier_host(state, self._block_many, call.barrier)
+
+            def now(response: pb.BarrierHostResponse) -> None:
+                self._answer_now(session, pb.HostAnswer(call_id=call.call_id, barrier=response))
+
+            response = await barrier_host(state, self._block_many, call.barrier, now)
             return pb.HostAnswer(call_id=call.call_id, barrier=response)
         if kind == "kv_set":
             kv = call.kv_set
@@ -208,13 +214,36 @@ class HostStreams:
                     await context.write(answer)
                 except Exception:  # the stream broke: the answer waits for the session's next stream
                     return
-                del session.unsent[call_id]
-                if (again := session.sent.pop(call_id, None)) is not None:  # an answer sent a second time
-                    session.sent_bytes -= again.ByteSize()
-                session.sent[call_id] = answer
-                session.sent_bytes += answer.ByteSize()
-                while len(session.sent) > KEPT_ANSWERS or session.sent_bytes > KEPT_BYTES:
-                    session.sent_bytes -= session.sent.popitem(last=False)[1].ByteSize()
+                _written(session, call_id, answer)
+
+    def _answer_now(self, session: Session, answer: pb.HostAnswer) -> None:
+        """Write ``answer`` at once where the session's stream writes without waiting (a host lane): a barrier's
+        release then answers every host in one pass, as its waiters are settled, instead of in one task's turn
+        per host, each delayed by the agents the answers before it woke (on a busy machine they take the
+        coordinator's core). Elsewhere, or behind a write in progress, ``_run`` writes it."""
+        send = getattr(session.context, "send", None)
+        if send is None or session.lock.locked():
+            return
+        session.running.pop(answer.call_id, None)  # a resend of the call is answered from what was written
+        session.unsent[answer.call_id] = answer
+        while session.unsent:
+            call_id, unsent = next(iter(session.unsent.items()))
+            try:
+                send(unsent)
+            except Exception:  # the lane broke: the answers wait for the session's next stream
+                return
+            _written(session, call_id, unsent)
+
+
+def _written(session: Session, call_id: int, answer: pb.HostAnswer) -> None:
+    """``answer`` went out: kept a while for the agent's resends (within ``KEPT_ANSWERS`` and ``KEPT_BYTES``)."""
+    del session.unsent[call_id]
+    if (again := session.sent.pop(call_id, None)) is not None:  # an answer sent a second time
+        session.sent_bytes -= again.ByteSize()
+    session.sent[call_id] = answer
+    session.sent_bytes += answer.ByteSize()
+    while len(session.sent) > KEPT_ANSWERS or session.sent_bytes > KEPT_BYTES:
+        session.sent_bytes -= session.sent.popitem(last=False)[1].ByteSize()
 
 
 def _lost(call_id: int) -> pb.HostAnswer:

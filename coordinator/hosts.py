@@ -27,11 +27,18 @@ class WaiterGroup:
     every waiter has its outcome (or at the first error when ``fail_fast``), so that releasing thousands of
     ranks wakes one task per host instead of one per rank."""
 
-    def __init__(self, size: int, fut: asyncio.Future[None], fail_fast: bool) -> None:
+    def __init__(
+        self,
+        size: int,
+        fut: asyncio.Future[None],
+        fail_fast: bool,
+        on_done: Callable[[list[object]], None] | None = None,
+    ) -> None:
         self.outcomes: list[object] = [UNSETTLED] * size
         self._left = size
         self.fut = fut
         self._fail_fast = fail_fast
+        self._on_done = on_done
 
     def expire(self) -> None:
         """The call's backstop: the state machine failed to answer its waiters in time (an internal error)."""
@@ -45,13 +52,20 @@ class WaiterGroup:
         self._left -= 1
         if not self.fut.done() and (self._left == 0 or (self._fail_fast and isinstance(outcome, StateError))):
             self.fut.set_result(None)
+            if self._left == 0 and self._on_done is not None:
+                self._on_done(self.outcomes)
 
 
 class BlockMany(Protocol):
     """The service's ``_block_many``: registers waiters, answers each one's value or ``StateError`` in order."""
 
     def __call__(
-        self, registers: list[Callable[[int], None]], limit_s: float, *, fail_fast: bool = False
+        self,
+        registers: list[Callable[[int], None]],
+        limit_s: float,
+        *,
+        fail_fast: bool = False,
+        on_done: Callable[[list[object]], None] | None = None,
     ) -> Awaitable[list[object]]: ...
 
 
@@ -157,9 +171,13 @@ def heartbeat_host(state: CoordinatorState, request: pb.HeartbeatHostRequest) ->
 
 
 async def barrier_host(
-    state: CoordinatorState, block: BlockMany, request: pb.BarrierHostRequest
+    state: CoordinatorState,
+    block: BlockMany,
+    request: pb.BarrierHostRequest,
+    on_done: Callable[[pb.BarrierHostResponse], None] | None = None,
 ) -> pb.BarrierHostResponse:
-    """Every arriving rank of the request arrives at the barrier; answers each arrival's outcome."""
+    """Every arriving rank of the request arrives at the barrier; answers each arrival's outcome (and hands it
+    to ``on_done`` the moment the last one is settled, before this call resumes)."""
     epoch, name, ranks, timeout_s = request.epoch, request.name, list(request.ranks), request.timeout_s
 
     def arriving(rank: int) -> Callable[[int], None]:
@@ -168,8 +186,11 @@ async def barrier_host(
 
         return register
 
-    outcomes = await block([arriving(r) for r in request.arriving], request.timeout_s)
-    ok = pb.CallError()
-    return pb.BarrierHostResponse(
-        errors=[call_error(o) if isinstance(o, StateError) else ok for o in outcomes]
-    )
+    def response(outcomes: list[object]) -> pb.BarrierHostResponse:
+        ok = pb.CallError()
+        return pb.BarrierHostResponse(
+            errors=[call_error(o) if isinstance(o, StateError) else ok for o in outcomes]
+        )
+
+    done = None if on_done is None else (lambda outcomes: on_done(response(outcomes)))
+    return response(await block([arriving(r) for r in request.arriving], request.timeout_s, on_done=done))

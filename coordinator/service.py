@@ -118,12 +118,18 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return outcome
 
     async def _block_many(
-        self, registers: list[Callable[[int], None]], limit_s: float, *, fail_fast: bool = False
+        self,
+        registers: list[Callable[[int], None]],
+        limit_s: float,
+        *,
+        fail_fast: bool = False,
+        on_done: Callable[[list[object]], None] | None = None,
     ) -> list[object]:
         """``_block`` for several waiters at once (a host call): each one's value or ``StateError``, in order.
-        With ``fail_fast``, the first error answers at once and the others are withdrawn."""
+        With ``fail_fast``, the first error answers at once and the others are withdrawn. ``on_done`` gets the
+        outcomes as the last one is settled (synchronously, inside the state's effects), before this resumes."""
         loop = asyncio.get_running_loop()
-        group = WaiterGroup(len(registers), loop.create_future(), fail_fast)
+        group = WaiterGroup(len(registers), loop.create_future(), fail_fast, on_done)
         earliest = time.monotonic() + limit_s  # no waiter of this call times out before it
         backstop = loop.call_later(limit_s + _BACKSTOP_S, group.expire)
         waiters = []
