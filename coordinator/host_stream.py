@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from paramplane.coordinator.hosts import BlockMany, barrier_host, call_error
+from paramplane.coordinator.hosts import Blocked, Blocking, barrier_arrivals, barrier_response, call_error
 from paramplane.coordinator.model import ErrorKind, StateError
 from paramplane.coordinator.state import CoordinatorState
 from paramplane.protos import coordinator_pb2 as pb
@@ -61,12 +61,12 @@ class HostStreams:
     def __init__(
         self,
         state: CoordinatorState,
+        blocking: Blocking,
         block: Block,
-        block_many: BlockMany,
         sync: Sync,
         num_calls: collections.Counter[str],
     ) -> None:
-        self._state, self._block, self._block_many, self._sync = state, block, block_many, sync
+        self._state, self._blocking, self._block, self._sync = state, blocking, block, sync
         self._num_calls = num_calls
         self._sessions: dict[str, Session] = {}
         self._drains: set[asyncio.Task[None]] = set()
@@ -163,17 +163,47 @@ class HostStreams:
         session.seen = call_id
         kind = call.WhichOneof("call") or "none"
         self._num_calls[f"HostCalls.{kind}"] += 1
-        task = asyncio.ensure_future(self._run(session, call))
+        if kind == "barrier":
+            try:
+                blocked, work = self._barrier(session, call)
+            except Exception as e:  # a bug: the agent still gets an answer, not a wait until its deadline
+                log.exception("host call %d failed", call_id)
+                session.unsent[call_id] = _internal(call_id, e)
+                self._spawn(self._drain(session))
+                return
+            task = asyncio.ensure_future(self._run(session, call, work))
+            task.add_done_callback(lambda _: self._blocking.leave_many(blocked))  # even if it never ran
+        else:
+            task = asyncio.ensure_future(self._run(session, call, self._answer(call)))
         session.running[call_id] = task
 
-    async def _run(self, session: Session, call: pb.HostCall) -> None:
+    def _barrier(self, session: Session, call: pb.HostCall) -> tuple[Blocked, Awaitable[pb.HostAnswer]]:
+        """The host's arrivals registered now, as the call is read: the last host's arrival releases everyone
+        before any task runs, and each host's answer is written as its waiters settle (``_answer_now``)."""
+
+        def now(outcomes: list[object]) -> None:
+            answer = pb.HostAnswer(call_id=call.call_id, barrier=barrier_response(outcomes))
+            self._answer_now(session, answer)
+
+        request = call.barrier
+        blocked = self._blocking.enter_many(
+            barrier_arrivals(self._state, request), request.timeout_s, on_done=now
+        )
+
+        async def answer() -> pb.HostAnswer:
+            outcomes = await self._blocking.wait_many(blocked)
+            return pb.HostAnswer(call_id=call.call_id, barrier=barrier_response(outcomes))
+
+        return blocked, answer()
+
+    async def _run(self, session: Session, call: pb.HostCall, work: Awaitable[pb.HostAnswer]) -> None:
         try:
-            answer = await self._answer(session, call)
+            answer = await work
         except StateError as e:
             answer = pb.HostAnswer(call_id=call.call_id, error=call_error(e))
         except Exception as e:  # a bug: the agent still gets an answer, not a wait until its deadline
             log.exception("host call %d failed", call.call_id)
-            answer = pb.HostAnswer(call_id=call.call_id, error=pb.CallError(code="INTERNAL", details=repr(e)))
+            answer = _internal(call.call_id, e)
         finally:
             session.running.pop(call.call_id, None)
         if call.call_id in session.sent:
@@ -181,15 +211,9 @@ class HostStreams:
         session.unsent[call.call_id] = answer
         await self._drain(session)
 
-    async def _answer(self, session: Session, call: pb.HostCall) -> pb.HostAnswer:
+    async def _answer(self, call: pb.HostCall) -> pb.HostAnswer:
+        """A set's or a waiting get's answer."""
         state, kind = self._state, call.WhichOneof("call")
-        if kind == "barrier":
-
-            def now(response: pb.BarrierHostResponse) -> None:
-                self._answer_now(session, pb.HostAnswer(call_id=call.call_id, barrier=response))
-
-            response = await barrier_host(state, self._block_many, call.barrier, now)
-            return pb.HostAnswer(call_id=call.call_id, barrier=response)
         if kind == "kv_set":
             kv = call.kv_set
             await self._sync(lambda: state.kv_set(kv.epoch, kv.key, kv.value))
@@ -244,6 +268,10 @@ def _written(session: Session, call_id: int, answer: pb.HostAnswer) -> None:
     session.sent_bytes += answer.ByteSize()
     while len(session.sent) > KEPT_ANSWERS or session.sent_bytes > KEPT_BYTES:
         session.sent_bytes -= session.sent.popitem(last=False)[1].ByteSize()
+
+
+def _internal(call_id: int, error: Exception) -> pb.HostAnswer:
+    return pb.HostAnswer(call_id=call_id, error=pb.CallError(code="INTERNAL", details=repr(error)))
 
 
 def _lost(call_id: int) -> pb.HostAnswer:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from paramplane.coordinator.model import Assignment, ErrorKind, Joiner, StateError
@@ -56,16 +57,37 @@ class WaiterGroup:
                 self._on_done(self.outcomes)
 
 
-class BlockMany(Protocol):
-    """The service's ``_block_many``: registers waiters, answers each one's value or ``StateError`` in order."""
+@dataclass
+class Blocked:
+    """The waiters of one host call, registered (``Blocking.enter_many``) and not yet withdrawn."""
 
-    def __call__(
+    group: WaiterGroup
+    waiters: list[int]
+    backstop: asyncio.TimerHandle
+
+
+class Blocking(Protocol):
+    """The service's waits in two halves, for a host call that registers before its task first runs."""
+
+    def enter_many(
         self,
         registers: list[Callable[[int], None]],
         limit_s: float,
         *,
         fail_fast: bool = False,
         on_done: Callable[[list[object]], None] | None = None,
+    ) -> Blocked: ...
+
+    async def wait_many(self, blocked: Blocked) -> list[object]: ...
+
+    def leave_many(self, blocked: Blocked) -> None: ...
+
+
+class BlockMany(Protocol):
+    """The service's ``_block_many``: registers waiters, answers each one's value or ``StateError`` in order."""
+
+    def __call__(
+        self, registers: list[Callable[[int], None]], limit_s: float, *, fail_fast: bool = False
     ) -> Awaitable[list[object]]: ...
 
 
@@ -171,13 +193,14 @@ def heartbeat_host(state: CoordinatorState, request: pb.HeartbeatHostRequest) ->
 
 
 async def barrier_host(
-    state: CoordinatorState,
-    block: BlockMany,
-    request: pb.BarrierHostRequest,
-    on_done: Callable[[pb.BarrierHostResponse], None] | None = None,
+    state: CoordinatorState, block: BlockMany, request: pb.BarrierHostRequest
 ) -> pb.BarrierHostResponse:
-    """Every arriving rank of the request arrives at the barrier; answers each arrival's outcome (and hands it
-    to ``on_done`` the moment the last one is settled, before this call resumes)."""
+    """Every arriving rank of the request arrives at the barrier; answers each arrival's outcome."""
+    return barrier_response(await block(barrier_arrivals(state, request), request.timeout_s))
+
+
+def barrier_arrivals(state: CoordinatorState, request: pb.BarrierHostRequest) -> list[Callable[[int], None]]:
+    """Each arriving rank's registration with the state, for ``block`` / ``Blocking.enter_many``."""
     epoch, name, ranks, timeout_s = request.epoch, request.name, list(request.ranks), request.timeout_s
 
     def arriving(rank: int) -> Callable[[int], None]:
@@ -186,11 +209,12 @@ async def barrier_host(
 
         return register
 
-    def response(outcomes: list[object]) -> pb.BarrierHostResponse:
-        ok = pb.CallError()
-        return pb.BarrierHostResponse(
-            errors=[call_error(o) if isinstance(o, StateError) else ok for o in outcomes]
-        )
+    return [arriving(r) for r in request.arriving]
 
-    done = None if on_done is None else (lambda outcomes: on_done(response(outcomes)))
-    return response(await block([arriving(r) for r in request.arriving], request.timeout_s, on_done=done))
+
+def barrier_response(outcomes: list[object]) -> pb.BarrierHostResponse:
+    """The arrivals' outcomes, in order: a release (no error) or the rank's error."""
+    ok = pb.CallError()
+    return pb.BarrierHostResponse(
+        errors=[call_error(o) if isinstance(o, StateError) else ok for o in outcomes]
+    )

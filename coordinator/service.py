@@ -21,6 +21,7 @@ import grpc
 from paramplane.coordinator.host_stream import HostStreams
 from paramplane.coordinator.hosts import (
     UNSETTLED,
+    Blocked,
     WaiterGroup,
     assignment_wire,
     barrier_host,
@@ -77,7 +78,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.num_calls: collections.Counter[str] = collections.Counter()
         """Calls answered, by method name (counted by the server's handlers)."""
         self._peers_wire: tuple[tuple[RankInfo, ...], bytes] | None = None  # the last table, serialized
-        self._hosts = HostStreams(state, self._block, self._block_many, self._sync, self.num_calls)
+        self._hosts = HostStreams(state, self, self._block, self._sync, self.num_calls)
         self.lane_port = 0
         """The host lane's port offered to agents on their ``HostCalls`` streams (0: none)."""
 
@@ -123,46 +124,70 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         limit_s: float,
         *,
         fail_fast: bool = False,
-        on_done: Callable[[list[object]], None] | None = None,
     ) -> list[object]:
         """``_block`` for several waiters at once (a host call): each one's value or ``StateError``, in order.
-        With ``fail_fast``, the first error answers at once and the others are withdrawn. ``on_done`` gets the
-        outcomes as the last one is settled (synchronously, inside the state's effects), before this resumes."""
+        With ``fail_fast``, the first error answers at once and the others are withdrawn."""
+        return await self.wait_many(self.enter_many(registers, limit_s, fail_fast=fail_fast))
+
+    def enter_many(
+        self,
+        registers: list[Callable[[int], None]],
+        limit_s: float,
+        *,
+        fail_fast: bool = False,
+        on_done: Callable[[list[object]], None] | None = None,
+    ) -> Blocked:
+        """``_block_many``'s first half, done before it returns: the waiters registered (and, when they complete
+        what others waited for, everyone settled). ``wait_many`` waits for the outcomes and ``leave_many``
+        withdraws what is left; one of the two must follow. ``on_done`` gets the outcomes as the last one is
+        settled (synchronously, inside the state's effects), before ``wait_many`` resumes."""
         loop = asyncio.get_running_loop()
         group = WaiterGroup(len(registers), loop.create_future(), fail_fast, on_done)
         earliest = time.monotonic() + limit_s  # no waiter of this call times out before it
-        backstop = loop.call_later(limit_s + _BACKSTOP_S, group.expire)
-        waiters = []
+        blocked = Blocked(group, [], loop.call_later(limit_s + _BACKSTOP_S, group.expire))
         try:
             for slot, register in enumerate(registers):
                 if group.fut.done():
                     break  # failed fast: the rest never arrive
                 waiter = next(self._ids)
                 self._waiters[waiter] = (group, slot)
-                waiters.append(waiter)
+                blocked.waiters.append(waiter)
                 try:
                     register(waiter)
                 except StateError as e:
                     group.settle(slot, e)
             self._flush()
-            if earliest < self._due:
-                self._wake.set()  # a deadline before the ticker's next wake-up: it wakes earlier
-            await group.fut
-            return group.outcomes
+        except BaseException:
+            self.leave_many(blocked)
+            raise
+        if earliest < self._due:
+            self._wake.set()  # a deadline before the ticker's next wake-up: it wakes earlier
+        return blocked
+
+    async def wait_many(self, blocked: Blocked) -> list[object]:
+        """The outcomes of ``enter_many``'s waiters, in order (each a value or ``StateError``)."""
+        try:
+            await blocked.group.fut
+            return blocked.group.outcomes
         except asyncio.TimeoutError:
             raise StateError(
                 ErrorKind.DEADLINE_EXCEEDED, "the coordinator missed its own deadline (internal error)"
             ) from None
         finally:
-            backstop.cancel()
-            withdrawn = False
-            for slot, waiter in enumerate(waiters):
-                del self._waiters[waiter]
-                if group.outcomes[slot] is UNSETTLED:
-                    self._state.cancel(waiter)
-                    withdrawn = True
-            if withdrawn:
-                self._flush()
+            self.leave_many(blocked)
+
+    def leave_many(self, blocked: Blocked) -> None:
+        """Withdraw ``enter_many``'s waiters not settled yet (once; later calls do nothing)."""
+        blocked.backstop.cancel()
+        withdrawn = False
+        for slot, waiter in enumerate(blocked.waiters):
+            del self._waiters[waiter]
+            if blocked.group.outcomes[slot] is UNSETTLED:
+                self._state.cancel(waiter)
+                withdrawn = True
+        blocked.waiters.clear()
+        if withdrawn:
+            self._flush()
 
     async def _guard(self, context: grpc.aio.ServicerContext, work: Awaitable[_T]) -> _T:
         try:

@@ -301,10 +301,10 @@ async def test_a_host_call_the_coordinator_does_not_answer_fails_at_its_deadline
     """The agent's own deadline on each call of its stream: a call left unanswered fails typed
     (DEADLINE_EXCEEDED) at its deadline, not later, and the calls after it are answered on the same stream."""
 
-    async def never(*args: Any) -> Any:
-        await asyncio.Event().wait()
+    def never(*args: Any) -> list[Callable[[int], None]]:
+        return [lambda waiter: None]  # an arrival the state never hears of: never settled
 
-    monkeypatch.setattr(host_stream, "barrier_host", never)
+    monkeypatch.setattr(host_stream, "barrier_arrivals", never)
     server = await CoordinatorServer.start(CoordinatorConfig(port=0, world_size=1, heartbeat_timeout_s=120))
     rank = CoordinatorClient(server.address, call_timeout_s=10.0)
     upstream = CoordinatorClient(server.address, call_timeout_s=10.0)
