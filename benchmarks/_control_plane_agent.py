@@ -11,6 +11,7 @@ puts it in: each agent serves its Unix socket and each rank is a ``CoordinatorCl
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import tempfile
 import time
@@ -19,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from paramplane.agent_lane import LANE_NAME, RankLanes
 from paramplane.benchmarks._control_plane_rounds import new_out, plan
 from paramplane.coordinator.server import add_servicer
 from paramplane.host_agent import HostAgent, Relayed
@@ -147,6 +149,7 @@ async def sim_agents_hop(
     folder = tempfile.mkdtemp(prefix="pp-cp-agents-")
     agents: dict[int, HostAgent] = {}
     servers: list[grpc.aio.Server] = []
+    lanes: list[RankLanes] = []
     sockets: dict[int, str] = {}
     try:
         for _, host in _my_ranks(n, hosts, procs, index):
@@ -156,13 +159,18 @@ async def sim_agents_hop(
             agents[host] = HostAgent(upstream, host_id=f"sim-host-{host}", num_local=n // hosts)
             server = grpc.aio.server(interceptors=[TokenAuthInterceptor(None)])  # as agent_server.py serves
             add_servicer(agents[host], server, agents[host].num_calls)
-            sockets[host] = f"unix:{folder}/agent-{host}.sock"
+            os.mkdir(f"{folder}/host-{host}")  # a folder per agent, as agent_server.py makes
+            sockets[host] = f"unix:{folder}/host-{host}/agent.sock"
             server.add_insecure_port(sockets[host])
             await server.start()
             servers.append(server)
+            lanes.append(RankLanes(agents[host], None))  # and its rank lane beside
+            await lanes[-1].start(f"{folder}/host-{host}/{LANE_NAME}")
             agents[host].start()
         return await _sim_paramplane(address, n, hosts, procs, index, steady_s, rounds, agents=sockets)
     finally:
+        for lane in lanes:
+            await lane.stop()
         for server in servers:
             await server.stop(0)
         for agent in agents.values():

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 
+from paramplane.agent_lane import LANE_NAME, RankLanes
 from paramplane.coordinator.server import add_servicer
 from paramplane.host_agent import HostAgent
 from paramplane.node.coord_client import MAX_MESSAGE_BYTES, CoordinatorClient
@@ -37,6 +38,8 @@ class AgentThread:
         self._folder = tempfile.mkdtemp(prefix="paramplane-agent-")  # mode 0700: only this user's ranks
         self.address = f"unix:{Path(self._folder) / 'agent.sock'}"
         """Where the ranks call (``PARAMPLANE_AGENT``)."""
+        self.lane_path = str(Path(self._folder) / LANE_NAME)
+        """The rank lane beside it (``agent_lane.py``): the ranks' clients find it there."""
         self.agent: HostAgent | None = None
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -76,6 +79,8 @@ class AgentThread:
             if server.add_insecure_port(self.address) == 0:
                 raise OSError(f"cannot bind {self.address}")
             await server.start()
+            lanes = RankLanes(agent, token)
+            await lanes.start(self.lane_path)
             agent.start()
             self.agent = agent
             self._stop = asyncio.Event()
@@ -87,6 +92,7 @@ class AgentThread:
         try:
             await self._stop.wait()
         finally:
+            await lanes.stop()
             await server.stop(0.5)
             await agent.stop()
 

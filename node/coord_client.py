@@ -10,15 +10,16 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import grpc
 
 from paramplane.coordinator.model import RankStats
+from paramplane.node.coord_lane import RankLane
 from paramplane.node.errors import (
     AuthError,
     CollectiveMismatch,
@@ -154,6 +155,11 @@ class CoordinatorClient:
         self._timeout_s = _check_timeout(call_timeout_s)
         self._metadata = token_metadata(token)
         self._token = token
+        # Calling a host agent (unix:PATH): its rank lane, if it serves one beside (client/agent_lane.py).
+        self._lane_path = (
+            str(Path(address[5:]).with_name("lane.sock")) if address.startswith("unix:") else None
+        )
+        self._lane: RankLane | None = None
         self._lane_host = (
             None if tls_root_cert is not None or address.startswith("unix:") else parse_address(address)[0]
         )
@@ -186,15 +192,14 @@ class CoordinatorClient:
             if not fut.done():
                 fut.set_result(None)
 
-    async def _wait(
-        self, call: str, method: grpc.aio.UnaryUnaryMultiCallable, request: object, timeout_s: float
-    ) -> object:
-        """``_call`` for a call that waits on other ranks, raced against ``fail_waits``."""
+    async def _wait(self, work: Coroutine[Any, Any, T]) -> T:
+        """A call that waits on other ranks (``_call`` or ``_lane_call``), raced against ``fail_waits``."""
         if self._failure is not None:
+            work.close()
             raise self._failure
         failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waits.add(failed)
-        task = asyncio.ensure_future(self._call(call, method, request, timeout_s))
+        task = asyncio.ensure_future(work)
         try:
             await asyncio.wait((task, failed), return_when=asyncio.FIRST_COMPLETED)
             if task.done():
@@ -230,6 +235,20 @@ class CoordinatorClient:
                 metadata=self._metadata,
                 wait_for_ready=wait_for_ready,
             )
+        except grpc.aio.AioRpcError as e:
+            raise _plane_error(e, self.address, call) from None
+
+    def _use_lane(self) -> RankLane | None:
+        """The host agent's rank lane, when this client calls an agent that serves one (``lane.sock``)."""
+        if self._lane is None and self._lane_path is not None and os.path.exists(self._lane_path):
+            self._lane = RankLane(self._lane_path, self._token, MAX_MESSAGE_BYTES)
+        return self._lane
+
+    async def _lane_call(
+        self, lane: RankLane, call: str, message: pb.HostCall, timeout_s: float
+    ) -> pb.HostAnswer:
+        try:
+            return await lane.call(message, timeout_s)
         except grpc.aio.AioRpcError as e:
             raise _plane_error(e, self.address, call) from None
 
@@ -301,19 +320,29 @@ class CoordinatorClient:
             heartbeat_timeout_s=response.heartbeat_timeout_s,
             job_id=response.job_id,
         )
+        if (lane := self._use_lane()) is not None:
+            lane.open_soon()  # the first barrier after the join does not wait for the lane to open
         return self.membership
 
     async def kv_set(self, key: str, value: bytes) -> None:
-        await self._call(
-            "kv_set", self._stub.KVSet, pb.KVSetRequest(epoch=self._member().epoch, key=key, value=value)
-        )
+        request = pb.KVSetRequest(epoch=self._member().epoch, key=key, value=value)
+        if (lane := self._use_lane()) is not None:
+            await self._lane_call(lane, "kv_set", pb.HostCall(kv_set=request), self._timeout_s)
+            return
+        await self._call("kv_set", self._stub.KVSet, request)
 
     async def kv_get(self, key: str, *, wait: bool = False, timeout_s: float | None = None) -> bytes | None:
         """The value of ``key`` (None if absent); with ``wait``, block until it is set (CollectiveTimeout after timeout_s)."""
         wait_s = _check_timeout(self._timeout_s if timeout_s is None else timeout_s) if wait else 0.0
         request = pb.KVGetRequest(epoch=self._member().epoch, key=key, wait=wait, timeout_s=wait_s)
-        if wait:
-            response = await self._wait("kv_wait", self._stub.KVGet, request, wait_s + WAIT_MARGIN_S)
+        response: object
+        if wait and (lane := self._use_lane()) is not None:
+            call = self._lane_call(lane, "kv_wait", pb.HostCall(kv_get=request), wait_s + WAIT_MARGIN_S)
+            response = (await self._wait(call)).value
+        elif wait:
+            response = await self._wait(
+                self._call("kv_wait", self._stub.KVGet, request, wait_s + WAIT_MARGIN_S)
+            )
         else:
             response = await self._call("kv_get", self._stub.KVGet, request)
         assert isinstance(response, pb.KVGetResponse)
@@ -359,7 +388,14 @@ class CoordinatorClient:
             ranks=list(ranks or ()),
             timeout_s=_check_timeout(timeout_s),
         )
-        await self._wait("barrier", self._stub.Barrier, request, timeout_s + WAIT_MARGIN_S)
+        if (lane := self._use_lane()) is not None:
+            arrival = pb.BarrierHostRequest(
+                epoch=m.epoch, name=name, arriving=[m.rank], ranks=request.ranks, timeout_s=request.timeout_s
+            )
+            message = pb.HostCall(barrier=arrival)
+            await self._wait(self._lane_call(lane, "barrier", message, timeout_s + WAIT_MARGIN_S))
+            return
+        await self._wait(self._call("barrier", self._stub.Barrier, request, timeout_s + WAIT_MARGIN_S))
 
     async def heartbeat(
         self, progress: Mapping[str, tuple[int, int]], stats: RankStats | None = None
@@ -486,6 +522,8 @@ class CoordinatorClient:
         return self._stub.Watch(pb.WatchRequest(epoch=epoch, rank=rank), metadata=self._metadata)
 
     async def close(self) -> None:
+        if self._lane is not None:
+            self._lane.close()
         await self._channel.close(None)
 
     async def __aenter__(self) -> CoordinatorClient:

@@ -1,14 +1,19 @@
-"""The host lane (coordinator/host_lane.py, client/agent_stream.py): host agents' calls on plain TCP.
+"""The lanes: host agents' calls to the coordinator on plain TCP (coordinator/host_lane.py,
+client/agent_stream.py), and ranks' calls to their agent on a Unix socket (client/agent_lane.py,
+node/coord_lane.py).
 
 Real coordinators on 127.0.0.1 port 0, real agents. Agents move their host calls to the lane and lose nothing
 when it breaks; the lane refuses a wrong token, oversized, undecodable and late frames, and keeps serving; an
-agent that cannot reach the lane, or a coordinator that serves none, keeps the calls on gRPC.
+agent that cannot reach the lane, or a coordinator that serves none, keeps the calls on gRPC. Ranks wait on
+their agent through its rank lane with the typed errors of the gRPC calls, and use the gRPC calls where the
+agent serves no lane.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import socket
 import struct
@@ -16,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from paramplane import CollectiveMismatch, CollectiveTimeout, WorldAborted
+from paramplane.agent_server import AgentThread
 from paramplane.coordinator import host_lane
 from paramplane.coordinator.server import CoordinatorConfig, CoordinatorServer
 from paramplane.host_agent import HostAgent
@@ -140,6 +147,77 @@ async def test_without_a_reachable_lane_the_agent_keeps_its_calls_on_grpc(
     finally:
         await agent.stop()
         await status.close()
+        await server.stop(grace=0.1)
+
+
+async def test_ranks_wait_on_their_agents_lane_with_the_grpc_calls_typed_errors() -> None:
+    agents: list[AgentThread] = []
+    async with served_world(num_hosts=2, per_host=2, agents_out=agents) as (_, _, ranks):
+        await asyncio.wait_for(asyncio.gather(*(r.barrier("b", timeout_s=20) for r in ranks)), 30)
+        waiting = [asyncio.ensure_future(r.kv_get("uid", wait=True, timeout_s=20)) for r in ranks[1:]]
+        await ranks[0].kv_set("uid", b"id")
+        assert await asyncio.wait_for(asyncio.gather(*waiting), 30) == [b"id"] * 3
+        for agent in agents:  # none of those calls reached the agents' gRPC service
+            assert agent.agent is not None
+            c = agent.agent.num_calls
+            assert not c.get("Barrier") and not c.get("KVGet") and not c.get("KVSet"), dict(c)
+        # The gRPC calls' typed errors, through the lanes: a timeout, ranks that disagree on a barrier's
+        # participants, an abort.
+        timed = await asyncio.wait_for(
+            asyncio.gather(*(r.barrier("t", timeout_s=0.5) for r in ranks[:3]), return_exceptions=True), 30
+        )
+        assert all(isinstance(t, CollectiveTimeout) and "missing ranks" in str(t) for t in timed), timed
+        mismatched = await asyncio.wait_for(
+            asyncio.gather(
+                ranks[0].barrier("m", ranks=[0, 1], timeout_s=10),
+                ranks[1].barrier("m", ranks=[0, 1, 2], timeout_s=10),
+                return_exceptions=True,
+            ),
+            30,
+        )
+        assert all(isinstance(m, CollectiveMismatch) for m in mismatched), mismatched
+        gets = [asyncio.ensure_future(r.kv_get("never", wait=True, timeout_s=20)) for r in ranks[:2]]
+        await ranks[3].abort("rank 3 gives up")
+        outcomes = await asyncio.wait_for(asyncio.gather(*gets, return_exceptions=True), 30)
+        assert all(isinstance(o, WorldAborted) and o.rank == 3 for o in outcomes), outcomes
+
+
+async def test_ranks_of_an_agent_without_a_lane_use_its_grpc_service() -> None:
+    server = await CoordinatorServer.start(CoordinatorConfig(port=0, world_size=2, heartbeat_timeout_s=120))
+    agent = AgentThread(server.address, host_id="h", num_local=2, token=None)
+    socket_address = agent.start()
+    ranks = [CoordinatorClient(socket_address, call_timeout_s=10.0) for _ in range(2)]
+    os.unlink(agent.lane_path)  # an agent that serves no lane (as one before it did)
+    try:
+        joins = (
+            r.join(host_id="h", peer_address=f"127.0.0.1:{7000 + i}", instance_id=f"i{i}", timeout_s=20)
+            for i, r in enumerate(ranks)
+        )
+        await asyncio.wait_for(asyncio.gather(*joins), 30)
+        await asyncio.wait_for(asyncio.gather(*(r.barrier("b", timeout_s=20) for r in ranks)), 30)
+        assert agent.agent is not None and agent.agent.num_calls.get("Barrier") == 2
+    finally:
+        for r in ranks:
+            await r.close()
+        agent.stop()
+        await server.stop(grace=0.1)
+
+
+async def test_the_rank_lane_refuses_a_wrong_token() -> None:
+    server = await CoordinatorServer.start(CoordinatorConfig(port=0, world_size=1, token=TOKEN))
+    agent = AgentThread(server.address, host_id="h", num_local=1, token=TOKEN)
+    agent.start()
+    try:
+        reader, writer = await asyncio.open_unix_connection(agent.lane_path)
+        writer.write(frame(pb.HostLaneHello(token="not-it")))
+        assert await asyncio.wait_for(reader.read(), 10) == b"", "the lane answered a wrong token"
+        writer.close()
+        reader, writer = await asyncio.open_unix_connection(agent.lane_path)
+        writer.write(frame(pb.HostLaneHello(token=TOKEN)))
+        assert (await _answer(reader)).call_id == 0  # the right token is acknowledged
+        writer.close()
+    finally:
+        agent.stop()
         await server.stop(grace=0.1)
 
 

@@ -38,9 +38,9 @@ async def world(num_hosts: int, per_host: int, num_direct: int = 0) -> AsyncIter
 
 @asynccontextmanager
 async def served_world(
-    num_hosts: int, per_host: int, num_direct: int = 0
+    num_hosts: int, per_host: int, num_direct: int = 0, agents_out: list[AgentThread] | None = None
 ) -> AsyncIterator[tuple[CoordinatorServer, Any, list[Any]]]:
-    """``world``, with its coordinator server first."""
+    """``world``, with its coordinator server first (and its agents appended to ``agents_out``)."""
     n = num_hosts * per_host + num_direct
     # No heartbeats here: a timeout longer than any test keeps the world from aborting for silence.
     server = await CoordinatorServer.start(CoordinatorConfig(port=0, world_size=n, heartbeat_timeout_s=120))
@@ -48,6 +48,8 @@ async def served_world(
         AgentThread(server.address, host_id=f"host-{h}", num_local=per_host, token=None)
         for h in range(num_hosts)
     ]
+    if agents_out is not None:
+        agents_out.extend(agents)
     made: list[CoordinatorClient] = []
     try:
         hosts = []  # rank -> host: host h's ranks first, by host, then the direct ranks
