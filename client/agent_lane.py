@@ -14,7 +14,6 @@ sides; on a socket the event loops read and write it themselves.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from typing import Any
@@ -25,14 +24,20 @@ from paramplane.agent_relay import Relayed
 from paramplane.host_agent import HostAgent
 from paramplane.node.coord_client import MAX_MESSAGE_BYTES
 from paramplane.protos import coordinator_pb2 as pb
-from paramplane.protos.auth import ABORT_RANK_METADATA_KEY, LEFT_RANK_METADATA_KEY, MISMATCH_METADATA_KEY
-from paramplane.protos.host_lane import FrameProtocol, LaneClosed, decode
+from paramplane.protos.auth import call_error_of
+from paramplane.protos.host_lane import (
+    HELLO_BYTES,
+    FrameProtocol,
+    FrameServer,
+    LaneClosed,
+    check_hello,
+    decode,
+)
 
 log = logging.getLogger("paramplane.agent")
 
 LANE_NAME = "lane.sock"
 """The rank lane's socket, beside the agent's gRPC socket in its private folder."""
-HELLO_BYTES = 4096
 _OK = pb.BarrierHostResponse(errors=[pb.CallError()])
 
 
@@ -51,14 +56,7 @@ class _Context:
 
 def call_error(error: Relayed) -> pb.CallError:
     """``error`` as the lane carries it: its status, details and what its trailers say."""
-    trailers = dict(error.trailers)
-    return pb.CallError(
-        code=error.code.name,
-        details=error.details,
-        abort_rank=int(trailers.get(ABORT_RANK_METADATA_KEY, -1)),
-        left_rank=int(trailers.get(LEFT_RANK_METADATA_KEY, -1)),
-        mismatch=bool(trailers.get(MISMATCH_METADATA_KEY)),
-    )
+    return call_error_of(error.code.name, error.details, error.trailers)
 
 
 class _Connection:
@@ -72,10 +70,7 @@ class _Connection:
 
     def _frame(self, data: bytes) -> None:
         if not self._hello:
-            hello = decode(pb.HostLaneHello(), data)
-            token = self._lanes.token
-            if token is not None and not hmac.compare_digest(hello.token.encode(), token.encode()):
-                raise LaneClosed("a wrong or missing token")
+            check_hello(data, self._lanes.token)
             self._hello = True
             self.conn.max_bytes = MAX_MESSAGE_BYTES
             self.conn.write(pb.HostAnswer())  # the acknowledgement: call id 0
@@ -128,20 +123,11 @@ class RankLanes:
 
     def __init__(self, agent: HostAgent, token: str | None) -> None:
         self.agent, self.token = agent, token
-        self.conns: set[FrameProtocol] = set()
-        self._server: asyncio.AbstractServer | None = None
+        self._frames = FrameServer(lambda: _Connection(self).conn)
+        self.conns = self._frames.conns
 
     async def start(self, path: str) -> None:
-        self._server = await asyncio.get_running_loop().create_unix_server(self._accept, path)
-
-    def _accept(self) -> FrameProtocol:
-        conn = _Connection(self).conn
-        self.conns.add(conn)
-        return conn
+        await self._frames.start_unix(path)
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            for conn in list(self.conns):
-                conn.close()
-            await self._server.wait_closed()
+        await self._frames.stop()

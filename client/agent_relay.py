@@ -18,7 +18,7 @@ import grpc
 from paramplane.node.coord_client import WAIT_MARGIN_S, CoordinatorClient
 from paramplane.protos import coordinator_pb2 as pb
 from paramplane.protos import coordinator_pb2_grpc as pb_grpc
-from paramplane.protos.auth import ABORT_RANK_METADATA_KEY, LEFT_RANK_METADATA_KEY, MISMATCH_METADATA_KEY
+from paramplane.protos.auth import call_error_trailers
 
 KV_WAIT_SLACK_S = 1.0
 """A waiting get joins another's upstream call for the same key when that call's deadline is at most this much
@@ -49,14 +49,7 @@ class Relayed(Exception):
 
     @classmethod
     def of_call(cls, error: pb.CallError) -> Relayed:
-        trailers: list[tuple[str, str]] = []
-        if error.code == "ABORTED":
-            trailers.append((ABORT_RANK_METADATA_KEY, str(error.abort_rank)))
-        elif error.mismatch:
-            trailers.append((MISMATCH_METADATA_KEY, "1"))
-        elif error.left_rank >= 0:
-            trailers.append((LEFT_RANK_METADATA_KEY, str(error.left_rank)))
-        return cls(grpc.StatusCode[error.code], error.details, tuple(trailers))
+        return cls(grpc.StatusCode[error.code], error.details, call_error_trailers(error))
 
 
 class RelayServicer(pb_grpc.CoordinatorServicer):

@@ -16,20 +16,24 @@ lane cannot be reached (a firewall, a port not published). Not offered with TLS 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 
 from paramplane.coordinator.host_stream import HostStreams, Session
 from paramplane.protos import coordinator_pb2 as pb
-from paramplane.protos.host_lane import FrameProtocol, LaneClosed, decode
+from paramplane.protos.host_lane import (
+    HELLO_BYTES,
+    FrameProtocol,
+    FrameServer,
+    LaneClosed,
+    check_hello,
+    decode,
+)
 from paramplane.protos.net import host_port
 
 log = logging.getLogger("paramplane.coordinator")
 
 HELLO_TIMEOUT_S = 10.0
 """How long a new connection may take to send its hello."""
-HELLO_BYTES = 4096
-"""The largest hello (a token and a session)."""
 
 
 class _Context:
@@ -60,10 +64,7 @@ class _Connection:
     def _frame(self, data: bytes) -> None:
         hosts = self._lanes.hosts
         if self._session is None:
-            hello = decode(pb.HostLaneHello(), data)
-            token = self._lanes.token
-            if token is not None and not hmac.compare_digest(hello.token.encode(), token.encode()):
-                raise LaneClosed("a wrong or missing token")
+            hello = check_hello(data, self._lanes.token)
             if not hello.session:
                 raise LaneClosed("a hello without its session")
             self._hello_timer.cancel()
@@ -89,28 +90,18 @@ class HostLanes:
 
     def __init__(self, hosts: HostStreams, token: str | None, max_message_bytes: int) -> None:
         self.hosts, self.token, self.max_message_bytes = hosts, token, max_message_bytes
-        self.conns: set[FrameProtocol] = set()
-        self._server: asyncio.Server | None = None
+        self._frames = FrameServer(lambda: _Connection(self).conn)
+        self.conns = self._frames.conns
         self.port = 0
         """The bound port (0 until started)."""
 
     async def start(self, host: str, port: int) -> None:
         try:
-            self._server = await asyncio.get_running_loop().create_server(self._accept, host, port)
+            self.port = await self._frames.start_tcp(host, port)
         except OSError as e:
             raise OSError(
                 f"cannot bind the host lane to {host_port(host, port)}: is the port in use? ({e})"
             ) from e
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    def _accept(self) -> FrameProtocol:
-        conn = _Connection(self).conn
-        self.conns.add(conn)
-        return conn
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            for conn in list(self.conns):
-                conn.close()
-            await self._server.wait_closed()
+        await self._frames.stop()

@@ -14,7 +14,7 @@ import asyncio
 import grpc
 
 from paramplane.protos import coordinator_pb2 as pb
-from paramplane.protos.auth import ABORT_RANK_METADATA_KEY, LEFT_RANK_METADATA_KEY, MISMATCH_METADATA_KEY
+from paramplane.protos.auth import call_error_trailers
 from paramplane.protos.host_lane import FrameProtocol, decode
 
 OPEN_TIMEOUT_S = 5.0
@@ -29,17 +29,10 @@ def rpc_error(code: grpc.StatusCode, details: str, trailers: tuple[tuple[str, st
 
 def error_of(error: pb.CallError) -> Exception:
     """A lane answer's ``CallError`` as the gRPC error it stands for."""
-    trailers: list[tuple[str, str]] = []
-    if error.code == "ABORTED":
-        trailers.append((ABORT_RANK_METADATA_KEY, str(error.abort_rank)))
-    elif error.mismatch:
-        trailers.append((MISMATCH_METADATA_KEY, "1"))
-    elif error.left_rank >= 0:
-        trailers.append((LEFT_RANK_METADATA_KEY, str(error.left_rank)))
     code = (
         grpc.StatusCode[error.code] if error.code in grpc.StatusCode.__members__ else grpc.StatusCode.UNKNOWN
     )
-    return rpc_error(code, error.details, tuple(trailers))
+    return rpc_error(code, error.details, call_error_trailers(error))
 
 
 class RankLane:

@@ -13,6 +13,8 @@ from typing import Any
 
 import grpc
 
+from paramplane.protos import coordinator_pb2 as pb
+
 TOKEN_METADATA_KEY = "x-paramplane-token"
 # Trailing metadata of coordinator errors: which rank an abort names, that a barrier's ranks disagreed, and
 # which rank a barrier waited for in vain (it left the world).
@@ -116,3 +118,27 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if not hmac.compare_digest(str(sent).encode(), self._token):
             return _rejecting(handler, "wrong job token: every rank must use the coordinator's token")
         return _decoding(handler, details.method)
+
+
+def call_error_trailers(error: pb.CallError) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata a failed gRPC call carries for ``error``: the rank an abort names, that a barrier's
+    ranks disagreed, or the rank a barrier waited for in vain."""
+    if error.code == "ABORTED":
+        return ((ABORT_RANK_METADATA_KEY, str(error.abort_rank)),)
+    if error.mismatch:
+        return ((MISMATCH_METADATA_KEY, "1"),)
+    if error.left_rank >= 0:
+        return ((LEFT_RANK_METADATA_KEY, str(error.left_rank)),)
+    return ()
+
+
+def call_error_of(code: str, details: str, trailers: tuple[tuple[str, str], ...]) -> pb.CallError:
+    """A failed call (its status code's name, details, trailing metadata) as a ``CallError``."""
+    by_key = dict(trailers)
+    return pb.CallError(
+        code=code,
+        details=details,
+        abort_rank=int(by_key.get(ABORT_RANK_METADATA_KEY, -1)),
+        left_rank=int(by_key.get(LEFT_RANK_METADATA_KEY, -1)),
+        mismatch=bool(by_key.get(MISMATCH_METADATA_KEY)),
+    )

@@ -6,13 +6,18 @@ A frame is a 4-byte little-endian size, then one serialized protobuf message; no
 from __future__ import annotations
 
 import asyncio
+import hmac
 import struct
 from collections.abc import Callable
 from typing import Any
 
 from google.protobuf.message import DecodeError, Message
 
+from paramplane.protos import coordinator_pb2 as pb
+
 _SIZE = struct.Struct("<I")
+HELLO_BYTES = 4096
+"""The largest hello (a token and a session)."""
 
 
 class LaneClosed(Exception):
@@ -94,3 +99,42 @@ class FrameProtocol(asyncio.Protocol):
         if self._buf and self._error is None:
             self._error = LaneClosed("the connection ended inside a frame")
         self._on_close(self._error or exc)
+
+
+def check_hello(data: bytes, token: str | None) -> pb.HostLaneHello:
+    """The ``HostLaneHello`` in ``data`` if it carries ``token`` (compared in constant time; None: any)."""
+    hello: pb.HostLaneHello = decode(pb.HostLaneHello(), data)
+    if token is not None and not hmac.compare_digest(hello.token.encode(), token.encode()):
+        raise LaneClosed("a wrong or missing token")
+    return hello
+
+
+class FrameServer:
+    """A lane listener: ``connection()`` makes each accepted connection's protocol; ``stop`` closes them all.
+    A connection leaves ``conns`` when its owner discards it (on close)."""
+
+    def __init__(self, connection: Callable[[], FrameProtocol]) -> None:
+        self._connection = connection
+        self._server: asyncio.AbstractServer | None = None
+        self.conns: set[FrameProtocol] = set()
+
+    async def start_tcp(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` (0: a free one); answers the bound port."""
+        server = await asyncio.get_running_loop().create_server(self._accept, host, port)
+        self._server = server
+        return int(server.sockets[0].getsockname()[1])
+
+    async def start_unix(self, path: str) -> None:
+        self._server = await asyncio.get_running_loop().create_unix_server(self._accept, path)
+
+    def _accept(self) -> FrameProtocol:
+        conn = self._connection()
+        self.conns.add(conn)
+        return conn
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for conn in list(self.conns):
+                conn.close()
+            await self._server.wait_closed()
