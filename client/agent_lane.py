@@ -105,6 +105,9 @@ class _Connection:
             answer = pb.HostAnswer(call_id=call.call_id, error=call_error(e))
         except grpc.aio.AioRpcError as e:
             answer = pb.HostAnswer(call_id=call.call_id, error=call_error(Relayed.of(e)))
+        except Exception as e:  # a bug: the rank still gets an answer, not a wait until its deadline
+            log.exception("rank lane call %d failed", call.call_id)
+            answer = pb.HostAnswer(call_id=call.call_id, error=pb.CallError(code="INTERNAL", details=repr(e)))
         try:
             self.conn.write(answer)
         except ConnectionResetError:
