@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -46,11 +46,13 @@ class WaiterGroup:
         if not self.fut.done():
             self.fut.set_exception(asyncio.TimeoutError())
 
-    def settle(self, slot: int, outcome: object) -> None:
-        if self.outcomes[slot] is not UNSETTLED:
-            return
-        self.outcomes[slot] = outcome
-        self._left -= 1
+    def settle(self, slots: Sequence[int], outcome: object) -> None:
+        """``outcome`` for each of ``slots`` not settled yet."""
+        outcomes = self.outcomes
+        for slot in slots:
+            if outcomes[slot] is UNSETTLED:
+                outcomes[slot] = outcome
+                self._left -= 1
         if not self.fut.done() and (self._left == 0 or (self._fail_fast and isinstance(outcome, StateError))):
             self.fut.set_result(None)
             if self._left == 0 and self._on_done is not None:
@@ -58,11 +60,24 @@ class WaiterGroup:
 
 
 @dataclass
+class Shared:
+    """One waiter for ``size`` slots (a host's arrivals at one barrier): ``register(waiter)`` registers them all
+    under it and answers each slot's refusal (None: registered); the waiter's outcome settles the others."""
+
+    size: int
+    register: Callable[[int], Sequence[StateError | None]]
+
+
+Registers = list[Callable[[int], None]] | Shared
+"""What ``Blocking.enter_many`` registers: one waiter per slot, or one ``Shared`` waiter for every slot."""
+
+
+@dataclass
 class Blocked:
     """The waiters of one host call, registered (``Blocking.enter_many``) and not yet withdrawn."""
 
     group: WaiterGroup
-    waiters: list[int]
+    waiters: list[tuple[int, Sequence[int]]]  # each waiter and the slots it settles
     backstop: asyncio.TimerHandle
 
 
@@ -71,7 +86,7 @@ class Blocking(Protocol):
 
     def enter_many(
         self,
-        registers: list[Callable[[int], None]],
+        registers: Registers,
         limit_s: float,
         *,
         fail_fast: bool = False,
@@ -87,7 +102,7 @@ class BlockMany(Protocol):
     """The service's ``_block_many``: registers waiters, answers each one's value or ``StateError`` in order."""
 
     def __call__(
-        self, registers: list[Callable[[int], None]], limit_s: float, *, fail_fast: bool = False
+        self, registers: Registers, limit_s: float, *, fail_fast: bool = False
     ) -> Awaitable[list[object]]: ...
 
 
@@ -199,22 +214,39 @@ async def barrier_host(
     return barrier_response(await block(barrier_arrivals(state, request), request.timeout_s))
 
 
-def barrier_arrivals(state: CoordinatorState, request: pb.BarrierHostRequest) -> list[Callable[[int], None]]:
-    """Each arriving rank's registration with the state, for ``block`` / ``Blocking.enter_many``."""
-    epoch, name, ranks, timeout_s = request.epoch, request.name, list(request.ranks), request.timeout_s
+def barrier_arrivals(state: CoordinatorState, request: pb.BarrierHostRequest) -> Shared:
+    """The host's arrivals as one registration with the state (one waiter for all of them), for ``block`` /
+    ``Blocking.enter_many``."""
+    arriving = list(request.arriving)
 
-    def arriving(rank: int) -> Callable[[int], None]:
-        def register(waiter: int) -> None:
-            state.barrier(epoch, name, rank, ranks, timeout_s, waiter, time.monotonic())
+    def register(waiter: int) -> Sequence[StateError | None]:
+        return state.barrier_many(
+            request.epoch,
+            request.name,
+            arriving,
+            list(request.ranks),
+            request.timeout_s,
+            waiter,
+            time.monotonic(),
+        )
 
-        return register
+    return Shared(len(arriving), register)
 
-    return [arriving(r) for r in request.arriving]
+
+_RELEASED: dict[int, pb.BarrierHostResponse] = {}  # by arrivals: every rank released (read only, shared)
 
 
 def barrier_response(outcomes: list[object]) -> pb.BarrierHostResponse:
-    """The arrivals' outcomes, in order: a release (no error) or the rank's error."""
-    ok = pb.CallError()
-    return pb.BarrierHostResponse(
-        errors=[call_error(o) if isinstance(o, StateError) else ok for o in outcomes]
-    )
+    """The arrivals' outcomes, in order: a release (no error) or the rank's error. Not to be modified: a
+    release of every arrival is one message per host size, shared."""
+    if any(isinstance(o, StateError) for o in outcomes):
+        ok = pb.CallError()
+        return pb.BarrierHostResponse(
+            errors=[call_error(o) if isinstance(o, StateError) else ok for o in outcomes]
+        )
+    released = _RELEASED.get(len(outcomes))
+    if released is None:
+        released = pb.BarrierHostResponse(errors=[pb.CallError()] * len(outcomes))
+        if len(_RELEASED) < 64:
+            _RELEASED[len(outcomes)] = released
+    return released

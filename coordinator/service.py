@@ -13,7 +13,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import grpc
@@ -22,6 +22,8 @@ from paramplane.coordinator.host_stream import HostStreams
 from paramplane.coordinator.hosts import (
     UNSETTLED,
     Blocked,
+    Registers,
+    Shared,
     WaiterGroup,
     assignment_wire,
     barrier_host,
@@ -68,7 +70,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._state = state
         self._heartbeat_interval_s = heartbeat_interval_s
         self._heartbeat_timeout_s = heartbeat_timeout_s
-        self._waiters: dict[int, tuple[WaiterGroup, int]] = {}  # waiter -> its call's group and slot
+        self._waiters: dict[int, tuple[WaiterGroup, Sequence[int]]] = {}  # waiter -> its call's group, slots
         self._ids = itertools.count()
         self._watchers: set[asyncio.Queue[Event]] = set()
         self._wake = asyncio.Event()
@@ -120,7 +122,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     async def _block_many(
         self,
-        registers: list[Callable[[int], None]],
+        registers: Registers,
         limit_s: float,
         *,
         fail_fast: bool = False,
@@ -131,7 +133,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def enter_many(
         self,
-        registers: list[Callable[[int], None]],
+        registers: Registers,
         limit_s: float,
         *,
         fail_fast: bool = False,
@@ -142,20 +144,34 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         withdraws what is left; one of the two must follow. ``on_done`` gets the outcomes as the last one is
         settled (synchronously, inside the state's effects), before ``wait_many`` resumes."""
         loop = asyncio.get_running_loop()
-        group = WaiterGroup(len(registers), loop.create_future(), fail_fast, on_done)
+        shared, each = (registers, []) if isinstance(registers, Shared) else (None, registers)
+        size = shared.size if shared is not None else len(each)
+        group = WaiterGroup(size, loop.create_future(), fail_fast, on_done)
         earliest = time.monotonic() + limit_s  # no waiter of this call times out before it
         blocked = Blocked(group, [], loop.call_later(limit_s + _BACKSTOP_S, group.expire))
         try:
-            for slot, register in enumerate(registers):
+            if shared is not None:
+                waiter = next(self._ids)
+                slots = range(size)
+                self._waiters[waiter] = (group, slots)
+                blocked.waiters.append((waiter, slots))
+                try:
+                    refused: Sequence[StateError | None] = shared.register(waiter)
+                except StateError as e:
+                    refused = [e] * size
+                for slot, error in enumerate(refused):
+                    if error is not None:
+                        group.settle((slot,), error)
+            for slot, register in enumerate(each):
                 if group.fut.done():
                     break  # failed fast: the rest never arrive
                 waiter = next(self._ids)
-                self._waiters[waiter] = (group, slot)
-                blocked.waiters.append(waiter)
+                self._waiters[waiter] = (group, (slot,))
+                blocked.waiters.append((waiter, (slot,)))
                 try:
                     register(waiter)
                 except StateError as e:
-                    group.settle(slot, e)
+                    group.settle((slot,), e)
             self._flush()
         except BaseException:
             self.leave_many(blocked)
@@ -180,9 +196,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """Withdraw ``enter_many``'s waiters not settled yet (once; later calls do nothing)."""
         blocked.backstop.cancel()
         withdrawn = False
-        for slot, waiter in enumerate(blocked.waiters):
+        outcomes = blocked.group.outcomes
+        for waiter, slots in blocked.waiters:
             del self._waiters[waiter]
-            if blocked.group.outcomes[slot] is UNSETTLED:
+            if any(outcomes[slot] is UNSETTLED for slot in slots):
                 self._state.cancel(waiter)
                 withdrawn = True
         blocked.waiters.clear()

@@ -64,7 +64,7 @@ class _Wait:
 
     kind: str  # "barrier" | "kv"
     key: str  # barrier name or kv key
-    rank: int
+    ranks: tuple[int, ...]  # a barrier's arriving ranks (one waiter may stand for a host's)
     timeout_s: float
     deadline: float
 
@@ -293,7 +293,9 @@ class CoordinatorState:
         if wait is not None and wait.kind == "barrier":
             barrier = self._barriers.get(wait.key)
             if barrier is not None:
-                barrier.arrived.pop(wait.rank, None)
+                for rank in wait.ranks:
+                    if barrier.arrived.get(rank) == waiter:
+                        del barrier.arrived[rank]
                 if not barrier.arrived:
                     del self._barriers[wait.key]
 
@@ -379,7 +381,7 @@ class CoordinatorState:
         if value is not None:
             self._resolve(waiter, value)
         else:
-            self._waits[waiter] = _Wait("kv", key, -1, timeout_s, now + timeout_s)
+            self._waits[waiter] = _Wait("kv", key, (), timeout_s, now + timeout_s)
 
     def kv_add(self, epoch: int, key: str, delta: int) -> int:
         old = self.kv_get(epoch, key)
@@ -425,7 +427,26 @@ class CoordinatorState:
     ) -> None:
         """Arrive at barrier ``name``; every participant is released once all of them arrived, and every
         arrival fails at once (naming it) when a participant left the world before arriving."""
-        world = self.member(epoch, rank)
+        (refused,) = self.barrier_many(epoch, name, (rank,), ranks, timeout_s, waiter, now)
+        if refused is not None:
+            raise refused
+
+    def barrier_many(
+        self,
+        epoch: int,
+        name: str,
+        arriving: Sequence[int],
+        ranks: Sequence[int],
+        timeout_s: float,
+        waiter: int,
+        now: float,
+    ) -> list[StateError | None]:
+        """``barrier`` for several ranks at once (a host's arrivals), all under one waiter: it is resolved once,
+        for all of them, so a release costs one resolution per host instead of one per rank. Raises what
+        refuses every arrival alike (the epoch, the name, the timeout, the participants); answers, per arriving
+        rank, what refuses it alone (None: it arrived). Ranks refused are not registered; nothing is when
+        every one is."""
+        world = self.member(epoch)
         n = self.world_size
         if not name:
             raise StateError(ErrorKind.INVALID_ARGUMENT, "a barrier needs a name")
@@ -442,38 +463,62 @@ class CoordinatorState:
                 ErrorKind.INVALID_ARGUMENT,
                 f"barrier {name!r}: ranks {list(ranks)} must be distinct ranks in 0..{n - 1}",
             )
-        if (ranks and rank not in participants) or not 0 <= rank < n:
-            raise StateError(
-                ErrorKind.INVALID_ARGUMENT, f"barrier {name!r}: rank {rank} is not among {list(participants)}"
-            )
         barrier = self._barriers.get(name)
-        if barrier is None:
-            barrier = self._barriers[name] = _Barrier(participants, rank)
-        if barrier.ranks is not participants and barrier.ranks != participants:
+        if barrier is not None and barrier.ranks is not participants and barrier.ranks != participants:
             raise self._fail_barrier(
                 name,
                 StateError(
                     ErrorKind.FAILED_PRECONDITION,
-                    f"barrier {name!r}: rank {rank} passed ranks {list(participants)} but rank "
+                    f"barrier {name!r}: rank {arriving[0]} passed ranks {list(participants)} but rank "
                     f"{barrier.first_rank} arrived first with ranks {list(barrier.ranks)}: every participant "
                     "must pass the same ranks",
                     mismatch=True,
                 ),
             )
-        if rank in barrier.arrived:
-            raise StateError(
-                ErrorKind.FAILED_PRECONDITION, f"barrier {name!r}: rank {rank} is already waiting there"
-            )
-        barrier.arrived[rank] = waiter
-        self._waits[waiter] = _Wait("barrier", name, rank, timeout_s, now + timeout_s)
+        arrived = barrier.arrived if barrier is not None else {}
+        allowed = barrier.members if barrier is not None else frozenset(participants) if ranks else None
+        refused: list[StateError | None] = []
+        registered: list[int] = []
+        for rank in arriving:
+            if not 0 <= rank < n:
+                refused.append(
+                    StateError(ErrorKind.INVALID_ARGUMENT, f"rank {rank} is not in the world of {n}")
+                )
+            elif allowed is not None and rank not in allowed:
+                refused.append(
+                    StateError(
+                        ErrorKind.INVALID_ARGUMENT,
+                        f"barrier {name!r}: rank {rank} is not among {list(participants)}",
+                    )
+                )
+            elif rank in arrived or rank in registered:
+                refused.append(
+                    StateError(
+                        ErrorKind.FAILED_PRECONDITION,
+                        f"barrier {name!r}: rank {rank} is already waiting there",
+                    )
+                )
+            else:
+                refused.append(None)
+                registered.append(rank)
+        if not registered:
+            return refused
+        if barrier is None:
+            barrier = self._barriers[name] = _Barrier(participants, registered[0])
+        for rank in registered:
+            barrier.arrived[rank] = waiter
+        self._waits[waiter] = _Wait("barrier", name, tuple(registered), timeout_s, now + timeout_s)
         gone = sorted(r for r in world.left if r in barrier.members)
         if gone:
             self._fail_barrier(name, self._left_error(name, gone[0]))
         elif len(barrier.arrived) == len(participants):
             del self._barriers[name]
-            for other in barrier.arrived.values():
+            for other in dict.fromkeys(
+                barrier.arrived.values()
+            ):  # each waiter once: a host's covers its ranks
                 del self._waits[other]
                 self._resolve(other)
+        return refused
 
     # -- liveness ---------------------------------------------------------------------------------
     def heartbeat(
@@ -536,7 +581,7 @@ class CoordinatorState:
 
     def _fail_barrier(self, name: str, error: StateError) -> StateError:
         """Fail every arrival at barrier ``name`` with ``error`` and forget the barrier."""
-        for waiter in self._barriers.pop(name).arrived.values():
+        for waiter in dict.fromkeys(self._barriers.pop(name).arrived.values()):
             del self._waits[waiter]
             self._resolve(waiter, error=error)
         return error

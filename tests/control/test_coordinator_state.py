@@ -219,6 +219,42 @@ def test_barrier_fails_at_once_when_a_participant_leaves_without_arriving() -> N
     ]
 
 
+def test_a_hosts_arrivals_wait_under_one_waiter_and_a_bad_rank_is_refused_alone() -> None:
+    s = state(6)
+    form(s, ["a", "a", "a", "b", "b", "b"])
+    # Host a: rank 2 twice and rank 7 (not in the world) are refused alone; 0 and 2 arrive under waiter 10.
+    refused = s.barrier_many(1, "x", [0, 2, 2, 7], [], 5.0, waiter=10, now=0.0)
+    assert [e is None for e in refused] == [True, True, False, False]
+    assert "rank 2 is already waiting" in str(refused[2]) and "rank 7" in str(refused[3])
+    assert s.barrier_many(1, "x", [1, 3, 4], [], 5.0, waiter=11, now=0.0) == [None] * 3
+    assert not s.take_effects().resolved
+    s.barrier(1, "x", 5, [], 5.0, waiter=12, now=0.0)
+    resolved = s.take_effects().resolved
+    assert sorted(r.waiter for r in resolved) == [10, 11, 12]  # one resolution per waiter, not per rank
+    assert all(r.error is None for r in resolved)
+    # A subset barrier: a rank outside it is refused, the others arrive.
+    refused = s.barrier_many(1, "pair", [0, 1], [0, 3], 5.0, waiter=20, now=0.0)
+    assert refused[0] is None and refused[1] is not None and "not among [0, 3]" in str(refused[1])
+    # Every arrival refused: nothing is registered (no barrier, no deadline).
+    assert all(e is not None for e in s.barrier_many(1, "none", [9, 9], [], 5.0, waiter=21, now=0.0))
+    assert s.next_deadline() == 5.0  # only "pair"'s waiter
+
+
+def test_a_withdrawn_host_waiter_takes_all_its_ranks_and_a_timeout_names_the_missing_ones() -> None:
+    s = state(4)
+    form(s, ["a", "a", "b", "b"])
+    s.barrier_many(1, "x", [0, 1], [], 5.0, waiter=10, now=0.0)
+    s.cancel(10)  # the host's call went away: both of its ranks are withdrawn
+    s.barrier_many(1, "x", [2, 3], [], 5.0, waiter=11, now=0.0)
+    assert not s.take_effects().resolved
+    s.tick(5.0)
+    assert str(errors(s)[11]) == "barrier 'x': 2/4 arrived after 5.0 s; missing ranks [0, 1]"
+    with pytest.raises(StateError, match="rank 0 passed ranks \\[0, 1\\] but rank 2 arrived first"):
+        s.barrier_many(1, "y", [2], [0, 1, 2, 3], 5.0, waiter=12, now=6.0)
+        s.barrier_many(1, "y", [0, 1], [0, 1], 5.0, waiter=13, now=6.0)
+    assert errors(s)[12].mismatch
+
+
 def test_silent_rank_is_declared_dead_at_the_heartbeat_timeout() -> None:
     s = state(3, heartbeat_timeout_s=10.0)
     form(s, ["a", "a", "b"], now=100.0)
