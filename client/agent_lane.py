@@ -4,10 +4,10 @@ The agent serves its ranks the coordinator's gRPC service on ``agent.sock`` (``a
 ``lane.sock`` takes the calls a rank waits on (a barrier arrival, a waiting get, a set) as host-lane frames
 (``protos/host_lane.py``): a ``HostLaneHello`` with the job token first (compared in constant time), then one
 ``HostCall`` per call (the rank's barrier as a ``BarrierHostRequest`` naming only itself), each answered by the
-``HostAnswer`` with its call id. The agent runs each call through the very methods its gRPC service runs
-(``HostAgent.Barrier`` / ``KVGet`` / ``KVSet``), so batching, sharing and errors are the same; a failure goes
-back as a ``CallError`` carrying what the gRPC error's status and trailers carry, and the rank raises the same
-typed error (``node/coord_lane.py``). Why: on grpc aio each call and answer crosses gRPC's threads on both
+``HostAnswer`` with its call id; a connection without its hello within ``HELLO_TIMEOUT_S`` is closed. The agent
+runs each call through the very methods its gRPC service runs (``HostAgent.Barrier`` / ``KVGet`` / ``KVSet``), so
+batching, sharing and errors are the same; a failure goes back as a ``CallError`` carrying what the gRPC error's
+status and trailers carry, and the rank raises the same typed error (``node/coord_lane.py``). Why: on grpc aio each call and answer crosses gRPC's threads on both
 sides; on a socket the event loops read and write it themselves.
 """
 
@@ -27,6 +27,7 @@ from paramplane.protos import coordinator_pb2 as pb
 from paramplane.protos.auth import call_error_of
 from paramplane.protos.host_lane import (
     HELLO_BYTES,
+    HELLO_TIMEOUT_S,
     FrameProtocol,
     FrameServer,
     LaneClosed,
@@ -64,13 +65,14 @@ class _Connection:
 
     def __init__(self, lanes: RankLanes) -> None:
         self._lanes = lanes
-        self.conn = FrameProtocol(HELLO_BYTES, self._frame, self._closed)
+        self.conn = FrameProtocol(HELLO_BYTES, self._frame, self._closed, HELLO_TIMEOUT_S)
         self._hello = False
         self._tasks: set[asyncio.Task[None]] = set()
 
     def _frame(self, data: bytes) -> None:
         if not self._hello:
             check_hello(data, self._lanes.token)
+            self.conn.greeted()
             self._hello = True
             self.conn.max_bytes = MAX_MESSAGE_BYTES
             self.conn.write(pb.HostAnswer())  # the acknowledgement: call id 0

@@ -15,13 +15,13 @@ lane cannot be reached (a firewall, a port not published). Not offered with TLS 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from paramplane.coordinator.host_stream import HostStreams, Session
 from paramplane.protos import coordinator_pb2 as pb
 from paramplane.protos.host_lane import (
     HELLO_BYTES,
+    HELLO_TIMEOUT_S,
     FrameProtocol,
     FrameServer,
     LaneClosed,
@@ -31,9 +31,6 @@ from paramplane.protos.host_lane import (
 from paramplane.protos.net import host_port
 
 log = logging.getLogger("paramplane.coordinator")
-
-HELLO_TIMEOUT_S = 10.0
-"""How long a new connection may take to send its hello."""
 
 
 class _Context:
@@ -54,12 +51,9 @@ class _Connection:
 
     def __init__(self, lanes: HostLanes) -> None:
         self._lanes = lanes
-        self.conn = FrameProtocol(HELLO_BYTES, self._frame, self._closed)
+        self.conn = FrameProtocol(HELLO_BYTES, self._frame, self._closed, HELLO_TIMEOUT_S)
         self._context = _Context(self.conn)
         self._session: Session | None = None
-        self._hello_timer = asyncio.get_running_loop().call_later(
-            HELLO_TIMEOUT_S, self.conn.fail, LaneClosed(f"no hello within {HELLO_TIMEOUT_S:.0f} s")
-        )
 
     def _frame(self, data: bytes) -> None:
         hosts = self._lanes.hosts
@@ -67,14 +61,13 @@ class _Connection:
             hello = check_hello(data, self._lanes.token)
             if not hello.session:
                 raise LaneClosed("a hello without its session")
-            self._hello_timer.cancel()
+            self.conn.greeted()
             self.conn.max_bytes = self._lanes.max_message_bytes
             self._session = hosts.open_lane(hello.session, self._context)
         elif not hosts.take(self._session, self._context, decode(pb.HostCall(), data)):
             self.conn.close()  # the agent opened a newer stream for the session
 
     def _closed(self, error: BaseException | None) -> None:
-        self._hello_timer.cancel()
         self._lanes.conns.discard(self.conn)
         if isinstance(error, LaneClosed):
             log.warning("host lane from %s closed: %s", self._peer(), error)

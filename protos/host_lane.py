@@ -18,6 +18,8 @@ from paramplane.protos import coordinator_pb2 as pb
 _SIZE = struct.Struct("<I")
 HELLO_BYTES = 4096
 """The largest hello (a token and a session)."""
+HELLO_TIMEOUT_S = 10.0
+"""How long a new connection to a lane may take to send its hello."""
 
 
 class LaneClosed(Exception):
@@ -41,22 +43,35 @@ def decode(message: Message, data: bytes) -> Any:
 class FrameProtocol(asyncio.Protocol):
     """A lane connection: each whole frame that comes in is handed to ``on_frame`` as it is read (no task, no
     extra turn of the event loop); ``write`` sends one. A frame over ``max_bytes``, or ``LaneClosed`` raised by
-    ``on_frame``, closes the connection; ``on_close`` then gets that error (or the connection's own, or None)."""
+    ``on_frame``, closes the connection; ``on_close`` then gets that error (or the connection's own, or None).
+    With ``hello_s``, a connection that is not ``greeted`` within that many seconds of opening is closed (a
+    listener's side: a peer that connects and says nothing holds nothing for long)."""
 
     def __init__(
         self,
         max_bytes: int,
         on_frame: Callable[[bytes], None],
         on_close: Callable[[BaseException | None], None],
+        hello_s: float | None = None,
     ) -> None:
         self.max_bytes, self.on_frame, self._on_close = max_bytes, on_frame, on_close
         self._buf = bytearray()
         self._error: BaseException | None = None
         self.transport: asyncio.Transport | None = None
+        self._hello_s = hello_s
+        self._hello_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        if self._hello_s is not None:
+            error = LaneClosed(f"no hello within {self._hello_s:g} s")
+            self._hello_timer = asyncio.get_running_loop().call_later(self._hello_s, self.fail, error)
+
+    def greeted(self) -> None:
+        """The hello came: no deadline any more."""
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
 
     def data_received(self, data: bytes) -> None:
         buf = self._buf
@@ -96,6 +111,7 @@ class FrameProtocol(asyncio.Protocol):
             self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.greeted()
         if self._buf and self._error is None:
             self._error = LaneClosed("the connection ended inside a frame")
         self._on_close(self._error or exc)

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from paramplane import CollectiveMismatch, CollectiveTimeout, WorldAborted
+from paramplane import CollectiveMismatch, CollectiveTimeout, WorldAborted, agent_lane
 from paramplane.agent_server import AgentThread
 from paramplane.coordinator import host_lane
 from paramplane.coordinator.server import CoordinatorConfig, CoordinatorServer
@@ -203,15 +203,24 @@ async def test_ranks_of_an_agent_without_a_lane_use_its_grpc_service() -> None:
         await server.stop(grace=0.1)
 
 
-async def test_the_rank_lane_refuses_a_wrong_token() -> None:
+async def test_the_rank_lane_refuses_a_wrong_token_garbage_and_silence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(agent_lane, "HELLO_TIMEOUT_S", 0.3)
     server = await CoordinatorServer.start(CoordinatorConfig(port=0, world_size=1, token=TOKEN))
     agent = AgentThread(server.address, host_id="h", num_local=1, token=TOKEN)
     agent.start()
     try:
-        reader, writer = await asyncio.open_unix_connection(agent.lane_path)
-        writer.write(frame(pb.HostLaneHello(token="not-it")))
-        assert await asyncio.wait_for(reader.read(), 10) == b"", "the lane answered a wrong token"
-        writer.close()
+        refused = {
+            "a wrong token": frame(pb.HostLaneHello(token="not-it")),
+            "a hello that is not one": struct.pack("<I", 3) + b"\xff\xff\xff",
+            "no hello in time": b"",  # connects and says nothing
+        }
+        for what, data in refused.items():
+            reader, writer = await asyncio.open_unix_connection(agent.lane_path)
+            writer.write(data)
+            assert await asyncio.wait_for(reader.read(), 10) == b"", f"{what}: the lane answered"
+            writer.close()
         reader, writer = await asyncio.open_unix_connection(agent.lane_path)
         writer.write(frame(pb.HostLaneHello(token=TOKEN)))
         assert (await _answer(reader)).call_id == 0  # the right token is acknowledged
