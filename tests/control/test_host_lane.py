@@ -182,6 +182,27 @@ async def test_ranks_wait_on_their_agents_lane_with_the_grpc_calls_typed_errors(
         assert all(isinstance(o, WorldAborted) and o.rank == 3 for o in outcomes), outcomes
 
 
+async def test_fail_waits_ends_a_ranks_lane_waits_at_once_and_the_others_are_released() -> None:
+    async with served_world(num_hosts=1, per_host=3) as (_, _, ranks):
+        await asyncio.wait_for(asyncio.gather(*(r.barrier("b", timeout_s=20) for r in ranks)), 30)
+        waiting = ranks[0]
+        barrier = asyncio.ensure_future(waiting.barrier("x", timeout_s=60))
+        get = asyncio.ensure_future(waiting.kv_get("never", wait=True, timeout_s=60))
+
+        async def on_the_lane() -> bool:  # both calls written to the agent's lane and waiting for answers
+            return len(waiting._waits) == 2
+
+        await until(on_the_lane, "rank 0's waits on its lane")
+        waiting.fail_waits(WorldAborted("the world ended", rank=2))
+        outcomes = await asyncio.wait_for(asyncio.gather(barrier, get, return_exceptions=True), 10)
+        assert all(isinstance(o, WorldAborted) and o.rank == 2 for o in outcomes), outcomes
+        assert not waiting._waits
+        with pytest.raises(WorldAborted):  # and every later wait
+            await asyncio.wait_for(waiting.barrier("y", timeout_s=60), 10)
+        # Rank 0's arrival at "x" was counted by the agent: the two others are released with it.
+        await asyncio.wait_for(asyncio.gather(*(r.barrier("x", timeout_s=20) for r in ranks[1:])), 30)
+
+
 async def test_ranks_of_an_agent_without_a_lane_use_its_grpc_service() -> None:
     server = await CoordinatorServer.start(CoordinatorConfig(port=0, world_size=2, heartbeat_timeout_s=120))
     agent = AgentThread(server.address, host_id="h", num_local=2, token=None)
