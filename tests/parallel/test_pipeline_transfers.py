@@ -70,7 +70,7 @@ def test_a_failed_step_ends_the_transfer_threads_and_keeps_nothing_alive() -> No
     threads = _new_threads(before)
     assert [t.name for t in threads] == ["paramplane-pp-send"]
     transfers.begin({}, np.empty(0))
-    transfers.send(np.ones(4), 1)
+    transfers.send(np.ones(4), 1, "F", 0)
     with pytest.raises(PeerLost, match="rank 1 was lost"):
         transfers.take(Message(1, "B", 1, 0))
     transfers.abandon()
@@ -128,7 +128,8 @@ def test_messages_are_converted_on_the_receiver_thread_and_its_errors_reach_take
         return label, kind, got.tolist()
 
     f0, f1, b0 = Message(1, "F", 0, 0), Message(1, "F", 0, 1), Message(1, "B", 2, 0)
-    group = _QueueGroup([np.ones(2), np.full(2, 2.0), np.full(3, 3.0)])
+    one = _announce(-1)  # the first message of each kind and stage says it holds one array
+    group = _QueueGroup([one, np.ones(2), np.full(2, 2.0), one, np.full(3, 3.0)])
     transfers = Transfers(group)  # type: ignore[arg-type]
     transfers.begin({1: [f0, f1, b0]}, np.empty(0), convert)
     assert took(b0) == ("converted", "B", [3.0, 3.0, 3.0])  # filed by name, out of order
@@ -140,8 +141,9 @@ def test_messages_are_converted_on_the_receiver_thread_and_its_errors_reach_take
         ("B", "paramplane-pp-recv-1"),
     ]
     # f1, the second F of stage 0, was posted ahead: converted first, then received into that same array.
-    assert seen[1][3] == 0 and len(group.filled) == 1 and group.filled[0] is seen[1][2]
+    assert not group.replies and seen[1][3] == 0 and len(group.filled) == 1 and group.filled[0] is seen[1][2]
 
+    # Announced once in the pipeline's life: the next steps' messages come without it.
     group.replies[:] = [np.ones(2), CollectiveMismatch("shape (3,) where (2,) was expected")]
     transfers.begin({1: [f0, f1]}, np.empty(0), convert)
     assert took(f0) == ("converted", "F", [1.0, 1.0])
@@ -151,5 +153,64 @@ def test_messages_are_converted_on_the_receiver_thread_and_its_errors_reach_take
     group.replies[:] = [np.full(2, -1.0)]
     transfers.begin({1: [f0]}, np.empty(0), convert)
     with pytest.raises(ValueError, match="negative"):
+        transfers.take(f0)
+    transfers.abandon()
+
+
+def _announce(count: int) -> Any:
+    return np.array([count], np.int64)
+
+
+def test_a_tuple_of_arrays_crosses_as_its_parts_and_keeps_its_number() -> None:
+    """A stage with several outputs: the sender announces how many arrays its messages hold once (the first
+    message of that kind and stage to that rank), then sends each array; the receiver hands ``take`` the
+    tuple, each part converted, and posts every part of the next microbatch ahead. A later message with
+    another number of arrays is a ValueError on the sender; an announcement that is not one is a
+    CollectiveMismatch out of ``take``, not a hang or a wrong tuple."""
+    from paramplane.node.errors import CollectiveMismatch
+
+    class _Recording(SimpleNamespace):
+        def send(self, x: Any, dst: int, *, async_op: bool = False) -> Any:
+            self.sent.append((x.copy(), dst))
+            return SimpleNamespace(wait=lambda: None)
+
+    out = _Recording(timeout=30.0, name="stand-in", sent=[])
+    sender = Transfers(out)  # type: ignore[arg-type]
+    sender.begin({}, np.empty(0))
+    sender.send((np.ones(2), np.arange(3)), 1, "F", 0)
+    sender.send((np.zeros(2), np.arange(3)), 1, "F", 0)
+    sender.send(np.ones(1), 1, "B", 0)  # another kind: announced on its own
+    with pytest.raises(ValueError, match="was a tuple of 2 and is one tensor now"):
+        sender.send(np.ones(2), 1, "F", 0)
+    sender.finish()
+    assert [(x.tolist(), dst) for x, dst in out.sent] == [
+        ([2], 1),
+        ([1.0, 1.0], 1),
+        ([0, 1, 2], 1),
+        ([0.0, 0.0], 1),
+        ([0, 1, 2], 1),
+        ([-1], 1),
+        ([1.0], 1),
+    ]
+
+    f0, f1 = Message(1, "F", 0, 0), Message(1, "F", 0, 1)
+    group = _QueueGroup([_announce(2), np.ones(2), np.arange(3), np.zeros(2), np.arange(3) + 1])
+    transfers = Transfers(group)  # type: ignore[arg-type]
+    transfers.begin({1: [f0, f1]}, np.empty(0), lambda kind, got: ("converted", got))
+    first, second = transfers.take(f0), transfers.take(f1)
+    assert [(label, got.tolist()) for label, got in first] == [
+        ("converted", [1.0, 1.0]),
+        ("converted", [0, 1, 2]),
+    ]
+    assert [got.tolist() for _, got in second] == [[0.0, 0.0], [1, 2, 3]]
+    assert [x is got for x, (_, got) in zip(group.filled, second, strict=True)] == [
+        True,
+        True,
+    ]  # posted ahead
+
+    group = _QueueGroup([np.ones(1)])  # a float64 where the announcement should be
+    transfers = Transfers(group)  # type: ignore[arg-type]
+    transfers.begin({1: [f0]}, np.empty(0))
+    with pytest.raises(CollectiveMismatch, match="announce its number of arrays"):
         transfers.take(f0)
     transfers.abandon()

@@ -85,3 +85,13 @@ def test_a_dead_torch_stage_is_named_not_hung() -> None:
     assert world.ranks[1].returncode == 9
     r0 = world.ranks[0].result
     assert r0 is not None and r0["failures"] == [] and r0["num_checks"] == 1, world.describe()
+
+
+@pytest.mark.timeout(150)  # its own bound (120 s): one world of 2 ranks, five pipelines
+def test_stages_that_pass_a_tuple_of_tensors_equal_one_process_under_every_schedule() -> None:
+    """Stages that return ``(hidden, residual, ids)`` (two float64 tensors and an int64 one), taken by the next
+    stage as positional arguments, as torch's pipelining allows; the last stage leaves ``residual`` unused.
+    Every schedule, three AdamW steps: losses, gradients, final parameters and ``eval_step``'s output equal one
+    process (1e-12). A stage that returns a dict, or changes its number of outputs between steps, is a
+    ValueError on its rank and a TransportError on the other."""
+    run_world(2, "pipeline_tuple.py", env=ENV, timeout=120).check_ok(min_checks=60)

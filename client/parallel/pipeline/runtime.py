@@ -358,7 +358,8 @@ class Pipeline:
                     out = op.module.forward(inp, mb) if torch_stages else op.module.forward(inp)
                     end = time.monotonic()  # handing a result to the sender is not compute; the loss is
                     if op.dst is not None:
-                        transfers.send(op.module.outgoing(out, op.name) if torch_stages else out, op.dst)
+                        sent = op.module.outgoing(out, op.name) if torch_stages else out
+                        transfers.send(sent, op.dst, "F", stage)
                     elif stage < last:
                         local[("F", stage + 1, mb)] = out
                     elif targets is not None:
@@ -396,7 +397,7 @@ class Pipeline:
                     grad_in = op.module.backward(grad)
                     end = time.monotonic()
                     if op.dst is not None:
-                        transfers.send(grad_in, op.dst)
+                        transfers.send(grad_in, op.dst, "B", stage)
                     elif stage > 0:
                         local[("B", stage - 1, mb)] = grad_in
                 if tracer is not None:
@@ -444,5 +445,7 @@ class Pipeline:
         if self._torch and outs:
             import torch
 
+            if isinstance(outs[0], (tuple, list)):  # a last stage with several outputs: each concatenated
+                return tuple(torch.cat(parts) for parts in zip(*outs, strict=True))
             return torch.cat(outs)
         return array_module(outs[0]).concatenate(outs) if outs else None

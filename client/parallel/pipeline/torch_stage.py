@@ -46,7 +46,28 @@ class TorchStage:
         self._scale: tuple[Any, Any] | None = None  # the loss gradient ``loss`` starts backward from
 
     def forward(self, x: Any, mb: int) -> Any:
-        """Run microbatch ``mb``; keeps (input, output) for the backward; returns the output tensor."""
+        """Run microbatch ``mb`` on ``x`` (a tuple: the previous stage's several outputs, passed as positional
+        arguments); keeps (input, output) for the backward; returns the output."""
+        import torch
+
+        kwargs = self.kwargs[mb] if self.kwargs else {}
+        if isinstance(x, (tuple, list)):
+            inp: Any = tuple(self._input(v) for v in x)
+            args = inp
+        else:
+            inp = self._input(x)
+            args = (inp,)
+        if torch.is_grad_enabled() == self.train:
+            out = self.call(*args, **kwargs)
+        else:
+            with torch.set_grad_enabled(self.train):
+                out = self.call(*args, **kwargs)
+        self._state = (inp, out)
+        return out
+
+    def _input(self, x: Any) -> Any:
+        """``x`` as the tensor a forward takes: a floating-point input of a later stage, when training, a leaf
+        that requires its gradient (the gradient sent back)."""
         import torch
 
         inp = x if torch.is_tensor(x) else to_tensor(x)
@@ -57,24 +78,21 @@ class TorchStage:
             and not (inp.requires_grad and inp.is_leaf)
         ):
             inp = inp.detach().requires_grad_(True)
-        kwargs = self.kwargs[mb] if self.kwargs else {}
-        if torch.is_grad_enabled() == self.train:
-            out = self.call(inp, **kwargs)
-        else:
-            with torch.set_grad_enabled(self.train):
-                out = self.call(inp, **kwargs)
-        self._state = (inp, out)
-        return out
+        return inp
 
     def outgoing(self, out: Any, where: str) -> Any:
-        """A stage's output as the array that crosses to the next stage (a view, no copy)."""
+        """A stage's output as what crosses to the next stage: an array (a view, no copy), or a tuple of them
+        for a tuple (or list) of tensors, which the next stage's forward takes as positional arguments."""
         import torch
 
-        if not torch.is_tensor(out):
-            raise ValueError(
-                f"{where} returned {type(out).__name__}: a stage that feeds another stage must return one tensor"
-            )
-        return to_array(out.detach(), f"the output of {where}")
+        if torch.is_tensor(out):
+            return to_array(out.detach(), f"the output of {where}")
+        if isinstance(out, (tuple, list)) and out and all(torch.is_tensor(t) for t in out):
+            return tuple(to_array(t.detach(), f"output {i} of {where}") for i, t in enumerate(out))
+        raise ValueError(
+            f"{where} returned {_describe(out)}: a stage that feeds another stage must return a tensor or a "
+            "tuple of tensors"
+        )
 
     def loss(self, loss_fn: Callable[..., Any], target: Any, scale: float) -> Any:
         """The last stage: the loss of the output kept by ``forward``, detached (a scalar tensor: the pipeline
@@ -105,8 +123,11 @@ class TorchStage:
         self._state = state
 
     def backward(self, grad: Any) -> Any:
-        """From the output's gradient (None: the output is the loss and its gradient, from ``loss``); the
-        input's gradient as an array (None on the first stage)."""
+        """From the output's gradient (None: the output is the loss and its gradient, from ``loss``; a tuple: the
+        gradients of the floating-point ones of several outputs, in order); the input's gradient as an array, or
+        a tuple of the floating-point inputs' gradients for several inputs (None on the first stage). An input
+        the forward did not use gets a gradient of zeros; an input that is not floating point, none (``()``
+        for a single one)."""
         import torch
 
         assert self._state is not None
@@ -114,10 +135,43 @@ class TorchStage:
         self._state = None
         if grad is None:
             out, grad = out
-        _backward(out, grad if torch.is_tensor(grad) else to_tensor(grad))
-        if self.first or inp.grad is None:
+            _backward(out, grad)
+        elif torch.is_tensor(out):
+            if type(grad) is not tuple:
+                _backward(out, grad if torch.is_tensor(grad) else to_tensor(grad))
+            elif grad:
+                raise ValueError(f"a stage with one output got {len(grad)} output gradients")
+        else:
+            floats = [o for o in out if o.is_floating_point()]
+            grads = grad if isinstance(grad, (tuple, list)) else (grad,)
+            if len(grads) != len(floats):
+                raise ValueError(
+                    f"a stage whose {len(floats)} floating-point outputs take gradients got {len(grads)}"
+                )
+            pairs = [(o, g) for o, g in zip(floats, grads, strict=True) if o.requires_grad]
+            if pairs:
+                torch.autograd.backward(
+                    [o for o, _ in pairs], [g if torch.is_tensor(g) else to_tensor(g) for _, g in pairs]
+                )
+        if self.first:
             return None
-        return to_array(inp.grad, "an input gradient")
+        if type(inp) is tuple:
+            return tuple(_input_grad(t) for t in inp if t.is_floating_point())
+        return _input_grad(inp) if inp.is_floating_point() else ()
+
+
+def _input_grad(inp: Any) -> Any:
+    import torch
+
+    grad = inp.grad if inp.grad is not None else torch.zeros_like(inp)
+    return to_array(grad, "an input gradient")
+
+
+def _describe(out: Any) -> str:
+    if isinstance(out, (tuple, list)):
+        inner = ", ".join(type(v).__name__ for v in out)
+        return f"a {type(out).__name__} of ({inner})"
+    return type(out).__name__
 
 
 def received(kind: str, got: Any, *, train: bool) -> Any:

@@ -10,7 +10,12 @@ stage may take them in another order than they were sent; for torch stages on th
 each message's tensor (``begin``'s ``convert``), so that work is done while the stage computes and a stage
 that waited for the message does not do it after waking. Once a step's first message of a kind and stage
 has given the shape, the receiver makes the next one's array and tensor before that message comes (a
-receive posted ahead), so the message's arrival costs only reading it into them. Every thread uses the group's own
+receive posted ahead), so the message's arrival costs only reading it into them.
+
+A message is one array, or a tuple of arrays (a torch stage that returns several tensors, and their
+gradients): each array goes as one of the group's messages, in order. The first message of a kind and stage
+to a rank in the pipeline's life is preceded by one int64 (how many arrays its messages hold; -1: one array,
+not a tuple), so each later step costs nothing for it; the number may not change from then on. Every thread uses the group's own
 ``send`` and ``recv``: headers, ordering and failures are the group's. The threads hold no
 reference to the pipeline and end when it is garbage collected; between transfers they hold no message
 either, and they are not woken at interpreter exit (a torch tensor released by one of them while the
@@ -36,12 +41,15 @@ from paramplane.group import ProcessGroup
 from paramplane.nn.module import Array
 from paramplane.node.arrays import array_module, device_of, is_device, to_host
 from paramplane.node.direct_lane import polling
-from paramplane.node.errors import CollectiveTimeout
+from paramplane.node.errors import CollectiveMismatch, CollectiveTimeout
 from paramplane.work import Work
 
 _STOP = object()  # ends a thread
 _END = object()  # ends a step's sends
 _NOTHING = object()
+BARE = -1
+"""The count announced for messages of one array (not a tuple)."""
+Payload = Array | tuple[Array, ...]
 
 
 class Message(NamedTuple):
@@ -105,7 +113,8 @@ class Transfers:
         self._sent: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._box = _Mailbox()
         self._plans: dict[int, queue.SimpleQueue[Any]] = {}  # per sending rank, its receiver's work
-        self._early: dict[Message, Array] = {}  # received before the stage asked for them
+        self._early: dict[Message, Payload] = {}  # received before the stage asked for them
+        self._announced: dict[tuple[int, str, int], int] = {}  # (dst, kind, stage): arrays per message
         self._like: Any = None
         # Each receive waits at most the group's timeout, so a receiver files something within that.
         self._bound = group.timeout + 5.0
@@ -138,13 +147,28 @@ class Transfers:
                 _start(_receive_loop, f"recv-{src}", self.group, self._plans[src], self._box, self._poll_s)
             self._plans[src].put((plan, convert))
 
-    def send(self, x: Array, dst: int) -> None:
-        """Send ``x`` (not touched again by the caller) to group rank ``dst`` after every earlier send."""
-        if type(x) is not np.ndarray and is_device(x):
-            x = to_host(x)  # on the caller's stream, after the compute that made it
-        self._outbox.put((x, dst))
+    def send(self, x: Payload, dst: int, kind: str, stage: int) -> None:
+        """Send ``x`` (an array or a tuple of arrays, not touched again by the caller), ``kind`` ``"F"`` or ``"B"``
+        of stage ``stage``, to group rank ``dst`` after every earlier send. A ValueError when a message of that
+        kind and stage to ``dst`` held another number of arrays before (the receiver expects that many)."""
+        count = len(x) if type(x) is tuple else BARE
+        key = (dst, kind, stage)
+        known = self._announced.get(key)
+        if known is None:
+            self._announced[key] = count
+            self._outbox.put((np.array([count], np.int64), dst))
+        elif known != count:
+            what = "output" if kind == "F" else "input's gradient"
+            raise ValueError(
+                f"pipeline stage {stage}'s {what} was {_arrays(known)} and is {_arrays(count)} now: what a "
+                "stage sends to the next keeps its number of tensors for the pipeline's life"
+            )
+        for part in x if type(x) is tuple else (x,):
+            if type(part) is not np.ndarray and is_device(part):
+                part = to_host(part)  # on the caller's stream, after the compute that made it
+            self._outbox.put((part, dst))
 
-    def take(self, message: Message) -> Array:
+    def take(self, message: Message) -> Payload:
         """``message`` (one of ``begin``'s) once it has come; raises a receive's (or a failed send's) error."""
         got = self._early.pop(message, None)
         box = self._box
@@ -172,7 +196,8 @@ class Transfers:
                 self._early[item[0]] = item[1]
         if self._like is not None:
             with device_of(self._like):  # the stages' GPU, whichever is current on this thread
-                return array_module(self._like).asarray(got)
+                xp = array_module(self._like)
+                return tuple(xp.asarray(g) for g in got) if type(got) is tuple else xp.asarray(got)
         return got
 
     def abandon(self) -> None:
@@ -258,32 +283,71 @@ def _receive_loop(group: ProcessGroup, plans: queue.SimpleQueue[Any], box: _Mail
 
 
 def _receive_plans(group: ProcessGroup, plans: queue.SimpleQueue[Any], box: _Mailbox) -> None:
+    counts: dict[tuple[str, int], int] = {}  # per (kind, stage): arrays per message, once announced
     while True:
         item = plans.get()
         if item is _STOP:
             return
         plan, convert = item
         got: Any = None
-        buffer: Any = None
-        shapes: dict[tuple[str, int], tuple[Any, tuple[int, ...]]] = {}
+        shapes: dict[tuple[str, int, int], tuple[Any, tuple[int, ...]]] = {}
         for message in plan:
             try:
-                known = shapes.get((message.kind, message.stage))
-                if known is None:
-                    got = group.recv_array(message.src)
-                    shapes[(message.kind, message.stage)] = (got.dtype, got.shape)
-                    if convert is not None:
-                        got = convert(message.kind, got)
+                count = counts.get((message.kind, message.stage))
+                if count is None:
+                    count = counts[(message.kind, message.stage)] = _count(
+                        group.recv_array(message.src), message
+                    )
+                if count == BARE:
+                    got = _receive(group, message, 0, shapes, convert)
                 else:
-                    # Posted before the message comes: its array (and what ``convert`` makes of it, a view) is
-                    # made while this thread waits, and the receive only fills it.
-                    buffer = np.empty(known[1], known[0])
-                    got = convert(message.kind, buffer) if convert is not None else buffer
-                    group.recv(buffer, message.src)
-                    buffer = None
+                    got = tuple(_receive(group, message, i, shapes, convert) for i in range(count))
             except BaseException as exc:
-                got = buffer = None  # a tensor posted ahead is not kept past its failed receive (see _send)
+                got = None
                 box.items.put(_Failed(exc))
                 break  # the group has failed: no later receive of this step can succeed
             box.file(message, got)
             got = item = None  # hold no message while waiting for the next plan (see _send)
+
+
+def _receive(
+    group: ProcessGroup,
+    message: Message,
+    part: int,
+    shapes: dict[tuple[str, int, int], tuple[Any, tuple[int, ...]]],
+    convert: Callable[[str, Array], Any] | None,
+) -> Any:
+    """Array ``part`` of ``message`` (converted): the first of its kind, stage and part in a step takes the
+    dtype and shape of its header, the next ones are posted ahead."""
+    got: Any = None
+    buffer: Any = None
+    try:
+        known = shapes.get((message.kind, message.stage, part))
+        if known is None:
+            got = group.recv_array(message.src)
+            shapes[(message.kind, message.stage, part)] = (got.dtype, got.shape)
+            return convert(message.kind, got) if convert is not None else got
+        # Posted before the message comes: its array (and what ``convert`` makes of it, a view) is made while
+        # this thread waits, and the receive only fills it.
+        buffer = np.empty(known[1], known[0])
+        got = convert(message.kind, buffer) if convert is not None else buffer
+        group.recv(buffer, message.src)
+        return got
+    except BaseException:
+        got = buffer = None  # a tensor posted ahead is not kept past its failed receive (see _send)
+        raise
+
+
+def _count(announced: Array, message: Message) -> int:
+    """The number of arrays per message of ``message``'s kind and stage, from the int64 its sender announced."""
+    if announced.dtype != np.int64 or announced.shape != (1,) or int(announced[0]) < BARE:
+        raise CollectiveMismatch(
+            f"pipeline: the first message of kind {message.kind} from stage {message.stage} (group rank "
+            f"{message.src}) should announce its number of arrays, got {announced.dtype} {announced.shape}: "
+            "the ranks run different versions of the pipeline"
+        )
+    return int(announced[0])
+
+
+def _arrays(count: int) -> str:
+    return "one tensor" if count == BARE else f"a tuple of {count}"
