@@ -62,7 +62,8 @@ def test_torch_stages_equal_torch_pipelining_under_every_schedule() -> None:
     """The same GPT-2 stages (float64, tied head, attention mask) under ``pp.Pipeline`` and under torch's own
     ``torch.distributed.pipelining`` (``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` over
     gloo, its defaults), same microbatches: every step's per-microbatch losses, every gradient and the final
-    AdamW parameters agree within 1e-12 relative."""
+    AdamW parameters agree within 1e-12 relative; then stages that pass a tuple of tensors (pipeline_tuple.py's)
+    under every schedule: losses and gradients agree within 1e-12."""
     env = {**ENV, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     out = run_world(2, "pipeline_peer.py", env=env, timeout=180).check_ok(min_checks=100)
     assert len(out) == 2

@@ -45,7 +45,7 @@ def stage_modules(num_stages: int) -> list[Any]:
             self.table = torch.nn.Parameter(torch.randn(2, WIDTH, dtype=torch.float64))
 
         def forward(self, h: Any, r: Any, ids: Any) -> Any:
-            return torch.tanh(self.lin(h)) + r + self.table[ids], h, ids
+            return torch.tanh(self.lin(h)) + r + self.table[ids.clamp(0, 1)], h, ids
 
     class Last(torch.nn.Module):
         def __init__(self) -> None:
@@ -54,8 +54,10 @@ def stage_modules(num_stages: int) -> list[Any]:
             self.table = torch.nn.Parameter(torch.randn(2, WIDTH, dtype=torch.float64))
 
         def forward(self, h: Any, r: Any, ids: Any) -> Any:  # r unused: its gradient is zeros
-            return self.lin(h) + self.table[ids]
+            return self.lin(h) + self.table[ids.clamp(0, 1)]
 
+    # ids are 0 or 1; the clamp is for torch's pipelining (pipeline_peer.py), which infers its messages' shapes
+    # by running each stage once on uninitialised tensors.
     torch.manual_seed(0)
     return [First(), *[Middle() for _ in range(num_stages - 2)], Last()]
 
