@@ -118,10 +118,9 @@ def compare_tuples(world: Any, rep: Report, schedule: str) -> None:
     last = rank == (p * v - 1) % p
     for step in range(STEPS):
         x, y = batch(step)
-        x, y = x[: MICROBATCHES * PER_MB], y[: MICROBATCHES * PER_MB]
         got = pipe.step(x if rank == 0 else None, target=y if last else None)
         want: list[Any] = []
-        args = (x,) if rank == 0 else ()
+        args = x if rank == 0 else ()
         if last:
             peer.step(*args, target=y, losses=want)
         else:

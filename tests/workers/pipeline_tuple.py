@@ -1,7 +1,8 @@
 """torch stages that pass several tensors to the next stage (a tuple: the next stage's positional arguments),
 as ``torch.distributed.pipelining`` allows, against one process on the whole batch.
 
-Usage: ``pipeline_tuple.py`` (world 2). Each stage but the last returns ``(hidden, residual, ids)``: two
+Usage: ``pipeline_tuple.py`` (world 2). The first stage takes two positional arguments (``step((x, ids))``:
+each split into the microbatches, as torch's ``schedule.step(x, ids)``). Each stage but the last returns ``(hidden, residual, ids)``: two
 float64 tensors and an int64 one (no gradient flows back for it); the last stage does not use ``residual``
 (its gradient goes back as zeros). Every schedule (interleaved 1F1B with a middle stage per rank), three AdamW
 steps: per-step losses, gradients and final parameters equal one process (1e-12), and ``eval_step`` gives the
@@ -35,8 +36,8 @@ def stage_modules(num_stages: int) -> list[Any]:
             super().__init__()
             self.lin = torch.nn.Linear(WIDTH, WIDTH, dtype=torch.float64)
 
-        def forward(self, x: Any) -> Any:
-            return torch.tanh(self.lin(x)), x * 0.5, (x[:, 0] > 0).long()
+        def forward(self, x: Any, ids: Any) -> Any:
+            return torch.tanh(self.lin(x)), x * 0.5, ids
 
     class Middle(torch.nn.Module):
         def __init__(self) -> None:
@@ -62,19 +63,21 @@ def stage_modules(num_stages: int) -> list[Any]:
     return [First(), *[Middle() for _ in range(num_stages - 2)], Last()]
 
 
-def run_chain(stages: list[Any], x: Any) -> Any:
-    out = stages[0](x)
+def run_chain(stages: list[Any], x: tuple[Any, ...]) -> Any:
+    out = stages[0](*x)
     for s in stages[1:]:
         out = s(*out)
     return out
 
 
-def batch(step: int) -> tuple[Any, Any]:
+def batch(step: int) -> tuple[tuple[Any, Any], Any]:
+    """The first stage's two positional arguments (features and int64 ids), and the target."""
     import torch
 
     gen = torch.Generator().manual_seed(100 + step)
     x = torch.randn(MICROBATCHES * PER_MB, WIDTH, generator=gen, dtype=torch.float64)
-    return x, torch.randn(MICROBATCHES * PER_MB, WIDTH, generator=gen, dtype=torch.float64)
+    ids = (x[:, 0] > 0).long()
+    return (x, ids), torch.randn(MICROBATCHES * PER_MB, WIDTH, generator=gen, dtype=torch.float64)
 
 
 def equivalence(world: Any, rep: Report, schedule: str) -> None:
@@ -128,9 +131,9 @@ def misbehaving(world: Any, rep: Report, what: str) -> None:
     calls = [0]
     first_forward = stages[0].forward
 
-    def forward(x: Any) -> Any:
+    def forward(*x: Any) -> Any:
         calls[0] += 1
-        h, r, ids = first_forward(x)
+        h, r, ids = first_forward(*x)
         if what == "dict":
             return {"h": h, "r": r, "ids": ids}
         return (h, r, ids) if calls[0] <= MICROBATCHES else (h, r)

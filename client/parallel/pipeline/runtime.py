@@ -229,6 +229,9 @@ class Pipeline:
     def _split(self, x: Array | None, what: str) -> list[Array] | None:
         if x is None:
             return None
+        if type(x) is tuple and self._torch and what == "x":  # the first stage's positional arguments
+            parts = [self._split(v, f"{what}[{i}]") for i, v in enumerate(x)]
+            return [tuple(mb) for mb in zip(*parts, strict=True)]
         m = self.num_microbatches
         if x.shape[0] % m:
             raise ValueError(f"{what} has {x.shape[0]} rows, which do not split into {m} equal microbatches")
@@ -239,6 +242,8 @@ class Pipeline:
         else the batch's or the target's (a stage without parameters), else the host."""
         for p in self.parameters():
             return p.data
+        if type(x) is tuple:
+            x = x[0] if x else None
         return x if x is not None else (target if target is not None else np.empty(0))
 
     def step(
@@ -251,7 +256,8 @@ class Pipeline:
     ) -> list[float] | None:
         """One training step over the batch; per-microbatch losses on the last stage, None elsewhere.
 
-        torch stages only: ``kwargs`` reach every stage's forward, each tensor split along dim 0 into the
+        torch stages only: ``x`` may be a tuple of tensors (the first stage's positional arguments, each split
+        along dim 0); ``kwargs`` reach every stage's forward, each tensor split along dim 0 into the
         microbatches (an attention mask: pass it on every rank), and ``shared`` values reach every microbatch
         whole."""
         if self.is_first and x is None:
