@@ -14,7 +14,10 @@ rank times every call of every (op, size) and takes the median of its per-iterat
 gathers the ranks' medians through the group and reports the largest. ``bytes`` is the whole buffer
 as nccl-tests counts it: the all-reduce / broadcast array, the all-gather output, the reduce-scatter
 input, the all-to-all input (float32). algbw = bytes / p50, busbw = algbw * (all_reduce 2(n-1)/n, all_gather,
-reduce_scatter and all_to_all (n-1)/n, broadcast 1).
+reduce_scatter and all_to_all (n-1)/n, broadcast 1). ``all_to_all_skewed`` is an all_to_all with split sizes
+as a mixture of experts routes tokens to one popular expert: every rank sends half its rows to rank 0 and
+the rest evenly (``skewed_splits``; torch's ``all_to_all_single`` with ``input_split_sizes`` /
+``output_split_sizes``, paramplane's ``in_splits`` / ``out_splits``).
 
 Small messages are timed two ways (sizes up to ``latency_bytes``): ``hot_p50_us`` back to back (the
 calls of ``p50_us``) and ``cold_p50_us`` each call issued right after a barrier, as after a compute
@@ -45,7 +48,7 @@ from typing import Any
 from paramplane.launch import MALLOC_DEFAULTS
 from paramplane.local_world import run_world
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "all_to_all_skewed")
 TRANSPORTS = ("lane-unix", "lane-tcp", "shm", "grpc-stream")
 DEFAULT_TRANSPORTS = TRANSPORTS
 ALIASES = {"grpc": "lane-tcp", "grpc-streams": "grpc-stream"}  # the names of earlier runs
@@ -122,7 +125,7 @@ def bus_factor(op: str, n: int) -> float:
     """busbw / algbw for ``op`` over ``n`` ranks (nccl-tests PERFORMANCE.md)."""
     if op == "all_reduce":
         return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all", "all_to_all_skewed"):
         return (n - 1) / n
     if op == "broadcast":
         return 1.0
@@ -187,6 +190,15 @@ def _time_cold(call: Callable[[], object], barrier: Callable[[], object], timed:
     return statistics.median(times)
 
 
+def skewed_splits(count: int, n: int) -> list[int]:
+    """The rows every rank sends to each rank in ``all_to_all_skewed``: half of its ``count`` to rank 0, the rest
+    evenly over all ``n`` ranks (rank 0 then receives ``n`` times its share plus half of everything)."""
+    even = count // 2 // n
+    splits = [even] * n
+    splits[0] += count - even * n
+    return splits
+
+
 def _paramplane_call(g: Any, op: str, x: Any) -> Callable[[], object]:
     """Like gloo's ``*_single`` calls, all_gather and reduce_scatter write into a preallocated ``out``."""
     import numpy as np
@@ -203,6 +215,11 @@ def _paramplane_call(g: Any, op: str, x: Any) -> Callable[[], object]:
     if op == "all_to_all":
         exchanged = np.empty_like(x)
         return lambda: g.all_to_all(x, out=exchanged)
+    if op == "all_to_all_skewed":
+        splits = skewed_splits(x.size, g.size)
+        receives = [splits[g.rank]] * g.size
+        got = np.empty(sum(receives), x.dtype)
+        return lambda: g.all_to_all(x, out=got, in_splits=splits, out_splits=receives)
     return lambda: g.all_reduce(x)
 
 
@@ -221,6 +238,12 @@ def _gloo_call(op: str, big: Any, small: Any) -> Callable[[], object]:
     if op == "all_to_all":
         exchanged = big.clone()
         return lambda: dist.all_to_all_single(exchanged, big)
+    if op == "all_to_all_skewed":
+        n, rank = dist.get_world_size(), dist.get_rank()
+        splits = skewed_splits(big.numel(), n)
+        receives = [splits[rank]] * n
+        got = big.new_empty(sum(receives))
+        return lambda: dist.all_to_all_single(got, big, receives, splits)
     return lambda: dist.broadcast(big, src=0)
 
 
@@ -525,7 +548,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namesp
     p = argparse.ArgumentParser(
         prog="paramplane bench collectives", description=(__doc__ or "").split("\n")[0]
     )
-    p.add_argument("--ops", type=_csv(str), default=OPS, help="comma list (default: all five)")
+    p.add_argument("--ops", type=_csv(str), default=OPS, help="comma list (default: all six)")
     p.add_argument("--sizes", type=_csv(_size), default=None, help="e.g. 4K,1M,64M (default 4K..64M)")
     p.add_argument("--worlds", type=_csv(int), default=(2, 4), help="comma list of world sizes (default 2,4)")
     p.add_argument(

@@ -2,10 +2,11 @@
 
 Rank ``i`` sends rows ``in_splits[j]`` of ``x`` (consecutive, in rank order) to rank ``j`` and receives
 ``out_splits[j]`` rows from each rank ``j``: a mixture-of-experts layer routes a different number of tokens to
-each expert this way. Built on the plane's equal-block ``all_to_all``: the ranks exchange their row counts (one
-small all_to_all), agree on the largest block (one small all_reduce, which also carries whether any rank's
-``out_splits`` disagree with what is sent to it: a ``CollectiveMismatch`` on every rank, before any data moves),
-then exchange blocks padded to that size. So a skewed routing moves ``n x`` the largest block, not the sum.
+each expert this way. The ranks first gather every rank's row counts (one small all_gather of each rank's sends, its expected
+receives and its ``out``'s rows), so every rank finds the same disagreement, if any: a ``CollectiveMismatch``
+on every rank, before any data moves. Then the engine's ``all_to_allv`` moves each rank's rows as they are
+(no padding): over shared memory each rank's input streams through its slot and each rank reads its pieces
+where they lie, over lanes and gRPC one frame per piece.
 """
 
 from __future__ import annotations
@@ -57,37 +58,41 @@ def uneven_all_to_all(
         raise ValueError(
             f"all_to_all: out must hold rows of shape {row_shape} and dtype {x.dtype}, got {out.shape}"
         )
-    got = group.all_to_all(np.array(sends, np.int64))  # got[j]: the rows rank j sends this rank
-    receives = [int(v) for v in got]
-    wrong = ""
-    if expected is not None and expected != receives:
-        wrong = f"rank {me} expects {expected} rows from ranks 0..{n - 1}, they send {receives}"
-    elif out is not None and int(out.shape[0]) != sum(receives):
-        wrong = f"rank {me}'s out holds {out.shape[0]} rows, ranks 0..{n - 1} send it {receives}"
-    agreed = group.all_reduce(np.array([max(sends), int(bool(wrong))], np.int64), "max")
-    if agreed[1]:  # every rank raises, before any data moves
-        raise CollectiveMismatch(
-            f"all_to_all split sizes disagree: {wrong}"
-            if wrong
-            else f"all_to_all split sizes disagree on another rank (rank {me} receives {receives} as it expects)"
-        )
+    # One small all_gather gives every rank the whole table: what each rank sends each, what it expects from
+    # each (-1: not given) and its out's rows (-1: none), so every rank finds the same disagreement.
+    mine = np.full(2 * n + 1, -1, np.int64)
+    mine[:n] = sends
+    if expected is not None:
+        mine[n : 2 * n] = expected
+    if out is not None:
+        mine[2 * n] = int(out.shape[0])
+    table = group.all_gather(mine).reshape(n, 2 * n + 1)
+    wrong = _disagreement(table, n)
+    if wrong:  # every rank raises, before any data moves
+        raise CollectiveMismatch(f"all_to_all split sizes disagree: {wrong}")
+    receives = [int(v) for v in table[:, me]]
     if out is None:
         out = array_module(x).empty((sum(receives), *row_shape), x.dtype)
-    block = int(agreed[0])
-    if block == 0:
+    if not table[:, :n].any():
         return out
     xp = array_module(x)
-    padded = xp.zeros((n * block, *row_shape), x.dtype)
-    for j, start in enumerate(_starts(sends)):
-        padded[j * block : j * block + sends[j]] = x[start : start + sends[j]]
-    exchanged = group.all_to_all(padded)
-    for j, start in enumerate(_starts(receives)):
-        out[start : start + receives[j]] = exchanged[j * block : j * block + receives[j]]
+    into = out if out.flags.c_contiguous else xp.empty(out.shape, out.dtype)
+    group._e.all_to_allv(xp.ascontiguousarray(x), into, table[:, :n].tolist()).result()
+    if into is not out:
+        out[...] = into
     return out
 
 
-def _starts(sizes: list[int]) -> list[int]:
-    return [int(s) for s in np.cumsum([0, *sizes[:-1]])] if sizes else []
+def _disagreement(table: np.ndarray, n: int) -> str:
+    """The first rank whose expected rows or out differ from what the others send it (``""``: none)."""
+    for rank in range(n):
+        receives = [int(v) for v in table[:, rank]]
+        expected, rows = [int(v) for v in table[rank, n : 2 * n]], int(table[rank, 2 * n])
+        if expected[0] >= 0 and expected != receives:
+            return f"rank {rank} expects {expected} rows from ranks 0..{n - 1}, they send {receives}"
+        if rows >= 0 and rows != sum(receives):
+            return f"rank {rank}'s out holds {rows} rows, ranks 0..{n - 1} send it {receives}"
+    return ""
 
 
 __all__ = ["check_splits", "uneven_all_to_all"]

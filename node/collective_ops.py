@@ -11,7 +11,7 @@ import numpy as np
 
 from paramplane.node.arrays import array_module, is_cupy, is_device, to_host
 from paramplane.node.spec import OpSpec
-from paramplane.node.transports.base import Bounds, Comm
+from paramplane.node.transports.base import Bounds, Comm, Splits
 
 
 class _Staged:
@@ -132,6 +132,14 @@ def all_to_all(comm: Comm, spec: OpSpec, deadline: float, x: Any, out: Any) -> A
         out = array_module(x).empty_like(x)
     flat, result = _Staged(x, comm), _Staged(out, comm, copy_in=False)
     comm.all_to_all(spec, flat.flat, result.flat, deadline)
+    result.write_back()
+    return out
+
+
+def all_to_allv(comm: Comm, spec: OpSpec, deadline: float, x: Any, out: Any, splits: Splits) -> Any:
+    """Into ``out``: ``Comm.all_to_allv`` of ``x`` (its pieces of ``splits``' element counts, in order)."""
+    flat, result = _Staged(x, comm), _Staged(out, comm, copy_in=False)
+    comm.all_to_allv(spec, flat.flat, result.flat, splits, deadline)
     result.write_back()
     return out
 

@@ -27,6 +27,7 @@ from paramplane.node.counters import RankCounters
 from paramplane.node.engine_p2p import SENT, PointToPointOps
 from paramplane.node.errors import DeviceCommError, PeerLost, PlaneError
 from paramplane.node.spec import OpSpec, split_bounds
+from paramplane.node.transports.base import Splits
 from paramplane.node.transports.factory import TransportContext, TransportFactory
 
 T = TypeVar("T")
@@ -123,17 +124,26 @@ class GroupEngine(PointToPointOps):
             raise self.failure
 
     def _issue(
-        self, name: str, x: Any, arg: str, async_op: bool, run: Callable[..., T], *args: Any
+        self,
+        name: str,
+        x: Any,
+        arg: str,
+        async_op: bool,
+        run: Callable[..., T],
+        *args: Any,
+        shape: tuple[int, ...] | None = None,
     ) -> concurrent.futures.Future[T]:
         """Run ``run(comm, spec, deadline, *args)`` in issue order on the transport of ``name`` on ``x`` (picked
-        here, once); a failure is recorded so the group stays failed."""
+        here, once); a failure is recorded so the group stays failed. The spec that every rank must agree on
+        has ``x``'s dtype and ``shape`` (by default ``x``'s)."""
         transport = self.transports.choose(x, name)
         stream = None
         if is_cupy(x):  # the op may run on the group's worker thread: give it the caller's device and stream
             from paramplane.node.transports.nccl import capture_stream
 
             stream = capture_stream()
-        shape = x.shape if type(x) is np.ndarray else tuple(int(d) for d in x.shape)
+        if shape is None:
+            shape = x.shape if type(x) is np.ndarray else tuple(int(d) for d in x.shape)
         nbytes, dtype = int(x.nbytes), dtype_name(x.dtype)
 
         def op(seq: int) -> T:
@@ -277,6 +287,19 @@ class GroupEngine(PointToPointOps):
         if out is not None and (out is x or array_module(x).may_share_memory(out, x)):
             raise ValueError("all_to_all: out must not overlap the input")
         return self._issue("all_to_all", x, "", async_op, collective_ops.all_to_all, x, out)
+
+    def all_to_allv(self, x: Any, out: Any, rows: Sequence[Sequence[int]]) -> concurrent.futures.Future[Any]:
+        """The exchange of an uneven ``all_to_all`` whose row counts every rank holds (``client/all_to_all.py``
+        gathers and checks them first): ``rows[i][j]`` rows of axis 0 go from group rank ``i`` to ``j``; this
+        rank's go from ``x`` (C-contiguous, in order), and what it receives fills ``out`` in order. The op's
+        spec is the same on every rank: (all the rows of the table, *row shape*)."""
+        check_array(x, writable=False)
+        check_array(out)
+        row = int(np.prod(x.shape[1:], dtype=np.int64))
+        splits = Splits(tuple(tuple(int(c) * row for c in counts) for counts in rows))
+        spec_shape = (sum(sum(counts) for counts in rows), *(int(d) for d in x.shape[1:]))
+        run = collective_ops.all_to_allv
+        return self._issue("all_to_all", x, "splits", False, run, x, out, splits, shape=spec_shape)
 
     def barrier(self, *, async_op: bool = False) -> concurrent.futures.Future[None]:
         """Done once every rank of the group has entered."""

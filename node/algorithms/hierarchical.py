@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from paramplane.node.spec import OpSpec
-from paramplane.node.transports.base import Bounds, Comm, Transport
+from paramplane.node.transports.base import Bounds, Comm, Splits, Transport
 
 
 class HierarchicalComm:
@@ -68,6 +68,11 @@ class HierarchicalComm:
 
     def all_to_all(self, spec: OpSpec, flat: np.ndarray, out: np.ndarray, deadline: float) -> None:
         self.flat.all_to_all(spec, flat, out, deadline)
+
+    def all_to_allv(
+        self, spec: OpSpec, flat: np.ndarray, out: np.ndarray, splits: Splits, deadline: float
+    ) -> None:
+        self.flat.all_to_allv(spec, flat, out, splits, deadline)
 
     def barrier(self, spec: OpSpec, deadline: float) -> None:
         self.flat.barrier(spec, deadline)

@@ -17,6 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from paramplane.node.spec import OpSpec, reduce_ufunc, split_bounds
+from paramplane.node.transports.base import Splits
 
 # At or below this many bytes an all-reduce uses the direct (latency-optimal) exchange.
 SMALL_BYTES = 256 << 10
@@ -224,6 +225,20 @@ def all_to_all(ch: FrameChannel, spec: OpSpec, flat: np.ndarray, out: np.ndarray
         ch.send(j, spec, 0, flat[j * size : (j + 1) * size])
     for j in others:
         ch.recv(j, spec, 0, size * flat.itemsize, copy_into(out, j * size))
+    ch.flush()
+
+
+def all_to_allv(ch: FrameChannel, spec: OpSpec, flat: np.ndarray, out: np.ndarray, splits: Splits) -> None:
+    """``all_to_all`` with pieces of ``splits``' sizes (``Comm.all_to_allv``): each piece sent as one frame."""
+    me = ch.index
+    sends, receives = splits.sends(me), splits.receives(me)
+    at, into = Splits.starts(sends), Splits.starts(receives)
+    out[into[me] : into[me] + receives[me]] = flat[at[me] : at[me] + sends[me]]
+    others = [(me + k) % ch.n for k in range(1, ch.n)]
+    for j in others:
+        ch.send(j, spec, 0, flat[at[j] : at[j] + sends[j]])
+    for j in others:
+        ch.recv(j, spec, 0, receives[j] * flat.itemsize, copy_into(out, into[j]))
     ch.flush()
 
 

@@ -11,6 +11,7 @@ divides once. Host comms (grpc, shm, hier, local) take numpy arrays; device comm
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
@@ -25,6 +26,31 @@ Transport = Literal["local", "shm", "nccl", "grpc", "hier"]
 
 Array = Any
 Bounds = list[tuple[int, int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Splits:
+    """An uneven ``all_to_allv``'s pieces in elements: ``counts[i][j]`` from group index ``i`` to index ``j``
+    (every rank holds the whole table, the same on every rank)."""
+
+    counts: tuple[tuple[int, ...], ...]
+
+    def sends(self, i: int) -> tuple[int, ...]:
+        """What index ``i`` sends each index: its input's consecutive pieces."""
+        return self.counts[i]
+
+    def receives(self, j: int) -> tuple[int, ...]:
+        """What index ``j`` receives from each index: its output's consecutive pieces."""
+        return tuple(row[j] for row in self.counts)
+
+    @staticmethod
+    def starts(sizes: Sequence[int]) -> list[int]:
+        """Where each of ``sizes``' consecutive pieces begins."""
+        out, at = [], 0
+        for size in sizes:
+            out.append(at)
+            at += size
+        return out
 
 
 class Comm(Protocol):
@@ -55,6 +81,11 @@ class Comm(Protocol):
         self, spec: OpSpec, pieces: Sequence[Array] | None, root: int, out: Array, deadline: float
     ) -> None:
         """``out`` receives ``pieces[rank]`` of ``root``."""
+
+    def all_to_allv(self, spec: OpSpec, flat: Array, out: Array, splits: Splits, deadline: float) -> None:
+        """``flat`` holds ``n`` consecutive pieces, piece ``j`` (``splits.sends(rank)[j]`` elements) for group index
+        ``j``; ``out`` receives index ``j``'s piece for this rank (``splits.receives(rank)[j]`` elements) at
+        piece ``j``."""
 
     def all_to_all(self, spec: OpSpec, flat: Array, out: Array, deadline: float) -> None:
         """``flat`` holds ``n`` equal pieces, piece ``j`` for group index ``j``; ``out`` (the same size) receives
@@ -116,6 +147,9 @@ class LocalComm:
         out[...] = pieces[0]
 
     def all_to_all(self, spec: OpSpec, flat: Array, out: Array, deadline: float) -> None:
+        out[...] = flat
+
+    def all_to_allv(self, spec: OpSpec, flat: Array, out: Array, splits: Splits, deadline: float) -> None:
         out[...] = flat
 
     def barrier(self, spec: OpSpec, deadline: float) -> None:

@@ -32,7 +32,7 @@ from paramplane.node.failures import failure_message
 from paramplane.node.loop import LoopThread
 from paramplane.node.peer import CHUNK_BYTES, ERROR_SUFFIX, PeerPlane
 from paramplane.node.spec import OpSpec
-from paramplane.node.transports.base import Bounds, Transport
+from paramplane.node.transports.base import Bounds, Splits, Transport
 from paramplane.node.transports.thread_channel import INLINE_BYTES, ThreadChannel
 from paramplane.protos import peer_pb2
 
@@ -359,6 +359,11 @@ class GrpcTransport:
 
     def all_to_all(self, spec: OpSpec, flat: np.ndarray, out: np.ndarray, deadline: float) -> None:
         ring.all_to_all(self._on_thread(deadline), spec, flat, out)
+
+    def all_to_allv(
+        self, spec: OpSpec, flat: np.ndarray, out: np.ndarray, splits: Splits, deadline: float
+    ) -> None:
+        ring.all_to_allv(self._on_thread(deadline), spec, flat, out, splits)
 
     def barrier(self, spec: OpSpec, deadline: float) -> None:
         ring.barrier(self._on_thread(deadline), spec)

@@ -25,7 +25,7 @@ from paramplane.node.errors import CollectiveTimeout, DeviceCommError
 from paramplane.node.loop import on_daemon_thread
 from paramplane.node.spec import OpSpec
 from paramplane.node.topology import Topology
-from paramplane.node.transports.base import Bounds, Transport
+from paramplane.node.transports.base import Bounds, Splits, Transport
 
 log = logging.getLogger(__name__)
 
@@ -252,6 +252,9 @@ class NcclComm:
         self._unsupported("scatter")
 
     def all_to_all(self, spec: OpSpec, flat: Any, out: Any, deadline: float) -> None:
+        self._unsupported("all_to_all")
+
+    def all_to_allv(self, spec: OpSpec, flat: Any, out: Any, splits: Splits, deadline: float) -> None:
         self._unsupported("all_to_all")
 
     def barrier(self, spec: OpSpec, deadline: float) -> None:

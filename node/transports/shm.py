@@ -25,7 +25,7 @@ import numpy as np
 
 from paramplane.node.errors import CollectiveMismatch, CollectiveTimeout, PeerLost, PlaneError
 from paramplane.node.spec import OpSpec, reduce_ufunc, split_bounds
-from paramplane.node.transports.base import Transport
+from paramplane.node.transports.base import Splits, Transport
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "paramplane-"
@@ -417,6 +417,32 @@ class ShmComm:
             self._first_sync(spec, deadline, r == 0)
             for j in range(n):
                 out[j * size + s : j * size + e] = slots[j, me * sub : me * sub + m]
+
+    def all_to_allv(
+        self, spec: OpSpec, flat: np.ndarray, out: np.ndarray, splits: Splits, deadline: float
+    ) -> None:
+        """Each rank's input streams through its whole slot, one slot's worth a round (one sync per round, the
+        banks alternating), and each rank reads its piece out of every other rank's slot where it lies: as
+        many rounds as the longest input needs, whatever the pieces' sizes (``all_to_all``'s sub-slot per
+        destination would take as many as the longest piece fills a sub-slot)."""
+        self._begin(spec)
+        n, me = self.n, self.index
+        per_round = self.slot_bytes // flat.itemsize
+        into = Splits.starts(splits.receives(me))
+        pieces = [(Splits.starts(splits.sends(i))[me], splits.counts[i][me]) for i in range(n)]
+        at, size = pieces[me]
+        out[into[me] : into[me] + size] = flat[at : at + size]
+        longest = max(sum(row) for row in splits.counts)
+        for r, (s, e) in enumerate(self._rounds(longest, per_round)):
+            slots = self._slots(flat.dtype)
+            if flat.size > s:
+                end = min(e, flat.size)
+                slots[me, : end - s] = flat[s:end]
+            self._first_sync(spec, deadline, r == 0)
+            for i, (at, size) in enumerate(pieces):
+                lo, hi = max(at, s), min(at + size, e)
+                if i != me and lo < hi:
+                    out[into[i] + lo - at : into[i] + hi - at] = slots[i, lo - s : hi - s]
 
     def barrier(self, spec: OpSpec, deadline: float) -> None:
         self._begin(spec)

@@ -184,6 +184,18 @@ def extras(world: pp.World, rep: Report) -> None:
     rep.check(
         "all_to_all with in_splits and out_splits into out=", w.wait(30) is buf and np.array_equal(buf, want)
     )
+
+    # Pieces of different lengths, some empty, the longest over several shm rounds of the small slot: each ends
+    # in its own round (rows of 4096 float32, up to 16 rows, not padded to the longest).
+    def big_rows(src: int, dst: int) -> np.ndarray:
+        count = ((src * 7 + dst * 3) % 5) * 4
+        return np.arange(count * 4096, dtype=np.float32).reshape(count, 4096) + 100_000 * src + 10_000 * dst
+
+    sends = [((me * 7 + j * 3) % 5) * 4 for j in range(n)]
+    got = g.all_to_all(np.concatenate([big_rows(me, j) for j in range(n)]), in_splits=sends)
+    rep.equal(
+        "all_to_all with uneven pieces over rounds", got, np.concatenate([big_rows(j, me) for j in range(n)])
+    )
     empty = g.all_to_all(np.zeros((0, 5), np.float32), in_splits=[0] * n)
     rep.check("all_to_all of no rows", empty.shape == (0, 5), str(empty.shape))
     rep.raises(
