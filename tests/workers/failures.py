@@ -32,6 +32,7 @@ def errors(world: pp.World, rep: Report) -> None:
     mismatch_group = world.new_group([0, 1])
     a2a_group = world.new_group([0, 1])
     fresh_group = world.new_group([0, 1])
+    uneven_group = world.new_group([0, 1])
     assert stuck_group is not None and mismatch_group is not None and fresh_group is not None
     assert a2a_group is not None
 
@@ -98,6 +99,16 @@ def errors(world: pp.World, rep: Report) -> None:
     a = np.ones((4, 2) if me == 0 else (4, 3), np.float32)  # blocks of 2 against 3 elements
     rep.raises(
         "mismatch: all_to_all", pp.CollectiveMismatch, lambda: a2a_group.all_to_all(a), "(4, 2)", "(4, 3)"
+    )
+    # Split sizes that agree but rows that do not (2 against 3 elements): the exchange itself is a
+    # CollectiveMismatch on both ranks naming both row shapes, not rows read at the wrong width.
+    u = np.ones((3, 2) if me == 0 else (3, 3), np.float32)
+    rep.raises(
+        "mismatch: all_to_all with split sizes and rows that differ",
+        pp.CollectiveMismatch,
+        lambda: uneven_group.all_to_all(u, in_splits=[1, 2] if me == 0 else [2, 1]),
+        "2)",
+        "3)",
     )
     world.barrier("after-mismatch", timeout=KV_TIMEOUT)
 
