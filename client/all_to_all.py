@@ -2,11 +2,11 @@
 
 Rank ``i`` sends rows ``in_splits[j]`` of ``x`` (consecutive, in rank order) to rank ``j`` and receives
 ``out_splits[j]`` rows from each rank ``j``: a mixture-of-experts layer routes a different number of tokens to
-each expert this way. The ranks first gather every rank's row counts (one small all_gather of each rank's sends, its expected
-receives and its ``out``'s rows), so every rank finds the same disagreement, if any: a ``CollectiveMismatch``
-on every rank, before any data moves. Then the engine's ``all_to_allv`` moves each rank's rows as they are
-(no padding): over shared memory each rank's input streams through its slot and each rank reads its pieces
-where they lie, over lanes and gRPC one frame per piece.
+each expert this way. The ranks first gather every rank's row counts (one small all_gather of each rank's
+sends, its expected receives and its ``out``'s rows), so every rank finds the same disagreement, if any: a
+``CollectiveMismatch`` on every rank, before any data moves. Then the engine's ``all_to_allv`` moves each
+rank's rows as they are (no padding): over shared memory each rank's input streams through its slot and each
+rank reads its pieces where they lie, over lanes and gRPC one frame per piece.
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ def uneven_all_to_all(
         raise ValueError(
             f"all_to_all: out must hold rows of shape {row_shape} and dtype {x.dtype}, got {out.shape}"
         )
+    if out is not None and array_module(x).may_share_memory(out, x):
+        raise ValueError("all_to_all: out must not overlap the input")
     # One small all_gather gives every rank the whole table: what each rank sends each, what it expects from
     # each (-1: not given) and its out's rows (-1: none), so every rank finds the same disagreement.
     mine = np.full(2 * n + 1, -1, np.int64)

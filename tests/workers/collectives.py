@@ -196,6 +196,18 @@ def extras(world: pp.World, rep: Report) -> None:
     rep.equal(
         "all_to_all with uneven pieces over rounds", got, np.concatenate([big_rows(j, me) for j in range(n)])
     )
+    # A strided out (every other column of a wider array) and a Fortran-ordered x: the rows land in out itself.
+    wide = np.zeros((want.shape[0], 10), np.float32)
+    got = g.all_to_all(np.asfortranarray(x), out=wide[:, ::2], in_splits=[(me + j) % 3 for j in range(n)])
+    rep.check(
+        "all_to_all with split sizes into a strided out", np.array_equal(wide[:, ::2], want), str(got.shape)
+    )
+    rep.raises(
+        "all_to_all with split sizes into an out that overlaps x",
+        ValueError,
+        lambda: g.all_to_all(x, out=x, in_splits=[(j + me) % 3 for j in range(n)]),
+        "overlap",
+    )
     empty = g.all_to_all(np.zeros((0, 5), np.float32), in_splits=[0] * n)
     rep.check("all_to_all of no rows", empty.shape == (0, 5), str(empty.shape))
     rep.raises(

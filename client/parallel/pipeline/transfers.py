@@ -15,8 +15,9 @@ receive posted ahead), so the message's arrival costs only reading it into them.
 A message is one array, or a tuple of arrays (a torch stage that returns several tensors, and their
 gradients): each array goes as one of the group's messages, in order. The first message of a kind and stage
 to a rank in the pipeline's life is preceded by one int64 (how many arrays its messages hold; -1: one array,
-not a tuple), so each later step costs nothing for it; the number may not change from then on. Every thread uses the group's own
-``send`` and ``recv``: headers, ordering and failures are the group's. The threads hold no
+not a tuple), so each later step costs nothing for it; the number may not change from then on.
+
+Every thread uses the group's own ``send`` and ``recv``: headers, ordering and failures are the group's. The threads hold no
 reference to the pipeline and end when it is garbage collected; between transfers they hold no message
 either, and they are not woken at interpreter exit (a torch tensor released by one of them while the
 interpreter tears down aborts the process in torch's C++ deleter).
