@@ -218,23 +218,29 @@ def scatter(
 
 def all_to_all(ch: FrameChannel, spec: OpSpec, flat: np.ndarray, out: np.ndarray) -> None:
     """``flat``'s piece ``j`` goes to index ``j``; ``out``'s piece ``j`` comes from index ``j``."""
-    size, me = flat.size // ch.n, ch.index
-    out[me * size : (me + 1) * size] = flat[me * size : (me + 1) * size]
-    others = [(me + k) % ch.n for k in range(1, ch.n)]  # each rank starts with its next neighbour
-    for j in others:
-        ch.send(j, spec, 0, flat[j * size : (j + 1) * size])
-    for j in others:
-        ch.recv(j, spec, 0, size * flat.itemsize, copy_into(out, j * size))
-    ch.flush()
+    equal = [flat.size // ch.n] * ch.n
+    _exchange(ch, spec, flat, out, equal, equal)
 
 
 def all_to_allv(ch: FrameChannel, spec: OpSpec, flat: np.ndarray, out: np.ndarray, splits: Splits) -> None:
-    """``all_to_all`` with pieces of ``splits``' sizes (``Comm.all_to_allv``): each piece sent as one frame."""
+    """``all_to_all`` with pieces of ``splits``' sizes (``Comm.all_to_allv``)."""
+    _exchange(ch, spec, flat, out, splits.sends(ch.index), splits.receives(ch.index))
+
+
+def _exchange(
+    ch: FrameChannel,
+    spec: OpSpec,
+    flat: np.ndarray,
+    out: np.ndarray,
+    sends: Sequence[int],
+    receives: Sequence[int],
+) -> None:
+    """Piece ``j`` of ``flat`` (``sends[j]`` elements, in order) goes to index ``j`` as one frame; ``out``'s piece
+    ``j`` (``receives[j]`` elements) comes from index ``j``. Each rank sends its n - 1 pieces, then receives."""
     me = ch.index
-    sends, receives = splits.sends(me), splits.receives(me)
     at, into = Splits.starts(sends), Splits.starts(receives)
     out[into[me] : into[me] + receives[me]] = flat[at[me] : at[me] + sends[me]]
-    others = [(me + k) % ch.n for k in range(1, ch.n)]
+    others = [(me + k) % ch.n for k in range(1, ch.n)]  # each rank starts with its next neighbour
     for j in others:
         ch.send(j, spec, 0, flat[at[j] : at[j] + sends[j]])
     for j in others:
