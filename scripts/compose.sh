@@ -137,7 +137,13 @@ if [ "${PARAMPLANE_COMPOSE_REUSE_IMAGE:-0}" = 1 ] && docker image inspect paramp
   : >"$LOG"
 else
   wheels
+  previous=$(docker image inspect -f '{{.Id}}' paramplane:local 2>/dev/null || true)
   compose build >"$LOG" 2>&1 || { tail -40 "$LOG" >&2; exit 1; }
+  # The image this build replaced is untagged now: remove it (under vfs each one is a full copy of its layers,
+  # and repeated runs filled the disk), unless a container still uses it.
+  if [ -n "$previous" ] && [ "$previous" != "$(docker image inspect -f '{{.Id}}' paramplane:local 2>/dev/null)" ]; then
+    docker rmi "$previous" >/dev/null 2>&1 || true
+  fi
 fi
 if [ "$MODE" != demo ]; then
   # shellcheck source=scripts/compose_test.sh
