@@ -10,7 +10,8 @@ each step, as ``pp.Pipeline`` does itself. Both train with AdamW; each step's pe
 gradient and the final parameters must agree within 1e-12 relative (they run the same float64 operations on
 the same microbatches; only the order of the gradient sums may differ). Then ``pipeline_tuple.py``'s stages,
 which pass a tuple of two float64 tensors and an int64 one, under every schedule on both sides: the losses and
-gradients of two steps agree within 1e-12.
+gradients of two steps agree within 1e-12; and transformers' Llama cut by hand into stages passing
+``(hidden_states, cos, sin)`` (``pipeline_tuple.llama_stages``), 1F1B: the same.
 """
 
 from __future__ import annotations
@@ -137,6 +138,44 @@ def compare_tuples(world: Any, rep: Report, schedule: str) -> None:
                 q.grad = t.grad = None
 
 
+def compare_llama_tuples(world: Any, rep: Report, schedule: str) -> None:
+    """transformers' Llama cut by hand into stages passing ``(hidden_states, cos, sin)`` (``pipeline_tuple.py``):
+    losses and gradients under both runtimes (the tied embedding/head summed over the two stages on each side)."""
+    import torch
+    import torch.distributed as dist
+    from pipeline_tuple import llama_stages
+    from torch.distributed import pipelining
+
+    g = world.group
+    p, rank = g.size, g.rank
+    ours_model, theirs_model = tm.build("llama", layers=2), tm.build("llama", layers=2)
+    ours, theirs = llama_stages(ours_model)[rank], llama_stages(theirs_model)[rank]
+    pipe = pp.Pipeline(ours, g, schedule, MICROBATCHES, loss_fn=pp.causal_lm_loss)
+    stage = pipelining.PipelineStage(theirs, rank, p, torch.device("cpu"))
+    peer = getattr(pipelining, TORCH_SCHEDULES[schedule])(stage, MICROBATCHES, loss_fn=pp.causal_lm_loss)
+    last = rank == p - 1
+    for step in range(STEPS):
+        b = tm.left_padded_batch(step, MICROBATCHES * PER_MB, PER_MB)
+        got = pipe.step(b["input_ids"] if rank == 0 else None, target=b["labels"] if last else None)
+        want: list[Any] = []
+        args = (b["input_ids"],) if rank == 0 else ()
+        if last:
+            peer.step(*args, target=b["labels"], losses=want)
+        else:
+            peer.step(*args)
+        g.all_reduce(ours_model.lm_head.weight.grad)
+        dist.all_reduce(theirs_model.lm_head.weight.grad)
+        if last:
+            assert got is not None
+            rep.close(
+                f"llama {schedule} losses {step}", np.array(got), np.array([float(w) for w in want]), TOL
+            )
+        for (n, q), (_, t) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
+            assert q.grad is not None and t.grad is not None, n
+            rep.close(f"llama {schedule} grad {n} {step}", q.grad.numpy(), t.grad.numpy(), TOL)
+            q.grad = t.grad = None
+
+
 def scenario(world: Any, rep: Report) -> None:
     dist = tm.init_gloo(world)
     try:
@@ -144,6 +183,7 @@ def scenario(world: Any, rep: Report) -> None:
             compare(world, rep, schedule)
         for schedule in TORCH_SCHEDULES:
             compare_tuples(world, rep, schedule)
+        compare_llama_tuples(world, rep, "1f1b")
     finally:
         dist.destroy_process_group()
 

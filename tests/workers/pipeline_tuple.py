@@ -7,7 +7,10 @@ float64 tensors and an int64 one (no gradient flows back for it); the last stage
 (its gradient goes back as zeros). Every schedule (interleaved 1F1B with a middle stage per rank), three AdamW
 steps: per-step losses, gradients and final parameters equal one process (1e-12), and ``eval_step`` gives the
 one process's output. Then a stage that returns a dict, and one whose number of outputs changes between steps,
-are ValueErrors on their rank and a TransportError on the other, not a hang.
+are ValueErrors on their rank and a TransportError on the other, not a hang. And model code the project did
+not write: transformers' Llama cut by hand into two stages passing ``(hidden_states, cos, sin)`` (``llama_stages``),
+GPipe and 1F1B, three AdamW steps: losses (1e-5), gradients and final parameters (1e-4; Llama computes its norm
+and rotary embedding in float32) equal the whole model in one process.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _torch_models as tm
 from _common import Report, run_rank
 
 import paramplane as pp
@@ -122,6 +126,84 @@ def equivalence(world: Any, rep: Report, schedule: str) -> None:
             rep.close(f"{schedule} eval", got.numpy(), run_chain(ref, x).numpy(), TOL)
 
 
+def llama_stages(model: Any) -> list[Any]:
+    """transformers' Llama (``LlamaForCausalLM``, 2 layers) cut by hand into two stages that pass
+    ``(hidden_states, cos, sin)``: the rotary embedding computed once, on the first stage, as the model's own
+    forward does; each stage builds the causal mask with transformers' ``create_causal_mask``."""
+    import torch
+    from transformers.masking_utils import create_causal_mask
+
+    inner = model.model
+
+    def layer(index: int, h: Any, cos: Any, sin: Any) -> Any:
+        positions = torch.arange(h.shape[1]).unsqueeze(0)
+        mask = create_causal_mask(
+            config=inner.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=positions
+        )
+        return inner.layers[index](
+            h, attention_mask=mask, position_ids=positions, position_embeddings=(cos, sin)
+        )
+
+    class First(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens, self.rotary_emb, self.layer = (
+                inner.embed_tokens,
+                inner.rotary_emb,
+                inner.layers[0],
+            )
+
+        def forward(self, ids: Any) -> Any:
+            h = self.embed_tokens(ids)
+            cos, sin = self.rotary_emb(h, position_ids=torch.arange(ids.shape[1]).unsqueeze(0))
+            return layer(0, h, cos, sin), cos, sin
+
+    class Last(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer, self.norm, self.lm_head = inner.layers[1], inner.norm, model.lm_head
+
+        def forward(self, h: Any, cos: Any, sin: Any) -> Any:
+            return self.lm_head(self.norm(layer(1, h, cos, sin)))
+
+    return [First(), Last()]
+
+
+def llama_equivalence(world: Any, rep: Report, schedule: str) -> None:
+    """The hand-cut Llama under ``schedule`` against the whole model in one process: losses, gradients (the
+    tied embedding/head summed over the two stages, as the test does by hand) and final AdamW parameters."""
+    import torch
+
+    g = world.group
+    model, ref = tm.build("llama", layers=2), tm.build("llama", layers=2)
+    stage = llama_stages(model)[g.rank]
+    pipe = pp.Pipeline(stage, g, schedule, MICROBATCHES, loss_fn=pp.causal_lm_loss)
+    opt = torch.optim.AdamW(stage.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_params = dict(ref.named_parameters())
+    mine = {n: q for n, q in model.named_parameters() if any(q is s for s in stage.parameters())}
+    tied = model.lm_head.weight
+    for step in range(STEPS):
+        b = tm.left_padded_batch(step, MICROBATCHES * PER_MB, PER_MB)
+        ids, labels = b["input_ids"], b["labels"]
+        losses = pipe.step(ids if pipe.is_first else None, target=labels if pipe.is_last else None)
+        g.all_reduce(tied.grad)  # the embedding's part (rank 0) plus the head's (rank 1)
+        want = pp.causal_lm_loss(ref(input_ids=ids).logits, labels)
+        want.backward()
+        if pipe.is_last:
+            assert losses is not None
+            rep.close(f"llama {schedule} loss {step}", np.array(np.mean(losses)), np.array(float(want)), 1e-5)
+        for n, q in sorted(mine.items()):
+            assert q.grad is not None, n
+            rep.close(f"llama {schedule} grad {n} {step}", q.grad.numpy(), ref_params[n].grad.numpy(), 1e-4)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    for n, q in sorted(mine.items()):
+        rep.close(f"llama {schedule} final {n}", q.detach().numpy(), ref_params[n].detach().numpy(), 1e-4)
+
+
 def misbehaving(world: Any, rep: Report, what: str) -> None:
     """Stage 0 returns a dict (``dict``), or three tensors and then two (``count``)."""
     import torch
@@ -157,6 +239,8 @@ def misbehaving(world: Any, rep: Report, what: str) -> None:
 def scenario(world: Any, rep: Report) -> None:
     for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
         equivalence(world, rep, schedule)
+    for schedule in ("gpipe", "1f1b"):
+        llama_equivalence(world, rep, schedule)
     misbehaving(world, rep, "dict")
     misbehaving(world, rep, "count")
 
