@@ -37,7 +37,9 @@ Also in that run: the very same torch stand-in modules as torch stages of ``pp.P
 the peer, with their ``bubble_over_torch``. Both torch rows also count busy the way the numpy rows do, as
 the stage module's own code (``module_spans_over_theory``: its forward from entry to return and its backward
 function, recorded by the stand-in itself under either runtime, so the module's torch work is busy and each
-runtime's own work around it idle), with ``module_spans_over_torch`` (ours / torch's).
+runtime's own work around it idle), with ``module_spans_over_torch`` (ours / torch's), and as the stage's
+torch work (``work_spans_over_theory``, ``work_spans_over_torch``: its forward, the ``loss_fn`` call and each
+call of torch's autograd engine for its backward, which the module spans leave idle: ``_pipeline_torch.py``).
 One JSON line per configuration and implementation, and per repeat: ``--repeats N`` runs every
 implementation N times, the peer and our torch stages taking turns to go first (each line carries ``repeat``
 and the host's 1-minute load average before that repeat, ``load_avg_1min``; ratios to torch within a repeat).
@@ -302,6 +304,8 @@ def _one_run(args: argparse.Namespace, cmd: list[str], repeat: int, *, peer_firs
                 row["bubble_over_torch"] = row["bubble_measured"] / theirs["bubble_measured"]
                 row["torch_module_spans_over_theory"] = theirs["module_spans_over_theory"]
                 row["module_spans_over_torch"] = row["bubble_module_spans"] / theirs["bubble_module_spans"]
+                row["torch_work_spans_over_theory"] = theirs["work_spans_over_theory"]
+                row["work_spans_over_torch"] = row["bubble_work_spans"] / theirs["bubble_work_spans"]
             torch_stage_lines.append(json.dumps(row | {"repeat": repeat, "load_avg_1min": load}))
     lines = []
     for rows in zip(*per_rank):
@@ -389,7 +393,16 @@ def _torch_row(rows: Sequence[dict[str, Any]], args: argparse.Namespace, impl: s
     module = float(
         np.median([max(1.0 - r["module_busy_s"][i] / r["step_s"][i] for r in rows) for i in steps])
     )
-    more: dict[str, Any] = {"bubble_module_spans": module, "module_spans_over_theory": module / theory}
+    # Busy = the stage's torch work (its forward, the loss, torch's autograd engine computing its backward).
+    torch_work = float(
+        np.median([max(1.0 - r["work_busy_s"][i] / r["step_s"][i] for r in rows) for i in steps])
+    )
+    more: dict[str, Any] = {
+        "bubble_module_spans": module,
+        "module_spans_over_theory": module / theory,
+        "bubble_work_spans": torch_work,
+        "work_spans_over_theory": torch_work / theory,
+    }
     if (
         "stage_busy_s" in first
     ):  # torch stages under pp.Pipeline: also busy as the numpy stages' rows count it
