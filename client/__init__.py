@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from paramplane.parallel.tensor_attention import TensorParallelAttention
     from paramplane.parallel.tp_torch import (
         ColwiseParallel,
+        ExpertParallel,
         RowwiseParallel,
         SequenceParallel,
         VocabParallel,
@@ -73,6 +74,7 @@ _LAZY = {
     "TensorParallelAttention": "paramplane.parallel.tensor_attention",
     "MixedPrecision": "paramplane.parallel.fsdp",
     "ColwiseParallel": "paramplane.parallel.tp_torch",
+    "ExpertParallel": "paramplane.parallel.tp_torch",
     "RowwiseParallel": "paramplane.parallel.tp_torch",
     "SequenceParallel": "paramplane.parallel.tp_torch",
     "VocabParallel": "paramplane.parallel.tp_torch",
@@ -124,6 +126,7 @@ __all__ = [
     "CoordinatorUnavailable",
     "DeviceCommError",
     "DiLoCo",
+    "ExpertParallel",
     "KVStore",
     "Mesh",
     "MixedPrecision",

@@ -80,6 +80,7 @@ from paramplane.parallel.ddp_buckets import (
     release_freed_memory,
     shard_range,
 )
+from paramplane.parallel.ddp_experts import clip_grad_norm, expert_pieces, scale_expert_grads
 from paramplane.parallel.ddp_join import JoinState, joined_rounds
 from paramplane.parallel.ddp_torch import ModulePath, NNPath, TorchPath, comm_hook_dtype
 from paramplane.parallel.fsdp.units import check_same_model
@@ -176,13 +177,18 @@ class DDP:
         self.reduce_op = reduce_op
         self._tracer = _tracer_of(group)
         all_params = self._path.params()
+        experts = expert_pieces(all_params, group) if torch_module else set()
+        self._experts = [
+            p for i, p in enumerate(all_params) if i in experts
+        ]  # each rank's own (ddp_experts.py)
+        shared = [p for i, p in enumerate(all_params) if i not in experts]
         if init_sync:
             # Models that differ only in shapes of the same total size would otherwise train silently.
             names = [n for n, _ in module.named_parameters()]
             check_same_model(group, list(zip(names, all_params, strict=True)), "DDP")
-            self._sync_state(all_params)
+            self._sync_state(shared)
             release_freed_memory()  # the broadcast's temporary buckets, else resident for the whole run
-        self._params: list[Parameter] = [p for p in all_params if p.requires_grad]
+        self._params: list[Parameter] = [p for p in shared if p.requires_grad]
         bucket_bytes = max(1, int(self.bucket_mb * MIB))
         first_bytes = FIRST_BUCKET_BYTES if bucket_mb is None else bucket_bytes
         self._buckets = [
@@ -200,6 +206,7 @@ class DDP:
         self._handles: list[Any] = [
             p.register_grad_hook(functools.partial(self._on_grad, i)) for i, p in enumerate(self._params)
         ]
+        self._handles += scale_expert_grads(self._experts, group, reduce_op)
         # A "sum" reduction of a gradient that already holds a reduced one would add that part once per rank:
         # what a synchronised round adds to is set aside (``_base``) and only the new part is reduced.
         self._synced: set[int] = set()  # parameters whose grad is what the last sync wrote
@@ -532,6 +539,18 @@ class DDP:
     def bucket_params(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order (for inspection and tests)."""
         return [[self._names_of(i) for i in b.params] for b in self._buckets]
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Any:
+        """torch modules: ``torch.nn.utils.clip_grad_norm_`` over the whole model after ``backward`` (call it on
+        every rank): with expert-parallel experts (``ddp_experts.py``) their squares are summed over the
+        group, so every rank clips by the same norm; returns it (a float64 tensor)."""
+        if not isinstance(self._path, TorchPath):
+            raise ValueError("DDP.clip_grad_norm_ is for torch modules")
+        expert_ids = {id(cast(Any, p).tensor) for p in self._experts}
+        tensors = [t for t in self.module.parameters() if t.requires_grad]
+        replicated = [t for t in tensors if id(t) not in expert_ids]
+        mine = [t for t in tensors if id(t) in expert_ids]
+        return clip_grad_norm(replicated, mine, self.group, float(max_norm), float(norm_type))
 
     def remove_hooks(self) -> None:
         """Unregister the grad hooks (the module keeps working alone)."""

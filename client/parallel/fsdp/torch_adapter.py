@@ -99,6 +99,12 @@ class TorchPath:
 
     def __init__(self, module: Any, fsdp: FSDP, use_orig_params: bool = False) -> None:
         check_wrappable(module, "pp.FSDP")
+        for name, p in module.named_parameters():
+            if getattr(getattr(p, "tp_shard", None), "experts", False):
+                raise ValueError(
+                    f"pp.FSDP does not shard expert-parallel experts ({name!r}): wrap a model with "
+                    "ExpertParallel experts in pp.DDP over the expert-parallel group"
+                )
         claim_parameters(module, fsdp, "pp.FSDP")
         self.module = module
         self.fsdp = fsdp

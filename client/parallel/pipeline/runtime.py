@@ -184,6 +184,12 @@ class Pipeline:
                 )
             else:
                 inner, call = m, m
+            for name, t in inner.named_parameters():
+                if getattr(getattr(t, "tp_shard", None), "experts", False):
+                    raise ValueError(
+                        f"pp.Pipeline does not run expert-parallel stages ({name!r} is split by ExpertParallel): "
+                        "train such a model with pp.DDP over the expert-parallel group"
+                    )
             info = getattr(inner, STAGE_ATTR, None)
             if info is not None and (info.index != stage_id or info.num_stages != p * v):
                 raise ValueError(

@@ -10,6 +10,7 @@ from paramplane.parallel.tp_torch.plan import parallelize
 from paramplane.parallel.tp_torch.state import TPShard, tp_full_state_dict
 from paramplane.parallel.tp_torch.styles import (
     ColwiseParallel,
+    ExpertParallel,
     RowwiseParallel,
     SequenceParallel,
     VocabParallel,
@@ -17,6 +18,7 @@ from paramplane.parallel.tp_torch.styles import (
 
 __all__ = [
     "ColwiseParallel",
+    "ExpertParallel",
     "RowwiseParallel",
     "SequenceParallel",
     "TPOptimState",

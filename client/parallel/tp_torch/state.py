@@ -38,6 +38,10 @@ class TPShard:
     """Equal blocks of ``dim`` split separately (3 for a fused q/k/v projection)."""
     group: ProcessGroup
     """The tensor-parallel group."""
+    experts: bool = False
+    """Expert parallel (``experts.py``): the ranks of ``group`` hold different tokens, and each rank's piece
+    (its experts) gets its gradient from every rank's tokens; a data-parallel wrapper over ``group`` does not
+    average it over the group."""
 
     def __post_init__(self) -> None:
         n = self.global_shape[self.dim]
@@ -53,11 +57,12 @@ class TPShard:
         return self.global_shape[self.dim] // (self.parts * self.group.size)
 
     def same_as(self, other: TPShard) -> bool:
-        return (self.global_shape, self.dim, self.parts, self.group) == (
+        return (self.global_shape, self.dim, self.parts, self.group, self.experts) == (
             other.global_shape,
             other.dim,
             other.parts,
             other.group,
+            other.experts,
         )
 
     def local_of(self, dense: Any) -> Any:

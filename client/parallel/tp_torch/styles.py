@@ -9,6 +9,8 @@ for this rank's pieces (each carrying a ``TPShard``), sets the size attributes t
 - ``RowwiseParallel``: input features split; forward the local product then g (all-reduce), the replicated
   bias added once; ``input_is_parallel=False`` splits a full input first.
 - ``VocabParallel``: an embedding's rows split; ids outside this rank's range look up zeros, then g.
+- ``ExpertParallel`` (``"experts"``): a fused mixture-of-experts module's experts split over a group whose
+  ranks hold different tokens, each token sent to its experts' ranks and back (``experts.py``).
 - ``SequenceParallel`` (Megatron sequence parallel, for LayerNorm / RMSNorm / dropout between the column/row
   pairs): the module runs unchanged on this rank's part of the sequence (dimension 1); its parameters'
   gradients are all-reduced over the group (each rank's covers its part of the sequence). With
@@ -41,11 +43,13 @@ from paramplane.parallel.tp_torch.comm import (
     scatter_last,
     split_seq,
 )
+from paramplane.parallel.tp_torch.experts import ExpertParallel, apply_experts, check_experts
 from paramplane.parallel.tp_torch.state import TPShard
 
 __all__ = [
     "STYLES",
     "ColwiseParallel",
+    "ExpertParallel",
     "RowwiseParallel",
     "SequenceParallel",
     "Style",
@@ -106,23 +110,24 @@ class SequenceParallel:
     (Llama's attention); backward reduce-scatters its gradient."""
 
 
-Style = ColwiseParallel | RowwiseParallel | VocabParallel | SequenceParallel
+Style = ColwiseParallel | RowwiseParallel | VocabParallel | SequenceParallel | ExpertParallel
 STYLES: dict[str, Style] = {
     "colwise": ColwiseParallel(),
     "rowwise": RowwiseParallel(),
     "vocab": VocabParallel(),
     "sequence": SequenceParallel(),
+    "experts": ExpertParallel(),
 }
 
 
 def resolve_style(value: Any, pattern: str) -> Style:
-    if isinstance(value, (ColwiseParallel, RowwiseParallel, VocabParallel, SequenceParallel)):
+    if isinstance(value, (ColwiseParallel, RowwiseParallel, VocabParallel, SequenceParallel, ExpertParallel)):
         return value
     if isinstance(value, str) and value in STYLES:
         return STYLES[value]
     raise ValueError(
         f"plan entry {pattern!r}: unknown style {value!r}; use one of {sorted(STYLES)} or pp.ColwiseParallel(...) "
-        "/ pp.RowwiseParallel(...) / pp.VocabParallel(...) / pp.SequenceParallel(...)"
+        "/ pp.RowwiseParallel(...) / pp.VocabParallel(...) / pp.SequenceParallel(...) / pp.ExpertParallel()"
     )
 
 
@@ -149,6 +154,9 @@ def _where(style: Style, kind: str) -> tuple[str, int, int]:
 
 def check(name: str, module: Any, style: Style, tp: int) -> None:
     """ValueError unless ``style`` applies to ``module`` at tensor-parallel size ``tp``."""
+    if isinstance(style, ExpertParallel):
+        check_experts(name, module, tp)
+        return
     kind = kind_of(module)
     what = type(style).__name__
     if isinstance(style, SequenceParallel):
@@ -199,6 +207,9 @@ def _swap(module: Any, attr: str, spec: TPShard, done: dict[int, Any]) -> None:
 
 def apply(module: Any, style: Style, group: ProcessGroup, copy: SharedCopy, done: dict[int, Any]) -> None:
     """Split ``module`` (checked by ``check``) in place; ``done`` maps already-split parameters (ties)."""
+    if isinstance(style, ExpertParallel):
+        apply_experts(module, group, done)
+        return
     kind = kind_of(module)
     tp = group.size
     if isinstance(style, SequenceParallel):
