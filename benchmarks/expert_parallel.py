@@ -25,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,7 @@ def worker(args: argparse.Namespace) -> None:
     rank = int(os.environ["PARAMPLANE_RANK"])
     model = _model(args)
     world = None
+    barrier: Callable[[], Any]
     if args.worker == "torch-ddp":
         import torch.distributed as dist
 
