@@ -10,7 +10,8 @@ each rank (the README's warning); the same for one step in float32 with the mode
 matmul) expert code; two steps of Qwen3-MoE (another family, the same fused experts); a checkpoint saved from the split model that loads into the plain model. Errors: experts
 that do not split over the ranks, a module that is not a fused experts module (nothing changed after either),
 ``pp.FSDP`` of the split model, a pipeline stage of it. And the split experts module alone against the dense
-one (``dispatch_edges``): tokens that stay on their rank, a rank with no tokens, a padding choice.
+one (``dispatch_edges``): tokens that stay on their rank, a rank with no tokens, a padding choice, no token
+choosing a rank's experts (they still get a gradient, of zeros, as the dense tensors do).
 """
 
 from __future__ import annotations
@@ -153,6 +154,7 @@ def dispatch_edges(rep: Report, world: Any) -> None:
         "own experts only": torch.tensor([[2 * r, 2 * r + 1]] * 3),
         "no tokens here": torch.zeros((0, 2), dtype=torch.long) if r == 0 else torch.tensor([[0, 3], [1, 2]]),
         "a padding choice": torch.tensor([[0, 4], [3, 1], [4, 2]]),
+        "no token chooses rank 0's experts": torch.tensor([[2, 3], [3, 2]]),
     }
     for what, idx in cases.items():
         x = torch.randn((idx.shape[0], 16), generator=gen, dtype=torch.float64)
@@ -169,6 +171,8 @@ def dispatch_edges(rep: Report, world: Any) -> None:
                     f"{what}: the split module's output is in the graph (its backward exchanges)", False
                 )
             outs.append(out.detach())
+            if module is not dense:  # torch's dense tensors get a gradient whenever any expert is chosen
+                rep.check(f"{what}: the split experts have a gradient", module.down_proj.grad is not None)
             grads.append(
                 tuple(
                     t.grad if t.grad is not None else torch.zeros_like(t) for t in (xi, wi, module.down_proj)

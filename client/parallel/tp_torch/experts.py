@@ -166,6 +166,13 @@ def _forward(experts_forward: Any, group: ProcessGroup, num: int) -> Any:
         )
         ones = torch.ones((rows.shape[0], 1), dtype=top_k_weights.dtype, device=x.device)
         out = experts_forward(self, rows, ids.unsqueeze(1), ones)
+        if rows.shape[0] == 0:
+            # None of this rank's experts was chosen, and the module's own forward may not touch its input or
+            # weights then: a zero term keeps both in the graph, so this rank's backward still runs both reverse
+            # exchanges (every other rank runs them) and the experts still get a (zero) gradient, as the dense
+            # module's stacked tensors do whenever any expert is chosen (AdamW then steps them alike).
+            zero = sum((p.sum() * 0 for p in self.parameters(recurse=False)), rows.sum() * 0)
+            out = out + zero.to(out.dtype)
         back = _function().apply(out, recv, send, group)
         weighted = back * top_k_weights.reshape(-1)[order, None]
         final = torch.zeros_like(x)
