@@ -178,9 +178,8 @@ class DDP:
         self._tracer = _tracer_of(group)
         all_params = self._path.params()
         experts = expert_pieces(all_params, group) if torch_module else set()
-        self._experts = [
-            p for i, p in enumerate(all_params) if i in experts
-        ]  # each rank's own (ddp_experts.py)
+        # expert-parallel pieces: each rank's own, neither broadcast nor bucketed (ddp_experts.py)
+        self._experts = [p for i, p in enumerate(all_params) if i in experts]
         shared = [p for i, p in enumerate(all_params) if i not in experts]
         if init_sync:
             # Models that differ only in shapes of the same total size would otherwise train silently.
@@ -403,6 +402,11 @@ class DDP:
         rank that trained longest. The arguments are torch's."""
         if not isinstance(self._path, TorchPath):
             raise ValueError("DDP.join() is for torch modules (torch's DistributedDataParallel.join)")
+        if self._experts and enable:
+            raise ValueError(
+                "DDP.join() with expert-parallel experts: a rank whose inputs ran out cannot take part in the "
+                "other ranks' token exchanges; give every rank the same number of batches"
+            )
         if self._join is not None:
             raise RuntimeError("DDP.join() is already active")
         if not enable or self.group.size == 1:

@@ -9,7 +9,7 @@ this rank's block of each expert tensor; that torch's own ``clip_grad_norm_`` wo
 each rank (the README's warning); the same for one step in float32 with the model's default (grouped
 matmul) expert code; two steps of Qwen3-MoE (another family, the same fused experts); a checkpoint saved from the split model that loads into the plain model. Errors: experts
 that do not split over the ranks, a module that is not a fused experts module (nothing changed after either),
-``pp.FSDP`` of the split model, a pipeline stage of it. And the split experts module alone against the dense
+``pp.FSDP`` of the split model, ``DDP.join()`` over it, a pipeline stage of it. And the split experts module alone against the dense
 one (``dispatch_edges``): tokens that stay on their rank, a rank with no tokens, a padding choice, no token
 choosing a rank's experts (they still get a gradient, of zeros, as the dense tensors do).
 """
@@ -211,6 +211,12 @@ def errors(rep: Report, world: Any) -> None:
     split = pp.parallelize(build(), g, PLAN)
     rep.raises(
         "FSDP of the split model", ValueError, lambda: pp.FSDP(split, g), "does not shard expert-parallel"
+    )
+    rep.raises(
+        "DDP.join with split experts",
+        ValueError,
+        lambda: pp.DDP(split, g).join().__enter__(),
+        "cannot take part in the other ranks' token exchanges",
     )
     rep.raises(
         "a pipeline stage of the split model",
