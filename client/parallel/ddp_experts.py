@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from paramplane.group import ProcessGroup
-from paramplane.parallel.torch_params import to_array, torch_stream
+from paramplane.parallel.torch_params import clip_grads_to, to_array, torch_stream
 
 __all__ = ["clip_grad_norm", "expert_pieces", "scale_expert_grads"]
 
@@ -87,7 +87,5 @@ def clip_grad_norm(
         with torch_stream(part):
             group.all_reduce(to_array(part, "a squared gradient norm"), "sum")
         norm = (part[0] + shared.to(device)).sqrt()
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
+    clip_grads_to(grads, norm, max_norm)
     return norm

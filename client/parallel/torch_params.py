@@ -235,6 +235,16 @@ def _cuda_view(tensor: Any, what: str) -> Any:
     return view
 
 
+def clip_grads_to(grads: Any, norm: Any, max_norm: float) -> None:
+    """Scale the gradient tensors ``grads`` in place as ``torch.nn.utils.clip_grad_norm_`` does once it has
+    their total ``norm`` (a tensor): by ``max_norm / (norm + 1e-6)`` where that is below 1."""
+    import torch
+
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+
+
 def to_tensor(array: Any) -> Any:
     """A zero-copy torch tensor over a numpy array (``to_torch``) or a cupy array (DLPack, same device)."""
     if isinstance(array, np.ndarray):

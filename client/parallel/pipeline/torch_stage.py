@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from paramplane.group import ProcessGroup
-from paramplane.parallel.torch_params import TorchParam, to_array, to_tensor
+from paramplane.parallel.torch_params import TorchParam, clip_grads_to, to_array, to_tensor
 
 STAGE_ATTR = "_paramplane_stage"
 """Where ``pipeline_split`` leaves a stage's ``StageInfo`` on its module."""
@@ -303,7 +303,5 @@ def clip_grad_norm_(stages: Sequence[TorchStage], group: ProcessGroup, max_norm:
     total += squares[False][1] + sharded[1]
     group.all_reduce(to_array(total, "a squared gradient norm"), "sum")
     norm = total.sqrt()[0]
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
+    clip_grads_to(grads, norm, max_norm)
     return norm
