@@ -31,7 +31,7 @@ from paramplane.group import ProcessGroup
 from paramplane.parallel.torch_params import to_array, to_tensor, torch_stream
 from paramplane.parallel.tp_torch.state import TPShard
 
-__all__ = ["ExpertParallel", "apply_experts", "check_experts"]
+__all__ = ["ExpertParallel", "bind_experts", "check_experts", "expert_params", "expert_shard"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class ExpertParallel:
     """Split a fused experts module's experts over a group whose ranks hold different tokens."""
 
 
-def _expert_params(module: Any) -> list[tuple[str, Any]]:
+def expert_params(module: Any) -> list[tuple[str, Any]]:
     return list(module.named_parameters(recurse=False))
 
 
@@ -62,7 +62,7 @@ def check_experts(name: str, module: Any, n: int) -> None:
             f"ExpertParallel applies to a fused experts module whose forward takes (hidden_states, "
             f"top_k_index, top_k_weights); {name!r} ({type(module).__name__}) takes {takes}"
         )
-    params = _expert_params(module)
+    params = expert_params(module)
     if not params or any(p.dim() < 1 or p.shape[0] != num for _, p in params):
         shapes = {pname: tuple(p.shape) for pname, p in params}
         raise ValueError(
@@ -81,18 +81,15 @@ def check_experts(name: str, module: Any, n: int) -> None:
         )
 
 
-def apply_experts(module: Any, group: ProcessGroup, done: dict[int, Any]) -> None:
-    """Keep this rank's experts of ``module`` (checked by ``check_experts``) and bind the dispatching forward."""
-    import torch
+def expert_shard(module: Any, pname: str, group: ProcessGroup) -> TPShard:
+    """How ``module``'s parameter ``pname`` is split: rank r keeps the r-th block of experts (dimension 0)."""
+    return TPShard(tuple(getattr(module, pname).shape), 0, 1, group, experts=True)
 
+
+def bind_experts(module: Any, group: ProcessGroup) -> None:
+    """After its parameters were cut to this rank's experts: the local expert count and the dispatching
+    forward."""
     num = int(module.num_experts)
-    for pname, old in _expert_params(module):
-        spec = TPShard(tuple(old.shape), 0, 1, group, experts=True)
-        with torch.no_grad():
-            new = torch.nn.Parameter(spec.local_of(old.detach()), requires_grad=old.requires_grad)
-        new.tp_shard = spec  # type: ignore[attr-defined]
-        done[id(old)] = (new, spec)
-        setattr(module, pname, new)
     module.num_experts = num // group.size
     module.forward = types.MethodType(_forward(type(module).forward, group, num), module)
 

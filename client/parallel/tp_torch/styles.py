@@ -43,7 +43,13 @@ from paramplane.parallel.tp_torch.comm import (
     scatter_last,
     split_seq,
 )
-from paramplane.parallel.tp_torch.experts import ExpertParallel, apply_experts, check_experts
+from paramplane.parallel.tp_torch.experts import (
+    ExpertParallel,
+    bind_experts,
+    check_experts,
+    expert_params,
+    expert_shard,
+)
 from paramplane.parallel.tp_torch.state import TPShard
 
 __all__ = [
@@ -208,7 +214,9 @@ def _swap(module: Any, attr: str, spec: TPShard, done: dict[int, Any]) -> None:
 def apply(module: Any, style: Style, group: ProcessGroup, copy: SharedCopy, done: dict[int, Any]) -> None:
     """Split ``module`` (checked by ``check``) in place; ``done`` maps already-split parameters (ties)."""
     if isinstance(style, ExpertParallel):
-        apply_experts(module, group, done)
+        for pname, _ in expert_params(module):
+            _swap(module, pname, expert_shard(module, pname, group), done)
+        bind_experts(module, group)
         return
     kind = kind_of(module)
     tp = group.size
