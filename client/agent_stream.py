@@ -29,7 +29,7 @@ from paramplane.agent_relay import Relayed
 from paramplane.node.coord_client import MAX_MESSAGE_BYTES, CoordinatorClient
 from paramplane.protos import coordinator_pb2 as pb
 from paramplane.protos.host_lane import FrameProtocol, LaneClosed, decode
-from paramplane.protos.net import host_port
+from paramplane.protos.net import host_port, within
 
 log = logging.getLogger("paramplane.agent")
 
@@ -219,7 +219,7 @@ class HostCallStream:
         host, hello = where
         lane = _Lane()
         try:
-            await asyncio.wait_for(
+            await within(
                 asyncio.get_running_loop().create_connection(lambda: lane.conn, host, port), LANE_CONNECT_S
             )
         except (OSError, TimeoutError) as e:
@@ -232,7 +232,7 @@ class HostCallStream:
             return None
         try:
             await lane.write(hello)
-            ack = await asyncio.wait_for(lane.read(), LANE_CONNECT_S)
+            ack = await within(lane.read(), LANE_CONNECT_S)
         except (OSError, LaneClosed, TimeoutError):
             ack = grpc.aio.EOF
         if ack is grpc.aio.EOF or ack.call_id != 0:

@@ -35,6 +35,7 @@ from paramplane.agent_relay import Relayed, RelayServicer, quiet
 from paramplane.agent_stream import HostCallStream, PendingCall, Unsupported, upstream_kv
 from paramplane.node.coord_client import WAIT_MARGIN_S, CoordinatorClient
 from paramplane.protos import coordinator_pb2 as pb
+from paramplane.protos.net import within
 
 __all__ = ["BARRIER_WINDOW_S", "JOIN_WINDOW_S", "HostAgent", "Relayed"]
 
@@ -148,7 +149,7 @@ class HostAgent(RelayServicer):
         self._host_stream.open()
         streams = (self._hub(first.epoch, first.rank).ready.wait(), self._host_stream.wait_open())
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*streams), STREAMS_READY_S)
+            await within(asyncio.gather(*streams), STREAMS_READY_S)
         peers = pb.JoinResponse(peers=response.peers).SerializeToString()
         for (request, _, fut), member in zip(batch, response.members, strict=True):
             epoch = self._epochs.get(member.epoch)

@@ -20,7 +20,7 @@ from urllib.parse import parse_qs, urlsplit
 from google.protobuf.json_format import MessageToDict
 
 from paramplane.protos import coordinator_pb2 as pb
-from paramplane.protos.net import host_port
+from paramplane.protos.net import host_port, within
 
 log = logging.getLogger("paramplane.coordinator")
 
@@ -92,7 +92,7 @@ class HttpView:
         if self._server is not None:
             self._server.close()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+                await within(self._server.wait_closed(), 2.0)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -101,18 +101,18 @@ class HttpView:
             reply += [f"{k}: {v}" for k, v in headers.items()]
             reply += ["Connection: close", "Cache-Control: no-store", "X-Content-Type-Options: nosniff"]
             writer.write(("\r\n".join(reply) + "\r\n\r\n").encode() + (b"" if head_only else body))
-            await asyncio.wait_for(writer.drain(), HEAD_TIMEOUT_S)
+            await within(writer.drain(), HEAD_TIMEOUT_S)
         except (ConnectionError, asyncio.TimeoutError):
             pass
         finally:
             writer.close()
             with contextlib.suppress(ConnectionError, asyncio.TimeoutError):
-                await asyncio.wait_for(writer.wait_closed(), 1.0)
+                await within(writer.wait_closed(), 1.0)
 
     async def _answer(self, reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes, bool]:
         """(status, headers, body, HEAD?) for the request on ``reader``."""
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
+            head = await within(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
         except asyncio.LimitOverrunError:
             return _text(431, "request head too large\n")
         except asyncio.IncompleteReadError:

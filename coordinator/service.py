@@ -44,6 +44,7 @@ from paramplane.coordinator.state import CoordinatorState
 from paramplane.protos import coordinator_pb2 as pb
 from paramplane.protos import coordinator_pb2_grpc as pb_grpc
 from paramplane.protos.auth import ABORT_RANK_METADATA_KEY, LEFT_RANK_METADATA_KEY, MISMATCH_METADATA_KEY
+from paramplane.protos.net import within
 from paramplane.protos.records import RankInfo
 from paramplane.protos.stats import stats_of
 
@@ -256,7 +257,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             due = self._due = next_tick if deadline is None else min(next_tick, deadline)
             self._wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), max(0.0, due - now))
+                await within(self._wake.wait(), max(0.0, due - now))
 
     def shutdown(self) -> None:
         self._state.shutdown()

@@ -16,6 +16,7 @@ import grpc
 from paramplane.protos import coordinator_pb2 as pb
 from paramplane.protos.auth import call_error_trailers
 from paramplane.protos.host_lane import FrameProtocol, decode
+from paramplane.protos.net import within
 
 OPEN_TIMEOUT_S = 5.0
 """How long opening the lane (connect, hello, acknowledgement) may take."""
@@ -94,12 +95,12 @@ class RankLane:
         acked: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._acked = acked
         conn = FrameProtocol(self._max, lambda data: self._frame(acked, data), self._closed)
-        await asyncio.wait_for(
+        await within(
             asyncio.get_running_loop().create_unix_connection(lambda: conn, self._path), OPEN_TIMEOUT_S
         )
         conn.write(pb.HostLaneHello(token=self._token or ""))
         try:
-            await asyncio.wait_for(asyncio.shield(acked), OPEN_TIMEOUT_S)
+            await within(asyncio.shield(acked), OPEN_TIMEOUT_S)
         except BaseException:
             conn.close()
             raise

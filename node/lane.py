@@ -34,6 +34,7 @@ from typing import Any
 
 from paramplane.node.errors import PeerLost, PlaneError, TransportError
 from paramplane.protos import peer_pb2
+from paramplane.protos.net import within
 
 _log = logging.getLogger("paramplane.lane")
 
@@ -41,6 +42,7 @@ NONCE_BYTES = 16
 MAC_BYTES = 32
 MAX_OPENING_BYTES = 4096
 HANDSHAKE_TIMEOUT_S = 10.0
+CLOSE_WAIT_S = 5.0  # how long close() waits for its cancelled connection tasks to end
 ACCEPT_BACKOFF_S = 0.05
 FRAME_LENGTH = struct.Struct("!I")  # a frame header's length, before it
 ABSTRACT_SOCKETS = sys.platform.startswith("linux")  # Unix socket names outside the filesystem
@@ -170,13 +172,13 @@ class LaneServer:
         try:
             # Only the greeting is bounded here: admitting the opening may wait for this rank to create the
             # group (the plane's own, longer bound), as a gRPC stream's opening does.
-            message = await asyncio.wait_for(self._greet(loop, conn), HANDSHAKE_TIMEOUT_S)
+            message = await within(self._greet(loop, conn), HANDSHAKE_TIMEOUT_S)
             if message is None:
                 return
             key = await self._opener(message)
             if key is None:
                 return
-            await asyncio.wait_for(loop.sock_sendall(conn, b"\x01"), HANDSHAKE_TIMEOUT_S)
+            await within(loop.sock_sendall(conn, b"\x01"), HANDSHAKE_TIMEOUT_S)
             src, errors_only = message.src, key.endswith("#err")
             await self._serve(src, key, errors_only, LaneReader(loop, conn, *self.reader_shape))
         except (OSError, asyncio.TimeoutError, ValueError):
@@ -216,7 +218,9 @@ class LaneServer:
         for task in list(self._conns):
             task.cancel()
         if self._conns:
-            await asyncio.gather(*self._conns, return_exceptions=True)
+            _, pending = await asyncio.wait(list(self._conns), timeout=CLOSE_WAIT_S)
+            if pending:
+                _log.warning("data lane: %d connection task(s) did not end when cancelled", len(pending))
         for sock in self._socks:
             sock.close()
         self._socks = []

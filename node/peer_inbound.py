@@ -38,6 +38,7 @@ from paramplane.node.peer_wire import (
 )
 from paramplane.protos import peer_pb2
 from paramplane.protos.auth import TokenAuthInterceptor
+from paramplane.protos.net import within
 
 
 class Inbound:
@@ -136,7 +137,7 @@ class Inbound:
         if base not in self._stream_members:
             waiter = self._key_waiters.setdefault(base, asyncio.Event())
             try:
-                await asyncio.wait_for(waiter.wait(), self.admit_wait_s)
+                await within(waiter.wait(), self.admit_wait_s)
             except asyncio.TimeoutError:
                 self._key_waiters.pop(base, None)
                 return f"no group {base!r} was created on rank {self._me.rank} within {self.admit_wait_s:g} s"
@@ -206,7 +207,7 @@ class Inbound:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "TransportError: malformed stream opening")
         # A peer that learned the world first may dial before this rank has read its own join answer.
         try:
-            await asyncio.wait_for(self._me.configured.wait(), CONFIGURE_WAIT_S)
+            await within(self._me.configured.wait(), CONFIGURE_WAIT_S)
         except asyncio.TimeoutError:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, "TransportError: this rank has not joined a world"
@@ -294,7 +295,7 @@ class Inbound:
     async def _lane_open(self, opening: peer_pb2.StreamOpen) -> str | None:
         """The stream key of an authenticated lane opening, or None to refuse it."""
         try:
-            await asyncio.wait_for(self._me.configured.wait(), CONFIGURE_WAIT_S)
+            await within(self._me.configured.wait(), CONFIGURE_WAIT_S)
         except asyncio.TimeoutError:
             return None
         if (

@@ -30,7 +30,7 @@ from paramplane.node.peer_wire import (
 )
 from paramplane.protos import peer_pb2
 from paramplane.protos.auth import token_metadata
-from paramplane.protos.net import parse_address
+from paramplane.protos.net import parse_address, within
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class OutStream:
         # aborted the stream names the group's failure), so wait for it briefly.
         details = ""
         try:
-            details = (await asyncio.wait_for(self.call.details(), 1.0)) or ""
+            details = (await within(self.call.details(), 1.0)) or ""
         except BaseException:
             pass
         if details.split(": ", 1)[0].split("[", 1)[0] in KINDS:
@@ -182,7 +182,7 @@ class Outbound:
         goodbyes = []
         for dst in sorted({s.dst for s in streams} - self._me.lost):
             try:
-                goodbyes.append(await asyncio.wait_for(self._open(dst, GOODBYE_KEY), bound))
+                goodbyes.append(await within(self._open(dst, GOODBYE_KEY), bound))
             except BaseException:
                 pass
         if goodbyes:
@@ -192,7 +192,7 @@ class Outbound:
         for ch in self._channels.values():
             # grpc.aio's close waits for its calls to end: bounded, so one it cannot cancel does not hang the shutdown.
             try:
-                await asyncio.wait_for(ch.close(grace=None), max(grace, 1.0))
+                await within(ch.close(grace=None), max(grace, 1.0))
             except asyncio.TimeoutError:
                 log.warning(
                     "a gRPC channel to a peer did not close within %.1f s; left to the process exit", grace

@@ -37,7 +37,7 @@ from paramplane.node.peer import PeerPlane, TlsConfig
 from paramplane.node.topology import Topology
 from paramplane.node.transports.base import POLICIES, TransportPolicy
 from paramplane.node.transports.shm import DEFAULT_SLOT_BYTES, slot_bytes
-from paramplane.protos.net import check_seconds, is_loopback, parse_address
+from paramplane.protos.net import check_seconds, is_loopback, parse_address, within
 
 log = logging.getLogger("paramplane.node")
 
@@ -246,7 +246,7 @@ class NodeRuntime:
         Raises PlaneError or TimeoutError when the coordinator does not answer."""
         progress = {name: g.progress() for name, g in list(self._groups.items())}
         try:
-            abort = await asyncio.wait_for(self.coord.heartbeat(progress, self.counters.snapshot()), timeout)
+            abort = await within(self.coord.heartbeat(progress, self.counters.snapshot()), timeout)
         except (WorldAborted, PeerLost) as exc:
             self._abort(exc)
             return
@@ -327,7 +327,7 @@ class NodeRuntime:
         self._abort(exc, waits=False)
         try:
             with contextlib.suppress(PlaneError, asyncio.TimeoutError):
-                await asyncio.wait_for(self.coord.abort(f"rank {self.rank}: {exc}"), 10)
+                await within(self.coord.abort(f"rank {self.rank}: {exc}"), 10)
         finally:
             if self._coord is not None:
                 self._coord.fail_waits(self._abort_exc or exc)
@@ -379,7 +379,7 @@ class NodeRuntime:
         if self._coord is not None:
             if hasattr(self, "membership"):
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self.coord.leave(), grace)
+                    await within(self.coord.leave(), grace)
             await self.coord.close()
         await self.plane.close(grace)
         if self._abort_exc is None:

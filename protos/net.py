@@ -3,11 +3,16 @@ runtime and the CLIs (kept beside the protos for the same reason as ``auth.py``)
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import math
 import os
 import sys
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 CONTROL_SWITCH_INTERVAL_S = 0.0002
 """Python's GIL switch interval in a process serving the control plane (Python's default: 5 ms)."""
@@ -97,3 +102,14 @@ def prefer_control_latency() -> None:
     raised) to ``CONTROL_SWITCH_INTERVAL_S`` (``benchmarks/control_plane.py``: the agents' barrier).
     Not for rank processes: their threads are the user's."""
     sys.setswitchinterval(min(sys.getswitchinterval(), CONTROL_SWITCH_INTERVAL_S))
+
+
+async def within(aw: Awaitable[T], seconds: float | None) -> T:
+    """``await aw``, raising TimeoutError after ``seconds`` (None: no limit); use it, not ``asyncio.wait_for``.
+
+    On Python 3.11 ``wait_for`` swallows a cancellation that arrives as ``aw`` finishes (CPython gh-86296,
+    fixed in 3.12, where ``wait_for`` became this): the cancelled task runs on, and whoever waits for it to
+    end (a server's shutdown cancelling its connection tasks) waits forever. ``asyncio.timeout`` raises the
+    cancellation at the task's next await instead."""
+    async with asyncio.timeout(seconds):
+        return await aw

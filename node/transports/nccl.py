@@ -11,7 +11,6 @@ mismatched shapes across ranks are caught only by the host transports.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -26,6 +25,7 @@ from paramplane.node.loop import on_daemon_thread
 from paramplane.node.spec import OpSpec
 from paramplane.node.topology import Topology
 from paramplane.node.transports.base import Bounds, Splits, Transport
+from paramplane.protos.net import within
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class NcclComm:
         # NCCL's init blocks until every member joins and cannot be cancelled: a daemon thread keeps a
         # member that never comes from holding this process open at exit.
         try:
-            comm = await asyncio.wait_for(on_daemon_thread(build, name=f"nccl-init-{name}"), timeout_s)
+            comm = await within(on_daemon_thread(build, name=f"nccl-init-{name}"), timeout_s)
         except TimeoutError:
             raise CollectiveTimeout(
                 f"NCCL communicator for group {name!r} not formed within {timeout_s:.0f} s: "

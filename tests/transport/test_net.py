@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 
-from paramplane.protos.net import host_port, is_loopback, parse_address, resolve_token
+from paramplane.protos.net import host_port, is_loopback, parse_address, resolve_token, within
 
 
 @pytest.mark.parametrize(
@@ -52,3 +53,36 @@ def test_empty_or_missing_token_file_is_an_error(tmp_path: Path) -> None:
         resolve_token(token_file=empty)
     with pytest.raises(ValueError, match="cannot read"):
         resolve_token(token_file=tmp_path / "missing")
+
+
+async def test_within_keeps_a_cancellation_that_arrives_as_the_awaited_finishes() -> None:
+    """A task cancelled in the loop iteration where what it awaits finishes must end cancelled: on Python 3.11
+    ``asyncio.wait_for`` returned the result instead and the task ran on, so a lane server's close, waiting for
+    its cancelled connection tasks, hung (test_lane's numpy-header test, about one run in twenty)."""
+    done = asyncio.get_running_loop().create_future()
+    ran_on = asyncio.Event()
+
+    async def connection() -> None:
+        await within(done, 10.0)
+        ran_on.set()
+        await asyncio.Event().wait()
+
+    task = asyncio.ensure_future(connection())
+    await asyncio.sleep(0)  # it now waits for ``done``
+    done.set_result(None)
+    task.cancel()
+    finished, _ = await asyncio.wait([task], timeout=10.0)
+    assert finished and task.cancelled() and not ran_on.is_set()
+
+
+async def test_within_times_out_and_passes_results_and_errors() -> None:
+    assert await within(asyncio.sleep(0, "x"), 1.0) == "x"
+    assert await within(asyncio.sleep(0, "y"), None) == "y"
+    with pytest.raises(TimeoutError):
+        await within(asyncio.Event().wait(), 0.01)
+    with pytest.raises(KeyError):
+        await within(_raise(KeyError("k")), 1.0)
+
+
+async def _raise(exc: BaseException) -> None:
+    raise exc
