@@ -68,6 +68,10 @@ class PeerPlane:
         """Ranks known dead."""
         return self.me.lost
 
+    def gone(self, rank: int) -> bool:
+        """Rank ``rank`` is dead or left the world: it reads nothing more."""
+        return rank in self.me.lost or rank in self.me.left
+
     @property
     def direct(self) -> DirectLanes:
         """The point-to-point lanes parked for receiving threads (``node/direct_lane.py``)."""
@@ -117,10 +121,15 @@ class PeerPlane:
         first would reach its peers as a departure (PeerLost) instead of the error it found."""
         await self.outbound.told(timeout_s)
 
-    async def close(self, grace: float = 1.0) -> None:
-        """Finish every outbound link (delivering what was written), then stop the server."""
+    async def flush(self, grace: float = 1.0) -> None:
+        """Finish every outbound link, delivering what was written (each bounded by ``grace``); the server
+        still serves (peers flushing to this rank finish too). No send can start after it."""
         self.me.closing = True
         await self.outbound.close(grace)
+
+    async def close(self, grace: float = 1.0) -> None:
+        """``flush``, then stop the server."""
+        await self.flush(grace)
         await self.inbound.stop(grace)
 
     @property
@@ -148,6 +157,11 @@ class PeerPlane:
 
     def peer_lost(self, src: int, why: str) -> None:
         self.inbound.peer_lost(src, why)
+
+    def peer_left(self, src: int) -> None:
+        """Rank ``src`` left the world (on the loop): no error frame or goodbye goes to it any more, and this
+        plane's shutdown does not wait for it to read."""
+        self.me.left.add(src)
 
     def sender_left(self, src: int) -> None:
         """Rank ``src`` left the world and its plane has flushed what it sent (on the loop): a receive from it

@@ -121,6 +121,7 @@ class Outbound:
         self._channels: dict[int, Any] = {}
         self.streams: dict[tuple[int, str], OutStream | LaneStream] = {}
         self._telling: set[asyncio.Future[None]] = set()  # error frames on their way to other ranks
+        self._closed = False
 
     def kinds(self) -> set[str]:
         """How the open links move frames: ``"lane-unix"`` / ``"lane-tcp"`` or ``"grpc-stream"``."""
@@ -158,6 +159,12 @@ class Outbound:
     async def close(self, grace: float) -> None:
         """Say goodbye to every live peer, finish every link (delivering what was written), close channels."""
         streams = list(self.streams.values())
+        if self._closed:  # streams a pending open added after the first close: nothing is written on them
+            for s in streams:
+                _drop(s)
+            self.streams.clear()
+            return
+        self._closed = True
         # A parked lane is read only while a receive runs: its peer closes it at its own shutdown.
         parked = {id(s) for (_, key), s in self.streams.items() if key in self._direct_keys}
         self.streams.clear()
@@ -165,6 +172,8 @@ class Outbound:
 
         async def finish(s: OutStream | LaneStream) -> None:
             try:
+                if s.dst in self._me.lost or s.dst in self._me.left:  # it reads nothing more: do not wait
+                    raise PlaneClosed(f"rank {s.dst} is gone")
                 if not s.broken:
                     await s.send_frame([eos])
                 if isinstance(s, LaneStream):
@@ -173,14 +182,13 @@ class Outbound:
                     await s.call.done_writing()
                     await s.call
             except BaseException:
-                if isinstance(s, LaneStream):
-                    s.abandon()
+                _drop(s)
 
         # First a goodbye to every live peer on a fresh stream, awaited until the peer has read it:
         # a data stream cut mid-frame (a failed op) then ends without alarming the receiver.
         bound = min(grace, 1.0)
         goodbyes = []
-        for dst in sorted({s.dst for s in streams} - self._me.lost):
+        for dst in sorted({s.dst for s in streams} - self._me.lost - self._me.left):
             try:
                 goodbyes.append(await within(self._open(dst, GOODBYE_KEY), bound))
             except BaseException:
@@ -293,3 +301,11 @@ class Outbound:
         elif s.opened.exception() is not None:
             raise s.opened.exception()  # type: ignore[misc]
         return s
+
+
+def _drop(s: OutStream | LaneStream) -> None:
+    """Give up a link without finishing it (its peer is gone, or nothing was written on it)."""
+    if isinstance(s, LaneStream):
+        s.abandon()
+    else:
+        s.call.cancel()

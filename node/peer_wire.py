@@ -90,6 +90,8 @@ class PlaneIdentity:
     """Every rank's data-plane address."""
     lost: set[int] = field(default_factory=set)
     """Ranks known dead: no goodbye goes to them."""
+    left: set[int] = field(default_factory=set)
+    """Ranks that left the world (after delivering what they sent): nothing more goes to them either."""
     closing: bool = False
     """The plane is shutting down."""
     configured: asyncio.Event = field(default_factory=asyncio.Event)

@@ -107,9 +107,9 @@ class RuntimeConfig:
 
 
 SHUTDOWN_GRACE_S = 5.0
-# How long after a peer's "left" event its plane may still open lanes to flush what it sent (its shutdown grace
-# bounds that), after which a receive still waiting for a lane from it fails.
-LEFT_FLUSH_S = SHUTDOWN_GRACE_S + 10.0
+# A rank leaves after its plane has delivered what it sent (``_teardown``); a receive still waiting for a lane or
+# frame from it fails this long after its "left" event (slack for the receiver's own loop, not for the sender).
+LEFT_FLUSH_S = 1.0
 ENV_OF = {
     "coordinator": "PARAMPLANE_COORDINATOR",
     "world_size": "PARAMPLANE_WORLD_SIZE",
@@ -256,6 +256,7 @@ class NodeRuntime:
     def _abort_from(self, event: WatchEventInfo) -> None:
         """The coordinator's abort, however it arrived (watch stream or heartbeat): the same error either way."""
         if event.lost and 0 <= event.rank != self.rank:
+            self.plane.lost.add(event.rank)  # told no error and no goodbye, not waited for at shutdown
             self._abort(PeerLost(f"rank {event.rank} was lost: {event.reason}", event.rank))
         else:
             self._abort(WorldAborted(f"the world was aborted: {event.reason}", event.rank))
@@ -267,7 +268,7 @@ class NodeRuntime:
                     self._abort_from(event)
                     return
                 if event.kind == "left" and event.rank != self.rank:
-                    # Its plane flushes its last sends after leaving, for at most its shutdown grace.
+                    self.plane.peer_left(event.rank)
                     asyncio.get_running_loop().call_later(LEFT_FLUSH_S, self.plane.sender_left, event.rank)
                 if event.kind == "shutdown" and not self._closed:
                     self._abort(WorldAborted("the coordinator shut down"))
@@ -373,9 +374,13 @@ class NodeRuntime:
 
     async def _teardown(self, grace: float = 1.0) -> None:
         self._closed = True
+        # The heartbeats and the watch go on while the plane flushes: this rank is not lost meanwhile, and a
+        # peer that leaves or is lost meanwhile is not waited for.
+        await self.plane.told(min(grace, 3.0))  # errors this rank found reach its peers before its leaving
+        # What this rank sent is delivered before it leaves: its peers, told it left, need not wait for more.
+        await self.plane.flush(grace)
         for t in self._tasks:
             t.cancel()
-        await self.plane.told(min(grace, 3.0))  # errors this rank found reach its peers before its leaving
         if self._coord is not None:
             if hasattr(self, "membership"):
                 with contextlib.suppress(Exception):
