@@ -62,7 +62,7 @@ def test_a_forked_rank_exits_as_it_ended(tmp_path: Path, what: str, code: int, n
 
 
 def test_a_forked_rank_past_the_deadline_is_killed(tmp_path: Path) -> None:
-    world = run_world(2, "zygote_probe.py", args=["hang"], out_dir=tmp_path, timeout=15)
+    world = run_world(2, "zygote_probe.py", args=["hang"], out_dir=tmp_path, timeout=5)  # forks start in ms
     assert world.timed_out and all(r.returncode == -9 for r in world.ranks), world.describe()
     for probe in _probes(tmp_path, 2):
         pid = probe["pid"]
