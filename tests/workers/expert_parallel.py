@@ -7,7 +7,7 @@ float32's precision: transformers computes the loss on float32 logits), the
 clipped norm (clipping active), the final parameters (``full_state_dict``: the dense experts gathered) and
 this rank's block of each expert tensor; that torch's own ``clip_grad_norm_`` would see a different norm on
 each rank (the README's warning); the same for one step in float32 with the model's default (grouped
-matmul) expert code; two steps of Qwen3-MoE (another family, the same fused experts); a checkpoint saved from the split model that loads into the plain model. Errors: experts
+matmul) expert code; two steps of Qwen3-MoE (another family, the same fused experts); a checkpoint of the split model and its AdamW state (``pp.tp_optim_state``) that loads into the plain model and a fresh AdamW, equal to one process's moments. Errors: experts
 that do not split over the ranks, a module that is not a fused experts module (nothing changed after either),
 ``pp.FSDP`` of the split model, ``DDP.join()`` over it, a pipeline stage of it. And the split experts module alone against the dense
 one (``dispatch_edges``): tokens that stay on their rank, a rank with no tokens, a padding choice, no token
@@ -129,11 +129,24 @@ def train(
         rep.close(f"{what}: final {k}", full[k].numpy(), v.detach().numpy(), rtol)
     if eager and family == "mixtral":
         path = root / "ep2"
-        pp.checkpoint.save({"model": model}, path, g)
+        pp.checkpoint.save({"model": model, "optim": pp.tp_optim_state(model, opt)}, path, g)
         plain = build(seed=5)
-        pp.checkpoint.load({"model": plain}, path, g)
+        plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)  # fresh: no state, another learning rate
+        pp.checkpoint.load({"model": plain, "optim": pp.tp_optim_state(plain, plain_opt)}, path, g)
         for k, v in plain.state_dict().items():
             rep.check(f"checkpoint into the plain model: {k}", bool(torch.equal(v, full[k])))
+        # AdamW's moments of the split experts come back as the dense model's (one process's) after the steps
+        ref_params, plain_params = dict(ref.named_parameters()), dict(plain.named_parameters())
+        for name, p in ref_params.items():
+            want_state, got_state = ref_opt.state[p], plain_opt.state[plain_params[name]]
+            for key in ("exp_avg", "exp_avg_sq"):
+                rep.close(
+                    f"optimizer state {name}.{key}", got_state[key].numpy(), want_state[key].numpy(), rtol
+                )
+            rep.check(
+                f"optimizer step count {name}", float(got_state["step"]) == float(want_state["step"]) == steps
+            )
+        rep.check("optimizer learning rate", plain_opt.param_groups[0]["lr"] == 1e-2)
 
 
 def dispatch_edges(rep: Report, world: Any) -> None:
