@@ -68,10 +68,6 @@ class PeerPlane:
         """Ranks known dead."""
         return self.me.lost
 
-    def gone(self, rank: int) -> bool:
-        """Rank ``rank`` is dead or left the world: it reads nothing more."""
-        return rank in self.me.lost or rank in self.me.left
-
     @property
     def direct(self) -> DirectLanes:
         """The point-to-point lanes parked for receiving threads (``node/direct_lane.py``)."""

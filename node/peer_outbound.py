@@ -172,7 +172,7 @@ class Outbound:
 
         async def finish(s: OutStream | LaneStream) -> None:
             try:
-                if s.dst in self._me.lost or s.dst in self._me.left:  # it reads nothing more: do not wait
+                if self._me.gone(s.dst):  # it reads nothing more: do not wait for it
                     raise PlaneClosed(f"rank {s.dst} is gone")
                 if not s.broken:
                     await s.send_frame([eos])
@@ -188,7 +188,7 @@ class Outbound:
         # a data stream cut mid-frame (a failed op) then ends without alarming the receiver.
         bound = min(grace, 1.0)
         goodbyes = []
-        for dst in sorted({s.dst for s in streams} - self._me.lost - self._me.left):
+        for dst in sorted(d for d in {s.dst for s in streams} if not self._me.gone(d)):
             try:
                 goodbyes.append(await within(self._open(dst, GOODBYE_KEY), bound))
             except BaseException:

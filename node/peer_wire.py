@@ -97,6 +97,10 @@ class PlaneIdentity:
     configured: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once the world formed: a peer that learned it first waits on this before its stream is admitted."""
 
+    def gone(self, rank: int) -> bool:
+        """Rank ``rank`` is dead or left the world: it reads nothing more."""
+        return rank in self.lost or rank in self.left
+
 
 def consume_exception(task: asyncio.Future[Any]) -> None:
     if not task.cancelled():

@@ -270,7 +270,7 @@ class GrpcChannel:
         exc = self.plane.failure(self.key) or exc  # a peer's error frame that came first is the cause
         header = peer_pb2.FrameHeader(src=self.me, failure=failure_message(exc))
         for idx in range(self.n):
-            if idx != self.index and not self.plane.gone(self.ranks[idx]):
+            if idx != self.index and not self.plane.me.gone(self.ranks[idx]):
                 self.plane.telling(asyncio.ensure_future(self._send_error(idx, header.SerializeToString())))
         return exc
 
