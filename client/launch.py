@@ -1,6 +1,7 @@
 """``paramplane launch``: start N rank processes of a script on this host, like torchrun.
 
-Every rank runs ``sys.executable script.py args...`` (or ``-m module``) in its
+Every rank runs ``sys.executable script.py args...`` (or ``-m module``, or with
+``--no-python`` the target itself as a program) in its
 own process group, with the ``PARAMPLANE_*`` environment that ``pp.init()``
 reads. The launcher prefixes each output line with ``[rank i]``, forwards
 SIGINT/SIGTERM/SIGHUP, and when one rank fails it stops the others and exits
@@ -14,6 +15,7 @@ import dataclasses
 import os
 import queue
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -77,6 +79,9 @@ class LaunchConfig:
     """Arguments passed to every rank's script."""
     module: bool = False
     """Run ``target`` as ``python -m target``."""
+    no_python: bool = False
+    """Run ``target`` as a program (a path, or a name on ``PATH``) with ``args``, not as a Python script:
+    a wrapper that starts the script itself (torchrun's ``--no-python``)."""
     standalone: bool = False
     """Start an embedded coordinator on a free port of 127.0.0.1 for this launch."""
     coordinator: str | None = None
@@ -129,7 +134,12 @@ class LaunchConfig:
             raise ValueError(f"-n must be at least 1, got {self.num_ranks}")
         if not self.target:
             raise ValueError("name a script to run (or -m MODULE)")
-        if not self.module and not Path(self.target).is_file():
+        if self.module and self.no_python:
+            raise ValueError("-m and --no-python exclude each other")
+        if self.no_python:
+            if shutil.which(self.target) is None:
+                raise ValueError(f"no such program (or not executable): {self.target!r}")
+        elif not self.module and not Path(self.target).is_file():
             raise ValueError(f"no such script: {self.target!r}")
         if self.standalone == (self.coordinator is not None):
             raise ValueError("pass exactly one of --standalone or --coordinator HOST:PORT")
@@ -502,7 +512,8 @@ class Launcher:
         env.pop("PARAMPLANE_AGENT", None)
         if self._agent is not None:
             env["PARAMPLANE_AGENT"] = self._agent.address
-        argv = [sys.executable, *(["-m"] if config.module else []), config.target, *config.args]
+        python = [] if config.no_python else [sys.executable, *(["-m"] if config.module else [])]
+        argv = [*python, config.target, *config.args]
         pipe = subprocess.PIPE if config.prefix else None
         process = subprocess.Popen(
             argv, env=env, stdin=subprocess.DEVNULL, stdout=pipe, stderr=pipe, start_new_session=True
@@ -657,7 +668,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="paramplane launch",
         description="Start N rank processes of a Python script on this host, like torchrun.",
         usage="paramplane launch -n N (--standalone | --coordinator HOST:PORT | --slurm) [options] "
-        "(script.py | -m module) [args ...]",
+        "(script.py | -m module | --no-python program) [args ...]",
     )
     add = parser.add_argument
     # Every option sets the LaunchConfig field of its dest; its help is that field's docstring.
@@ -713,6 +724,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--no-prefix", dest="prefix", action="store_false", help=doc["prefix"])
     add("--no-agent", dest="agent", action="store_false", help=doc["agent"])
     add("-m", "--module", action="store_true", help=doc["module"])
+    add("--no-python", action="store_true", help=doc["no_python"])
     add("target", metavar="script.py", help=doc["target"])
     add("args", nargs=argparse.REMAINDER, help=doc["args"])
     return parser

@@ -212,6 +212,20 @@ def test_module_mode_and_no_prefix(tmp_path: Path) -> None:
     assert sorted(result.stdout.splitlines()) == ["0 ['--x'] False", "1 ['--x'] False"]
 
 
+def test_no_python_runs_the_target_as_a_program(tmp_path: Path) -> None:
+    """``--no-python`` (torchrun's): each rank runs the target itself with the arguments, not ``python
+    target``; here a shell script, which ``python`` could not run. Named programs must exist."""
+    program = _write(tmp_path, "rank.sh", '#!/bin/sh\necho "$PARAMPLANE_RANK $*"\n')
+    program.chmod(0o755)
+    result = _run("-n", "2", "--no-python", "--coordinator", NOWHERE, str(program), "--x", "y")
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.splitlines()) == ["[rank 0] 0 --x y", "[rank 1] 1 --x y"]
+    missing = _run("-n", "1", "--no-python", "--coordinator", NOWHERE, str(tmp_path / "none"))
+    assert missing.returncode == 2 and "no such program" in missing.stderr, missing.stderr
+    both = _run("-n", "1", "--no-python", "-m", "--coordinator", NOWHERE, str(program))
+    assert both.returncode == 2 and "-m and --no-python exclude each other" in both.stderr, both.stderr
+
+
 def test_failing_rank_stops_the_others_and_leaves_no_process(pids_dir: Path) -> None:
     script = _write(pids_dir, "block.py", BLOCKING_SCRIPT)
     # Surviving ranks and every grandchild ignore SIGTERM: only the SIGKILL after the grace ends them.
