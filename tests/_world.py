@@ -22,7 +22,7 @@ from typing import Any
 import _zygote
 
 from paramplane import local_world
-from paramplane.launch import thread_env
+from paramplane.launch import MALLOC_DEFAULTS, thread_env
 
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -180,23 +180,20 @@ def run_world(
 
 
 def run_example(script: str, num_ranks: int, *args: str, timeout: float = 120.0) -> str:
-    """Run ``examples/<script>`` under ``paramplane launch --standalone -n N``; its output (asserts exit 0)."""
+    """Run ``examples/<script>`` under ``paramplane launch --standalone -n N``; its output (asserts exit 0).
+    A torch example's ranks are forked from the test zygote (``launch --no-python`` runs its client), with
+    the environment the launcher gives a rank; the launcher supervises them as it would exec'd ones."""
+    path = REPO / "examples" / script
+    env = {**MALLOC_DEFAULTS, **thread_env(num_ranks), **os.environ, "GRPC_ENABLE_FORK_SUPPORT": "0"}
+    zygote = _zygote.for_rank(path, {**env, "PYTHONUNBUFFERED": "1"})
+    target = ["--no-python", *zygote.command(path, args)] if zygote is not None else [str(path), *args]
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "paramplane.cli",
-            "launch",
-            "--standalone",
-            "-n",
-            str(num_ranks),
-            f"examples/{script}",
-            *args,
-        ],
+        [sys.executable, "-m", "paramplane.cli", "launch", "--standalone", "-n", str(num_ranks), *target],
         capture_output=True,
         text=True,
         timeout=timeout,
         cwd=REPO,
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc.stdout

@@ -1,12 +1,15 @@
-"""A zygote for torch rank workers: torch, transformers and paramplane imported once, each rank forked from it.
+"""A zygote for rank workers: what they import imported once, each rank forked from it.
 
 A torch worker spends seconds importing torch and transformers before it does anything, and the torch tests
-start about two hundred of them on two cores. ``Zygote`` starts this file as a process that imports them once
-(``_preload``) and then forks one child per request; the child takes the requester's environment, working
+start about two hundred of them on two cores; a numpy worker spends ~0.3 s importing numpy, gRPC and paramplane,
+and most other tests start two to four of them. ``Zygote`` starts this file as a process that imports them once
+(``_preload``: with torch and transformers for a worker that imports torch, without for the others) and then
+forks one child per request; the child takes the requester's environment, working
 directory, argv and stdout/stderr and runs the worker script as ``__main__`` (``runpy``), so the worker runs as
 it would have after ``python worker.py``. The requester is ``_zygote_client.py``, the process the harness
 started as the rank: it relays signals and exits as the child did, and when it dies the zygote kills the
-child's process group, so the harness's PID-based kills and exit codes keep their meaning.
+child's process group, so the harness's PID-based kills and exit codes keep their meaning (a signal it cannot
+relay, SIGSTOP, stops only the requester: a test that stops a rank starts the rank itself).
 
 Forking is only safe from a process with one thread: the zygote refuses to serve (``Zygote.command`` then says
 no and the harness execs the worker as usual) when its imports left other threads running, which happens when
@@ -34,6 +37,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 WORKERS = HERE / "workers"
+EXAMPLES = HERE.parent / "examples"
 CLIENT = HERE / "_zygote_client.py"
 INHERITED_AT_IMPORT = re.compile(r"(OMP|OPENBLAS|MKL)_NUM_THREADS|GRPC_.*|PYTHON.*")
 """Variables the libraries read when they are imported: a child keeps the zygote's, so a rank whose values
@@ -45,26 +49,34 @@ _FAMILIES = ("GPT2", "Llama", "Mistral", "Qwen2", "ResNet", "Bert", "T5", "Mixtr
 _CLASSES = ("Config", "ForCausalLM", "LMHeadModel", "ForImageClassification", "ForMaskedLM", "Model")
 
 
-def _preload() -> None:
-    """Import what the torch workers import (nothing here runs a torch operation or starts a thread)."""
+def _preload(torch: bool) -> None:
+    """Import what the workers import (nothing here runs a torch operation or starts a thread); without
+    ``torch``, what the numpy workers import: paramplane's modules that do not import torch."""
     import importlib
     import pkgutil
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     sys.path.insert(1, str(WORKERS))
     import numpy  # noqa: F401
-    import torch  # noqa: F401
+
+    if torch:
+        import torch as _torch  # noqa: F401
 
     import paramplane
 
     for info in pkgutil.walk_packages(paramplane.__path__, "paramplane."):
         if ".cli" in info.name or info.name.endswith("__main__"):
             continue
+        if not torch and "torch" in info.name:
+            continue
         try:
             importlib.import_module(info.name)
         except ImportError:  # the gpu extra's modules without cupy
             pass
     import _common  # noqa: F401
+
+    if not torch:
+        return
     import _torch_models as tm
     import transformers
 
@@ -202,7 +214,7 @@ def _run(request: Mapping[str, Any], fds: Sequence[int]) -> None:
 
 def main() -> None:
     path = sys.argv[1]
-    _preload()
+    _preload(torch="--numpy" not in sys.argv[2:])
     threads = len(os.listdir("/proc/self/task"))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
@@ -217,7 +229,8 @@ def main() -> None:
 class Zygote:
     """One zygote process (started by ``start``), serving ranks whose import-time variables equal ``env``'s."""
 
-    def __init__(self, env: Mapping[str, str]) -> None:
+    def __init__(self, env: Mapping[str, str], torch: bool = True) -> None:
+        self.torch = torch
         self.env = {
             **env,
             "PYTHONUNBUFFERED": "1",
@@ -232,7 +245,7 @@ class Zygote:
     def start(self, timeout: float = 120.0) -> bool:
         """Start the process and wait for it to import; whether it serves."""
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__)), self.socket],
+            [sys.executable, str(Path(__file__)), self.socket, *([] if self.torch else ["--numpy"])],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=self.env,
@@ -277,7 +290,7 @@ class Zygote:
         self._dir.cleanup()
 
 
-_ZYGOTES: dict[tuple[tuple[str, str], ...], Zygote | None] = {}
+_ZYGOTES: dict[tuple[bool, tuple[tuple[str, str], ...]], Zygote | None] = {}
 _SOURCES = ("client", "node", "coordinator", "tests/workers")
 """What a zygote imports from this repository: edited after it started (a developer's edit between two tests of
 one session), the zygote is stale and a fresh one starts, as a fresh rank would import the new code."""
@@ -289,18 +302,21 @@ def _source_stamp() -> tuple[float, int]:
 
 
 def for_rank(script: Path, env: Mapping[str, str]) -> Zygote | None:
-    """A serving zygote for the torch worker ``script`` run with ``env``, or None (then exec it)."""
-    if os.environ.get("PARAMPLANE_TEST_ZYGOTE", "1") == "0" or not script.is_relative_to(WORKERS):
+    """A serving zygote for the worker (or example) ``script`` run with ``env``, or None (then exec it): one
+    that imported torch and transformers for a script that imports torch, else one that imported numpy and
+    paramplane."""
+    if os.environ.get("PARAMPLANE_TEST_ZYGOTE", "1") == "0":
         return None
-    if not _TORCH_IMPORT.search(script.read_bytes()):
+    if not (script.is_relative_to(WORKERS) or script.is_relative_to(EXAMPLES)):
         return None
-    key = tuple(sorted((k, v) for k, v in env.items() if INHERITED_AT_IMPORT.fullmatch(k)))
+    torch = bool(_TORCH_IMPORT.search(script.read_bytes()))
+    key = (torch, tuple(sorted((k, v) for k, v in env.items() if INHERITED_AT_IMPORT.fullmatch(k))))
     stale = _ZYGOTES.get(key)
     if stale is not None and stale.stamp != _source_stamp():
         stale.close()
         del _ZYGOTES[key]
     if key not in _ZYGOTES:
-        zygote = Zygote(env)
+        zygote = Zygote(env, torch)
         _ZYGOTES[key] = zygote if zygote.start() else None
         if _ZYGOTES[key] is not None:
             atexit.register(zygote.close)

@@ -179,8 +179,10 @@ def check_equivalence(
 
 @pytest.mark.parametrize("poll_us", [0, 100])
 def test_a_dead_stage_is_named_not_hung(poll_us: int) -> None:
+    """Rank 1 dies mid-step: rank 0's step fails with PeerLost naming it once the coordinator's heartbeat bound
+    (3 s here) has passed, not after its 30 s group timeout."""
     env = {"PARAMPLANE_TIMEOUT": "30", "TEST_PIPELINE_POLL_US": str(poll_us)}
-    world = run_world(2, "pipeline.py", args=["kill"], env=env, timeout=90)
+    world = run_world(2, "pipeline.py", args=["kill"], env=env, timeout=90, heartbeat_timeout_s=3.0)
     assert not world.timed_out, world.describe()
     assert world.ranks[1].returncode == 9
     r0 = world.ranks[0].result

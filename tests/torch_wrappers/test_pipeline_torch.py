@@ -80,8 +80,14 @@ def test_a_torch_stage_activation_that_changes_shape_mid_step_is_a_mismatch_on_b
 
 
 def test_a_dead_torch_stage_is_named_not_hung() -> None:
+    """As for numpy stages: rank 1 dies, rank 0's step names it after the heartbeat bound (3 s here)."""
     world = run_world(
-        2, "pipeline_torch_faults.py", args=["kill"], env={"PARAMPLANE_TIMEOUT": "30"}, timeout=90
+        2,
+        "pipeline_torch_faults.py",
+        args=["kill"],
+        env={"PARAMPLANE_TIMEOUT": "30"},
+        timeout=90,
+        heartbeat_timeout_s=3.0,
     )
     assert not world.timed_out, world.describe()
     assert world.ranks[1].returncode == 9
