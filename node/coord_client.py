@@ -7,7 +7,6 @@ Every call has a deadline and carries the job token; gRPC failures become
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
@@ -40,7 +39,7 @@ from paramplane.protos.auth import (
     MISMATCH_METADATA_KEY,
     token_metadata,
 )
-from paramplane.protos.net import check_seconds, parse_address, tls_paths
+from paramplane.protos.net import best_effort, check_seconds, parse_address, tls_paths
 from paramplane.protos.records import RankInfo
 from paramplane.protos.stats import stats_pb
 
@@ -211,8 +210,7 @@ class CoordinatorClient:
             failed.cancel()
             if not task.done():
                 task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
+                await best_effort(task, None)
 
     def _member(self) -> Membership:
         if self.membership is None:

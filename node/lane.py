@@ -34,7 +34,7 @@ from typing import Any
 
 from paramplane.node.errors import PeerLost, PlaneError, TransportError
 from paramplane.protos import peer_pb2
-from paramplane.protos.net import within
+from paramplane.protos.net import best_effort, within
 
 _log = logging.getLogger("paramplane.lane")
 
@@ -212,8 +212,7 @@ class LaneServer:
     async def close(self) -> None:
         for accepting in self._accepting:
             accepting.cancel()
-            with contextlib.suppress(BaseException):
-                await accepting
+            await best_effort(accepting, None)
         self._accepting = []
         for task in list(self._conns):
             task.cancel()

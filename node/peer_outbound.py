@@ -30,7 +30,7 @@ from paramplane.node.peer_wire import (
 )
 from paramplane.protos import peer_pb2
 from paramplane.protos.auth import token_metadata
-from paramplane.protos.net import parse_address, within
+from paramplane.protos.net import best_effort, parse_address, within
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +87,7 @@ class OutStream:
     async def _failure(self, exc: BaseException) -> PlaneError:
         # A write fails before the call's status arrives; the status says why (a receiver that
         # aborted the stream names the group's failure), so wait for it briefly.
-        details = ""
-        try:
-            details = (await within(self.call.details(), 1.0)) or ""
-        except BaseException:
-            pass
+        details = (await best_effort(self.call.details(), 1.0)) or ""
         if details.split(": ", 1)[0].split("[", 1)[0] in KINDS:
             return decode_failure(details)
         return PeerLost(f"rank {self.dst} is unreachable: the data stream to it broke ({exc!r})", self.dst)
@@ -189,10 +185,9 @@ class Outbound:
         bound = min(grace, 1.0)
         goodbyes = []
         for dst in sorted(d for d in {s.dst for s in streams} if not self._me.gone(d)):
-            try:
-                goodbyes.append(await within(self._open(dst, GOODBYE_KEY), bound))
-            except BaseException:
-                pass
+            goodbye = await best_effort(self._open(dst, GOODBYE_KEY), bound)
+            if goodbye is not None:
+                goodbyes.append(goodbye)
         if goodbyes:
             await asyncio.wait([asyncio.ensure_future(finish(s)) for s in goodbyes], timeout=bound)
         if streams:

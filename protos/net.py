@@ -113,3 +113,18 @@ async def within(aw: Awaitable[T], seconds: float | None) -> T:
     cancellation at the task's next await instead."""
     async with asyncio.timeout(seconds):
         return await aw
+
+
+async def best_effort(aw: Awaitable[T], seconds: float | None) -> T | None:
+    """``await aw`` (within ``seconds``) for something optional: a goodbye, an error frame to a peer, a failed
+    call's status, a task just cancelled. Its result, or None when it fails, times out or is cancelled under
+    us (grpc.aio raises ``CancelledError`` from a call cancelled elsewhere; so does a task we cancelled). A
+    cancellation of the awaiting task itself propagates: ``except BaseException: pass`` around such an await
+    swallowed it, and a shutdown told to stop went on to its next peer."""
+    try:
+        return await within(aw, seconds)
+    except (Exception, asyncio.CancelledError):
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        return None

@@ -35,7 +35,7 @@ from paramplane.node.spec import OpSpec
 from paramplane.node.transports.base import Bounds, Splits, Transport
 from paramplane.node.transports.thread_channel import INLINE_BYTES, ThreadChannel
 from paramplane.protos import peer_pb2
-from paramplane.protos.net import within
+from paramplane.protos.net import best_effort
 
 T = TypeVar("T")
 
@@ -276,11 +276,9 @@ class GrpcChannel:
 
     async def _send_error(self, idx: int, frame: bytes) -> None:
         # A stream of its own: the data stream may be mid-frame or blocked by flow control.
-        try:
-            stream = await within(self.plane.stream(self.ranks[idx], self.key + ERROR_SUFFIX), 2.0)
-            await within(stream.send_frame([frame]), 2.0)
-        except BaseException:
-            pass
+        stream = await best_effort(self.plane.stream(self.ranks[idx], self.key + ERROR_SUFFIX), 2.0)
+        if stream is not None:
+            await best_effort(stream.send_frame([frame]), 2.0)
 
 
 def _num_chunks(nbytes: int) -> int:

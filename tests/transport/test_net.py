@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from paramplane.protos.net import host_port, is_loopback, parse_address, resolve_token, within
+from paramplane.protos.net import best_effort, host_port, is_loopback, parse_address, resolve_token, within
 
 
 @pytest.mark.parametrize(
@@ -82,6 +82,36 @@ async def test_within_times_out_and_passes_results_and_errors() -> None:
         await within(asyncio.Event().wait(), 0.01)
     with pytest.raises(KeyError):
         await within(_raise(KeyError("k")), 1.0)
+
+
+async def test_best_effort_swallows_what_it_awaits_failing_but_not_its_own_cancellation() -> None:
+    """What an optional await (a goodbye, an error frame) may meet ends in None: an error, a timeout, a
+    future or task cancelled by someone else (grpc.aio raises CancelledError from a call cancelled
+    elsewhere). The awaiting task cancelled itself (a shutdown told to stop) ends cancelled, at once: with
+    ``except BaseException: pass`` it went on to its next peer."""
+    assert await best_effort(asyncio.sleep(0, "x"), 1.0) == "x"
+    assert await best_effort(_raise(KeyError("k")), 1.0) is None
+    assert await best_effort(asyncio.Event().wait(), 0.01) is None
+    foreign = asyncio.get_running_loop().create_future()
+    foreign.cancel()
+    assert await best_effort(foreign, 1.0) is None
+    other = asyncio.ensure_future(asyncio.Event().wait())
+    await asyncio.sleep(0)
+    other.cancel()
+    assert await best_effort(other, None) is None
+
+    went_on = asyncio.Event()
+
+    async def shutdown() -> None:
+        await best_effort(asyncio.Event().wait(), 10.0)  # a goodbye to a peer that does not answer
+        went_on.set()  # the next peer's goodbye
+        await asyncio.Event().wait()
+
+    task = asyncio.ensure_future(shutdown())
+    await asyncio.sleep(0)
+    task.cancel()
+    finished, _ = await asyncio.wait([task], timeout=10.0)
+    assert finished and task.cancelled() and not went_on.is_set()
 
 
 async def _raise(exc: BaseException) -> None:
