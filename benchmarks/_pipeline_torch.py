@@ -202,7 +202,8 @@ def worker_torch(
 def worker_torch_stages(
     args: argparse.Namespace, configs: Configs, stage_ms: Callable[..., float], measured: Measured
 ) -> list[dict[str, Any]]:
-    """The same torch stand-in stages under ``pp.Pipeline`` (its defaults), same configurations as the peer."""
+    """The same torch stand-in stages under ``pp.Pipeline`` (its defaults), the peer's configurations and, for
+    interleaved 1F1B, the larger microbatch group too (a setting torch does not have: its rows say so)."""
     import torch
 
     import paramplane as pp
@@ -213,11 +214,11 @@ def worker_torch_stages(
     with pp.init() as world:
         g = world.group
         for schedule, v, group, split, m in configs:
-            if group is not None:
-                continue
             stage_s = stage_ms(args, v, split) / 1000
             chunks = [wait_stage(stage_s, spans) for _ in range(v)]
-            pipe = pp.Pipeline(chunks if v > 1 else chunks[0], g, schedule, m, loss_fn=loss_fn)
+            pipe = pp.Pipeline(
+                chunks if v > 1 else chunks[0], g, schedule, m, loss_fn=loss_fn, microbatch_group=group
+            )
             x = torch.zeros(m, 8)
 
             actions: list[dict[str, float]] = []  # per step: each action's stage span (for the replay)
@@ -245,6 +246,7 @@ def worker_torch_stages(
                     module_busy_s=module_busy[1:],
                     work_busy_s=work_busy[1:],
                     stage_busy_s=[sum(a.values()) for a in actions[1:]],
+                    microbatch_group=group,
                     spans=actions[1:],
                     torch_version=torch.__version__,
                 )

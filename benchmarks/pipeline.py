@@ -298,7 +298,8 @@ def _one_run(args: argparse.Namespace, cmd: list[str], repeat: int, *, peer_firs
             peer[(row["schedule"], row["m"], row["split_rank_work"])] = row
         for rows in zip(*stage_ranks):
             row = _torch_row(rows, args, "paramplane-torch-stages")
-            theirs = peer.get((row["schedule"], row["m"], row["split_rank_work"]))
+            key = (row["schedule"], row["m"], row["split_rank_work"])
+            theirs = peer.get(key) if row["microbatch_group"] is None else None
             if theirs is not None:
                 row["torch_measured_over_theory"] = theirs["measured_over_theory"]
                 row["bubble_over_torch"] = row["bubble_measured"] / theirs["bubble_measured"]
@@ -408,7 +409,8 @@ def _torch_row(rows: Sequence[dict[str, Any]], args: argparse.Namespace, impl: s
     ):  # torch stages under pp.Pipeline: also busy as the numpy stages' rows count it
         spans = [max(1.0 - r["stage_busy_s"][i] / r["step_s"][i] for r in rows) for i in steps]
         work = [max(r["stage_busy_s"][i] - r["busy_s"][i] for r in rows) for i in steps]
-        replay = _bubbles(first["schedule"], m, v, None, rows)[1]  # the same spans, transfers free
+        group = first.get("microbatch_group")
+        replay = _bubbles(first["schedule"], m, v, group, rows)[1]  # the same spans, transfers free
         more |= {
             "bubble_stage_spans": float(np.median(spans)),
             "stage_spans_over_theory": float(np.median(spans)) / theory,
@@ -421,7 +423,7 @@ def _torch_row(rows: Sequence[dict[str, Any]], args: argparse.Namespace, impl: s
         "torch_version": first["torch_version"],
         "backend": "gloo" if impl == "torch" else "paramplane",
         "schedule": first["schedule"],
-        "microbatch_group": None,
+        "microbatch_group": first.get("microbatch_group"),
         "p": P,
         "m": m,
         "v": v,

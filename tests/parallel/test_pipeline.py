@@ -264,11 +264,18 @@ def test_bubble_benchmark_measures_idle_from_the_traced_compute(tmp_path: Path) 
                 == (schedule, m, None, split_work)
             )
             assert ours["bubble_over_torch"] == pytest.approx(ours["bubble_measured"] / t["bubble_measured"])
-        # torch stage modules under pp.Pipeline: the peer's configurations, measured the same way.
+        # torch stage modules under pp.Pipeline: the peer's configurations, measured the same way, and the
+        # larger microbatch group (not torch's: no ratio to it).
+        staged_rows = [r for r in every if r["impl"] == "paramplane-torch-stages"]
+        grouped = [r for r in staged_rows if r["microbatch_group"] is not None]
+        assert [(r["schedule"], r["microbatch_group"], r["m"]) for r in grouped] == [
+            ("interleaved_1f1b", 4, 4)
+        ]
+        assert "bubble_over_torch" not in grouped[0] and 0 < grouped[0]["bubble_measured"] < 1, grouped
         staged = {
             (r["schedule"], r["m"], r["split_rank_work"]): r
-            for r in every
-            if r["impl"] == "paramplane-torch-stages"
+            for r in staged_rows
+            if r["microbatch_group"] is None
         }
         assert set(staged) == set(peer)
         for key, r in staged.items():
