@@ -120,11 +120,13 @@ async def best_effort(aw: Awaitable[T], seconds: float | None) -> T | None:
     call's status, a task just cancelled. Its result, or None when it fails, times out or is cancelled under
     us (grpc.aio raises ``CancelledError`` from a call cancelled elsewhere; so does a task we cancelled). A
     cancellation of the awaiting task itself propagates: ``except BaseException: pass`` around such an await
-    swallowed it, and a shutdown told to stop went on to its next peer."""
+    swallowed it, and a shutdown told to stop went on to its next peer. (Counted from the call: a task that
+    caught an earlier cancellation to clean up keeps its best efforts.)"""
+    task = asyncio.current_task()
+    before = task.cancelling() if task is not None else 0
     try:
         return await within(aw, seconds)
     except (Exception, asyncio.CancelledError):
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
+        if task is not None and task.cancelling() > before:
             raise
         return None

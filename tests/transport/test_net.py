@@ -113,6 +113,21 @@ async def test_best_effort_swallows_what_it_awaits_failing_but_not_its_own_cance
     finished, _ = await asyncio.wait([task], timeout=10.0)
     assert finished and task.cancelled() and not went_on.is_set()
 
+    async def cleanup_after_a_cancellation() -> list[object]:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:  # caught on purpose, to clean up: the best efforts still run
+            return [
+                await best_effort(asyncio.Event().wait(), 0.01),
+                await best_effort(_raise(KeyError()), 1.0),
+            ]
+        raise AssertionError("not cancelled")
+
+    cleaner = asyncio.ensure_future(cleanup_after_a_cancellation())
+    await asyncio.sleep(0)
+    cleaner.cancel()
+    assert await within(cleaner, 10.0) == [None, None]
+
 
 async def _raise(exc: BaseException) -> None:
     raise exc
