@@ -298,8 +298,7 @@ def _one_run(args: argparse.Namespace, cmd: list[str], repeat: int, *, peer_firs
             peer[(row["schedule"], row["m"], row["split_rank_work"])] = row
         for rows in zip(*stage_ranks):
             row = _torch_row(rows, args, "paramplane-torch-stages")
-            key = (row["schedule"], row["m"], row["split_rank_work"])
-            theirs = peer.get(key) if row["microbatch_group"] is None else None
+            theirs = _peer_of(peer, row)
             if theirs is not None:
                 row["torch_measured_over_theory"] = theirs["measured_over_theory"]
                 row["bubble_over_torch"] = row["bubble_measured"] / theirs["bubble_measured"]
@@ -311,14 +310,20 @@ def _one_run(args: argparse.Namespace, cmd: list[str], repeat: int, *, peer_firs
     lines = []
     for rows in zip(*per_rank):
         row = _row(rows, args)
-        key = (row["schedule"], row["m"], row["split_rank_work"])
-        theirs = peer.get(key) if row["microbatch_group"] is None else None
+        theirs = _peer_of(peer, row)
         if theirs is not None:
             row["torch_measured_over_theory"] = theirs["measured_over_theory"]
             row["bubble_over_torch"] = row["bubble_measured"] / theirs["bubble_measured"]
         lines.append(json.dumps(row | {"repeat": repeat, "load_avg_1min": load}))
     extra = {"repeat": repeat, "load_avg_1min": load}
     return lines + torch_stage_lines + [json.dumps(row | extra) for row in peer.values()]
+
+
+def _peer_of(peer: dict[tuple[str, int, bool], dict[str, Any]], row: dict[str, Any]) -> dict[str, Any] | None:
+    """torch's row for the configuration of our ``row``; None for a microbatch group (torch has no such setting)."""
+    if row["microbatch_group"] is not None:
+        return None
+    return peer.get((row["schedule"], row["m"], row["split_rank_work"]))
 
 
 def _torch_world(cmd: list[str], which: str) -> list[Any]:
