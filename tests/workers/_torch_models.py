@@ -160,10 +160,11 @@ def build(name: str, seed: int = 0, dtype: Any = None, layers: int = 2) -> Any:
     return model.to(dtype or torch.float64)
 
 
-MORE_MODELS = ("bert", "t5", "mixtral", "gptneox")
+MORE_MODELS = ("bert", "t5", "mixtral", "gptneox", "albert")
 """transformers' models checked once each under DDP and FSDP (``build_more``): BERT's masked LM (decoder tied to
 the embedding), T5 (the shared embedding tied three ways, encoder and decoder), Mixtral (a mixture of experts:
-experts unused on some ranks in a step) and GPT-NeoX (untied head, parallel attention and MLP)."""
+experts unused on some ranks in a step), GPT-NeoX (untied head, parallel attention and MLP) and ALBERT (one layer
+group shared by every layer: FSDP's unit for it runs three times in each forward and backward)."""
 
 
 def build_more(name: str, seed: int = 0) -> Any:
@@ -227,6 +228,22 @@ def build_more(name: str, seed: int = 0) -> Any:
                 num_hidden_layers=2,
                 num_attention_heads=2,
                 max_position_embeddings=SEQ,
+                **ids,
+            )
+        )
+    elif name == "albert":
+        model = t.AlbertForMaskedLM(
+            t.AlbertConfig(
+                vocab_size=VOCAB,
+                embedding_size=8,
+                hidden_size=16,
+                num_hidden_layers=3,
+                num_attention_heads=2,
+                intermediate_size=32,
+                max_position_embeddings=SEQ,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+                classifier_dropout_prob=0.0,
                 **ids,
             )
         )
