@@ -82,7 +82,7 @@ from paramplane.parallel.ddp_buckets import (
 )
 from paramplane.parallel.ddp_experts import clip_grad_norm, expert_pieces, scale_expert_grads
 from paramplane.parallel.ddp_join import JoinState, joined_rounds
-from paramplane.parallel.ddp_torch import ModulePath, NNPath, TorchPath, comm_hook_dtype
+from paramplane.parallel.ddp_torch import ModulePath, NNPath, TorchPath, comm_hook_dtype, torch_ddp_keywords
 from paramplane.parallel.fsdp.units import check_same_model
 from paramplane.parallel.torch_params import (
     check_device_ids,
@@ -106,7 +106,7 @@ class DDP:
         module: Module,
         group: ProcessGroup | None = None,
         bucket_mb: float | None = None,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: bool | None = None,
         *,
         process_group: ProcessGroup | None = None,
         reduce_op: str = "mean",
@@ -118,6 +118,16 @@ class DDP:
         output_device: Any = None,
         bucket_cap_mb: float | None = None,
         static_graph: bool = False,
+        forward_sync_buffers: bool | None = None,
+        bucket_cap_mb_list: Sequence[float] | None = None,
+        device_mesh: Any = None,
+        dim: int = 0,
+        check_reduction: bool = False,
+        skip_all_reduce_unused_params: bool = False,
+        batched_grad_copy: bool = False,
+        delay_all_reduce_named_params: Any = None,
+        param_to_hook_all_reduce: Any = None,
+        mixed_precision: Any = None,
     ) -> None:
         """``bucket_mb`` is torch's ``bucket_cap_mb``: None gives 25 MiB buckets after a 1 MiB first one, a
         number gives buckets of that size from the first (module docstring).
@@ -134,16 +144,34 @@ class DDP:
         docstring): what ``.grad`` holds is never written by a later round, as with torch's default.
         torch's other keywords, so its calls run unchanged: ``device_ids`` / ``output_device`` must name the
         module's own device (one device per rank, as torch requires; the module is not moved),
-        ``bucket_cap_mb`` is ``bucket_mb``, ``static_graph`` is accepted and changes nothing (usage is found
-        every step), ``process_group`` is ``group`` (pass one)."""
-        group = wrapper_group("DDP", group, process_group)
+        ``bucket_cap_mb`` is ``bucket_mb``, ``bucket_cap_mb_list`` gives each bucket its own size (the last
+        for every bucket after), ``process_group`` is ``group`` and ``device_mesh`` a 1-D torch DeviceMesh
+        over paramplane's torch.distributed backend (pass one of the three). Buffers follow torch 2.13:
+        ``broadcast_buffers=False`` broadcasts them neither at wrap time nor before forwards,
+        ``forward_sync_buffers=False`` only at wrap time. ``static_graph``, ``dim``, ``check_reduction``,
+        ``skip_all_reduce_unused_params`` and ``batched_grad_copy`` change nothing here
+        (``ddp_torch.torch_ddp_keywords`` says why); ``delay_all_reduce_named_params``,
+        ``param_to_hook_all_reduce`` and ``mixed_precision`` are refused."""
+        group = wrapper_group("DDP", group, process_group, device_mesh)
         torch_module = is_torch_module(module)
         if bucket_cap_mb is not None:
             if bucket_mb is not None and bucket_mb != bucket_cap_mb:
                 raise ValueError(f"bucket_mb={bucket_mb!r} and bucket_cap_mb={bucket_cap_mb!r} disagree")
             bucket_mb = bucket_cap_mb
-        if not isinstance(static_graph, bool):
-            raise ValueError(f"static_graph must be a bool, got {static_graph!r}")
+        buffers_at_wrap, broadcast_buffers = torch_ddp_keywords(
+            broadcast_buffers=broadcast_buffers,
+            forward_sync_buffers=forward_sync_buffers,
+            static_graph=static_graph,
+            dim=dim,
+            check_reduction=check_reduction,
+            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+            batched_grad_copy=batched_grad_copy,
+            unsupported={
+                "delay_all_reduce_named_params": delay_all_reduce_named_params,
+                "param_to_hook_all_reduce": param_to_hook_all_reduce,
+                "mixed_precision": mixed_precision,
+            },
+        )
         if (device_ids is not None or output_device is not None) and torch_module:
             check_device_ids(module, device_ids, output_device)
         if not isinstance(module, Module) and not torch_module:
@@ -152,6 +180,18 @@ class DDP:
             )
         if bucket_mb is not None and not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb!r}")
+        caps = None  # bucket_cap_mb_list's limits in bytes (torch: bucket_cap_mb is then ignored)
+        if bucket_cap_mb_list is not None:
+            if not bucket_cap_mb_list or not all(
+                isinstance(c, (int, float)) and c > 0 for c in bucket_cap_mb_list
+            ):
+                raise ValueError(
+                    f"bucket_cap_mb_list must be positive sizes in MiB, got {bucket_cap_mb_list!r}"
+                )
+            caps = [max(1, int(c * MIB)) for c in bucket_cap_mb_list]
+            bucket_mb = max(
+                bucket_cap_mb_list
+            )  # the wrap-time broadcast's buckets (torch's bucket_bytes_cap)
         if reduce_op not in _REDUCE_OPS:
             raise ValueError(f"reduce_op must be 'mean' or 'sum', got {reduce_op!r}")
         if comm_dtype not in COMM_DTYPES:
@@ -185,15 +225,16 @@ class DDP:
             # Models that differ only in shapes of the same total size would otherwise train silently.
             names = [n for n, _ in module.named_parameters()]
             check_same_model(group, list(zip(names, all_params, strict=True)), "DDP")
-            self._sync_state(shared)
+            self._sync_state(shared, buffers=buffers_at_wrap)
             release_freed_memory()  # the broadcast's temporary buckets, else resident for the whole run
         self._params: list[Parameter] = [p for p in shared if p.requires_grad]
-        bucket_bytes = max(1, int(self.bucket_mb * MIB))
-        first_bytes = FIRST_BUCKET_BYTES if bucket_mb is None else bucket_bytes
-        self._buckets = [
-            Bucket.build(n, idx, self._params)
-            for n, idx in enumerate(assign_buckets(self._params, bucket_bytes, first_bytes))
-        ]
+        if caps is not None:
+            assignment = assign_buckets(self._params, caps)
+        else:
+            bucket_bytes = max(1, int(self.bucket_mb * MIB))
+            first_bytes = FIRST_BUCKET_BYTES if bucket_mb is None else bucket_bytes
+            assignment = assign_buckets(self._params, bucket_bytes, first_bytes)
+        self._buckets = [Bucket.build(n, idx, self._params) for n, idx in enumerate(assignment)]
         where = {i: (b, k) for b in self._buckets for k, i in enumerate(b.params)}
         self._where: list[tuple[Bucket, int]] = [where[i] for i in range(len(self._params))]
         self._expected: list[int] | None = None
@@ -217,8 +258,8 @@ class DDP:
             ]
 
     # -- wrap-time sync ----------------------------------------------------------------------------
-    def _sync_state(self, params: list[Parameter], src: int = 0) -> None:
-        """Broadcast parameters (coalesced per bucket) and buffers from group rank ``src``."""
+    def _sync_state(self, params: list[Parameter], src: int = 0, *, buffers: bool) -> None:
+        """Broadcast parameters (coalesced per bucket) and, with ``buffers``, buffers from group rank ``src``."""
         if self.group.size == 1:
             return
         with self._path.stream():
@@ -229,7 +270,7 @@ class DDP:
                 self.group.broadcast(bucket.flat, src=src)
                 for k, i in enumerate(indices):
                     params[i].data[...] = bucket.slot(k).reshape(params[i].shape)
-        if self.broadcast_buffers:
+        if buffers:
             self._broadcast_buffers(src)
 
     def _broadcast_buffers(self, src: int = 0) -> None:

@@ -133,12 +133,13 @@ def shard_range(num_items: int, num_shards: int, index: int) -> tuple[int, int]:
 
 
 def assign_buckets(
-    params: Sequence[Parameter], bucket_bytes: int, first_bucket_bytes: int | None = None
+    params: Sequence[Parameter], bucket_bytes: int | Sequence[int], first_bucket_bytes: int | None = None
 ) -> list[list[int]]:
     """Indices of ``params`` per bucket: reverse order (the order backward produces their gradients), one dtype
     and array library per bucket, by :func:`bucket_by_size`: torch DDP's rule, the first bucket of each kind
     closing at ``first_bucket_bytes`` (torch's small first bucket that starts the last layers' all-reduce
-    early). Every rank with the same model gets the same list."""
+    early), or each bucket at its own limit for a sequence (torch's ``bucket_cap_mb_list``). Every rank with
+    the same model gets the same list."""
     walk = list(reversed(range(len(params))))
     keyed = [
         (
@@ -151,29 +152,37 @@ def assign_buckets(
 
 
 def bucket_by_size(
-    items: Sequence[tuple[Hashable, int]], bucket_bytes: int, first_bucket_bytes: int | None = None
+    items: Sequence[tuple[Hashable, int]],
+    bucket_bytes: int | Sequence[int],
+    first_bucket_bytes: int | None = None,
 ) -> list[list[int]]:
     """Indices of ``items`` (each a (kind, bytes) pair) per bucket, by torch's rule
     (``torch.distributed._compute_bucket_assignment_by_size``): walking the items in order, each kind keeps
     one open bucket, which closes once it holds ``bucket_bytes`` or more; the item that reaches the limit stays
     in it, so a bucket exceeds the limit by less than its last item. The first bucket of each kind closes at
-    ``first_bucket_bytes`` instead (default: ``bucket_bytes``). Buckets are ordered by their first item."""
-    first_bucket_bytes = bucket_bytes if first_bucket_bytes is None else first_bucket_bytes
-    if bucket_bytes < 1 or first_bucket_bytes < 1:
-        raise ValueError(
-            f"bucket sizes must be positive, got {bucket_bytes} and {first_bucket_bytes} (first) bytes"
-        )
+    ``first_bucket_bytes`` instead (default: ``bucket_bytes``). A sequence of limits gives each kind's n-th
+    bucket the n-th limit, the last one for every bucket after (torch's list of limits). Buckets are ordered by
+    their first item."""
+    if isinstance(bucket_bytes, int):
+        caps = [bucket_bytes] if first_bucket_bytes is None else [first_bucket_bytes, bucket_bytes]
+    else:
+        if first_bucket_bytes is not None:
+            raise ValueError("bucket sizes: give a list of limits or a first bucket's size, not both")
+        caps = list(bucket_bytes)
+    if not caps or min(caps) < 1:
+        raise ValueError(f"bucket sizes must be positive, got {caps} bytes")
     done: list[list[int]] = []
     open_: dict[Hashable, list[int]] = {}
     sizes: dict[Hashable, int] = {}
-    limits: dict[Hashable, int] = {}
+    closed: dict[Hashable, int] = {}  # per kind: buckets closed so far
     for j, (key, nbytes) in enumerate(items):
         open_.setdefault(key, []).append(j)
         sizes[key] = sizes.get(key, 0) + nbytes
-        if sizes[key] >= limits.setdefault(key, first_bucket_bytes):
+        n = closed.get(key, 0)
+        if sizes[key] >= caps[min(n, len(caps) - 1)]:
             done.append(open_.pop(key))
             sizes[key] = 0
-            limits[key] = bucket_bytes
+            closed[key] = n + 1
     done.extend(open_.values())
     done.sort(key=lambda b: b[0])
     return done

@@ -93,7 +93,7 @@ class JoinState:
         """Every rank has joined: take the parameters and buffers of the rank that trained longest."""
         steps = np.asarray(ddp.group.all_gather(np.array([self.num_steps], np.int64))).reshape(-1)
         src = int(np.argmax(steps))
-        ddp._sync_state(ddp._path.params(), src=src)
+        ddp._sync_state(ddp._path.params(), src=src, buffers=ddp.broadcast_buffers)
         for t in ddp.module.parameters():
             t.grad = None
 

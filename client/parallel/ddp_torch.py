@@ -214,3 +214,55 @@ def comm_hook_dtype(hook: Any) -> str:
         f"pp.DDP.register_comm_hook takes torch's fp16_compress_hook and bf16_compress_hook (as "
         f"comm_dtype='float16' / 'bfloat16'), not {module}.{name}: other hooks run on a torch process group"
     )
+
+
+def torch_ddp_keywords(
+    *,
+    broadcast_buffers: bool | None,
+    forward_sync_buffers: bool | None,
+    static_graph: bool,
+    dim: int,
+    check_reduction: bool,
+    skip_all_reduce_unused_params: bool,
+    batched_grad_copy: bool,
+    unsupported: dict[str, Any],
+) -> tuple[bool, bool]:
+    """torch DDP's keywords beyond the group and the buckets: ValueErrors for wrong types and for what pp.DDP
+    cannot honour (``unsupported``, named), else (buffers broadcast at wrap time, buffers broadcast before
+    forwards) by torch 2.13's rule: ``forward_sync_buffers`` decides the forwards and leaves the wrap-time
+    broadcast on; ``broadcast_buffers`` (its older name, True when neither is given) decides both.
+
+    The rest change nothing here: ``static_graph`` (usage is found every step), ``dim`` (torch scatters inputs
+    over a module's several devices by it; a rank has one), ``check_reduction`` (deprecated by torch, which
+    ignores it), ``batched_grad_copy`` (how torch's CUDA reducer copies into buckets), and
+    ``skip_all_reduce_unused_params`` (torch then leaves a parameter unused on every rank without a reduced
+    gradient, and requires the same unused set on every rank: pp.DDP keeps such a parameter's ``grad`` None
+    anyway, and averages one unused on some ranks only with zeros, where torch's may hang)."""
+    flags: dict[str, bool | None] = {
+        "static_graph": static_graph,
+        "check_reduction": check_reduction,
+        "skip_all_reduce_unused_params": skip_all_reduce_unused_params,
+        "batched_grad_copy": batched_grad_copy,
+        "broadcast_buffers": broadcast_buffers,
+        "forward_sync_buffers": forward_sync_buffers,
+    }
+    for name, value in flags.items():
+        if not isinstance(value, bool) and not (value is None and name.endswith("_buffers")):
+            raise ValueError(f"{name} must be a bool, got {value!r}")
+    if type(dim) is not int:
+        raise ValueError(f"dim must be an int, got {dim!r}")
+    if unsupported.get("mixed_precision") is not None:
+        raise ValueError(
+            "DDP: mixed_precision (torch DDP's private _MixedPrecision) is not supported: compute in lower "
+            "precision under torch.autocast, and pass comm_dtype='bfloat16' for compressed gradients"
+        )
+    named = sorted(k for k, v in unsupported.items() if v is not None)
+    if named:
+        raise ValueError(
+            f"DDP: {', '.join(named)} not supported (pp.DDP reduces every trainable parameter in buckets as its "
+            "gradients come; a parameter's reduction cannot be delayed to another's hook)"
+        )
+    if forward_sync_buffers is not None:
+        return True, forward_sync_buffers
+    both = True if broadcast_buffers is None else broadcast_buffers
+    return both, both

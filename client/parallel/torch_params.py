@@ -83,13 +83,20 @@ def module_attribute(wrapper: Any, name: str) -> Any:
     return call
 
 
-def wrapper_group(wrapper: str, group: Any, process_group: Any) -> ProcessGroup:
+def wrapper_group(
+    wrapper: str, group: Any, process_group: Any, device_mesh: Any = None, *, hybrid: bool = False
+) -> ProcessGroup:
     """The group a wrapper runs over: ``group`` or torch's keyword ``process_group`` (one of them, or both the same
-    object), a ``ProcessGroup`` or a torch group of paramplane's torch.distributed backend; with neither, torch's
-    default group when ``pp.init_torch_distributed`` made it. Else a ValueError naming the mistake."""
+    object), a ``ProcessGroup`` or a torch group of paramplane's torch.distributed backend, or the group of torch's
+    ``device_mesh`` (``_mesh_group``; ``hybrid``: a 2-D one too); with none, torch's default group when
+    ``pp.init_torch_distributed`` made it. Else a ValueError naming the mistake."""
     if group is not None and process_group is not None and group is not process_group:
         raise ValueError(f"{wrapper}: group and process_group name different groups; pass one of them")
     chosen = group if group is not None else process_group
+    if device_mesh is not None:
+        if chosen is not None:
+            raise ValueError(f"{wrapper}: pass a group (or process_group) or a device_mesh, not both")
+        chosen = _mesh_group(wrapper, device_mesh, hybrid)
     if chosen is None:
         chosen = _torch_default_group()
     if chosen is None:
@@ -113,6 +120,26 @@ def wrapper_group(wrapper: str, group: Any, process_group: Any) -> ProcessGroup:
             )
         raise ValueError(f"{wrapper} needs a ProcessGroup, got {type(chosen).__name__}")
     return chosen
+
+
+def _mesh_group(wrapper: str, device_mesh: Any, hybrid: bool) -> Any:
+    """The group of torch's ``device_mesh=``: a 1-D mesh's group; with ``hybrid`` (FSDP1's HYBRID_SHARD) a 2-D
+    mesh (replicate, shard) over the default group's ranks in order is that group (the shard groups are then
+    its consecutive blocks of ``device_mesh.size(1)`` ranks: ``intra_size``)."""
+    ndim = getattr(device_mesh, "ndim", None)
+    if ndim == 1:
+        return device_mesh.get_group(mesh_dim=0)
+    if ndim == 2 and hybrid:
+        default = _torch_default_group()
+        ranks = device_mesh.mesh.flatten().tolist()
+        if default is None or ranks != list(range(default.size)):
+            raise ValueError(
+                f"{wrapper}: a 2-D device_mesh must span the default group of pp.init_torch_distributed, its "
+                f"ranks in order (init_device_mesh(device, (replicas, shard_size))), got ranks {ranks}"
+            )
+        return default
+    allowed = "1-D, or 2-D (replicate, shard) with a hybrid strategy" if hybrid else "1-D, as torch's"
+    raise ValueError(f"{wrapper}: device_mesh must be {allowed}, got {device_mesh!r}")
 
 
 def _torch_default_group() -> ProcessGroup | None:

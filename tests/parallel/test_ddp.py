@@ -167,8 +167,8 @@ def test_buckets_reverse_order_by_dtype_and_size() -> None:
         assign_buckets(params, MIB, first_bucket_bytes=0)
 
 
-@pytest.mark.parametrize("limits", [(25 * MIB, MIB), (MIB, MIB), (3000, 800), (1, 1)])
-def test_buckets_are_torch_ddps(limits: tuple[int, int]) -> None:
+@pytest.mark.parametrize("limits", [(25 * MIB, MIB), (MIB, MIB), (3000, 800), (1, 1), (2000, 800, 5000)])
+def test_buckets_are_torch_ddps(limits: tuple[int, ...]) -> None:
     """The assignment is torch DDP's (``_compute_bucket_assignment_by_size`` on the parameters in backward
     order, as DDP's reducer rebuilds its buckets after the first step), mixed dtypes included."""
     torch = pytest.importorskip("torch")
@@ -180,15 +180,23 @@ def test_buckets_are_torch_ddps(limits: tuple[int, int]) -> None:
         np.zeros(int(rng.integers(1, 400_000)) // rng.choice([1, 1000]) + 1, rng.choice(dtypes))
         for _ in range(40)
     ]
-    bucket_bytes, first = limits
-    torch_limits = [first, bucket_bytes] if first < bucket_bytes else [bucket_bytes]
+    if len(limits) == 2:
+        bucket_bytes, first = limits
+        torch_limits = [first, bucket_bytes] if first < bucket_bytes else [bucket_bytes]
+    else:  # a limit per bucket (torch's bucket_cap_mb_list), the last one for the rest
+        torch_limits = list(limits)
     in_backward_order = [torch.from_numpy(a) for a in reversed(arrays)]
     theirs, _ = dist._compute_bucket_assignment_by_size(
         in_backward_order, torch_limits, [False] * len(arrays)
     )
     last = len(arrays) - 1
     expected = [[last - j for j in bucket] for bucket in theirs]
-    got = assign_buckets([Parameter(a) for a in arrays], bucket_bytes, first)
+    arrays_as_params = [Parameter(a) for a in arrays]
+    got = (
+        assign_buckets(arrays_as_params, bucket_bytes, first)
+        if len(limits) == 2
+        else assign_buckets(arrays_as_params, torch_limits)
+    )
     assert got == expected
     assert len(got) > 3  # several buckets of each dtype: the comparison is not trivial
 

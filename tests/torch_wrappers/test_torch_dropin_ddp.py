@@ -18,6 +18,7 @@ import paramplane as pp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workers"))
 import _torch_models as tm
+import ddp_keywords as dk
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -82,11 +83,13 @@ def test_forward_decides_whether_its_backward_syncs_and_misuse_is_a_clear_error(
 
 def test_torch_ddp_keywords_are_accepted_and_checked(solo: pp.World) -> None:
     """``DDP(model, device_ids=[...], output_device=..., bucket_cap_mb=..., static_graph=...)`` as torch scripts
-    write it: the devices must be the module's own (a CPU module takes None or "cpu"), ``bucket_cap_mb`` is the
-    bucket size, one device per rank; anything else is a ValueError naming the problem."""
+    write it, and torch 2.13's newer keywords: the devices must be the module's own (a CPU module takes None or
+    "cpu"), ``bucket_cap_mb`` is the bucket size, one device per rank; what pp.DDP cannot honour and anything
+    else wrong is a ValueError naming the problem."""
     ddp = pp.DDP(_TwoInputs(), solo.group, device_ids=["cpu"], output_device="cpu", bucket_cap_mb=2.0,
-                 static_graph=True)  # fmt: skip
-    assert ddp.bucket_mb == 2.0
+                 static_graph=True, dim=0, check_reduction=True, skip_all_reduce_unused_params=True,
+                 batched_grad_copy=True, forward_sync_buffers=False)  # fmt: skip
+    assert ddp.bucket_mb == 2.0 and not ddp.broadcast_buffers
     ddp.remove_hooks()
     for kwargs, words in (
         ({"device_ids": [0]}, "not the module's device"),  # a CUDA index for a CPU module
@@ -94,9 +97,39 @@ def test_torch_ddp_keywords_are_accepted_and_checked(solo: pp.World) -> None:
         ({"device_ids": ["cpu", "cpu"]}, "one device per rank"),
         ({"bucket_mb": 1.0, "bucket_cap_mb": 2.0}, "disagree"),
         ({"static_graph": "yes"}, "static_graph"),
+        ({"forward_sync_buffers": 1}, "forward_sync_buffers must be a bool"),
+        ({"dim": 1.0}, "dim must be an int"),
+        ({"bucket_cap_mb_list": []}, "bucket_cap_mb_list"),
+        ({"bucket_cap_mb_list": [1.0, 0]}, "bucket_cap_mb_list"),
+        ({"mixed_precision": object()}, "torch.autocast"),
+        (
+            {"delay_all_reduce_named_params": [("a.weight", None)]},
+            "delay_all_reduce_named_params not supported",
+        ),
+        ({"device_mesh": object()}, "pass a group .or process_group. or a device_mesh, not both"),
     ):
         with pytest.raises(ValueError, match=words):
             pp.DDP(_TwoInputs(), solo.group, **kwargs)
+
+
+def test_bucket_cap_mb_list_gives_torchs_buckets(solo: pp.World) -> None:
+    """``bucket_cap_mb_list`` (torch 2.13): each bucket its own limit, the last for every bucket after, as
+    torch's ``_compute_bucket_assignment_by_size`` assigns the parameters in backward order."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(12)])
+    caps_mb = [0.01, 0.05, 0.02]
+    ddp = pp.DDP(model, solo.group, bucket_cap_mb_list=caps_mb)
+    params = list(model.parameters())
+    theirs, _ = dist._compute_bucket_assignment_by_size(
+        list(reversed(params)), [int(c * 2**20) for c in caps_mb], [False] * len(params)
+    )
+    last = len(params) - 1
+    assert [b.params for b in ddp._buckets] == [[last - j for j in bucket] for bucket in theirs]
+    assert len(theirs) > len(caps_mb)  # the last limit served more than one bucket
+    assert ddp.bucket_mb == max(caps_mb)
+    ddp.remove_hooks()
 
 
 @pytest.mark.parametrize("wrapper", ["DDP", "FSDP"])
@@ -234,3 +267,14 @@ def test_unfrozen_lazy_and_sparse_parameters_are_refused_and_torch_compression_h
     ``DDP(ddp.module)`` takes over the older wrapper's hooks; wrappers over a pp.FSDP's module are ValueErrors."""
     out = run_world(2, "wrap_checks.py", env={"PARAMPLANE_TIMEOUT": "30"}, timeout=120)
     out.check_ok(min_checks=24)
+
+
+@pytest.mark.parametrize("mode", ["buffers", "mesh"])
+def test_torch_2_13_buffer_keywords_and_device_meshes_behave_as_torchs(mode: str) -> None:
+    """``buffers``: ``broadcast_buffers`` / ``forward_sync_buffers`` broadcast BatchNorm statistics when torch
+    2.13's DDP does (ranks starting apart), the keywords that change nothing here change nothing: parameters and
+    buffers equal torch's DDP over gloo. ``mesh``: ``device_mesh=`` (over paramplane's torch.distributed
+    backend) for pp.DDP (1-D, equal to torch's DDP on it) and pp.FSDP (1-D, and 2-D for HYBRID_SHARD), equal to
+    one process; wrong meshes are ValueErrors."""
+    out = run_world(2, "ddp_keywords.py", args=[mode], env={"PARAMPLANE_TIMEOUT": "30"}, timeout=150)
+    out.check_ok(min_checks=len(dk.CONFIGS) + 1 if mode == "buffers" else 12)

@@ -34,7 +34,7 @@ def translate(
     if named:
         raise ValueError(
             f"FSDP: {', '.join(named)} not supported (torch FSDP1 arguments pp.FSDP does not have: wrap a "
-            "module without what should be ignored, initialise it before wrapping, pass a ProcessGroup)"
+            "module without what should be ignored, initialise it before wrapping)"
         )
     if (auto_wrap_policy is not None or device_id is not None) and not torch_module:
         raise ValueError("auto_wrap_policy and device_id apply to torch modules")

@@ -81,8 +81,9 @@ class FSDP:
     ``group`` (one group: HYBRID_SHARD's (intra, inter) pair is ``intra_size`` here), ``sharding_strategy``
     (torch's ``ShardingStrategy``) for ``strategy``, ``auto_wrap_policy`` (torch's policies) for ``units``,
     ``backward_prefetch`` as torch's ``BackwardPrefetch``, ``cpu_offload`` as torch's ``CPUOffload``,
-    ``device_id`` (the module moves there first) and ``limit_all_gathers``; ``ignored_modules``,
-    ``ignored_states``, ``param_init_fn`` and ``device_mesh`` are refused.
+    ``device_id`` (the module moves there first), ``limit_all_gathers`` and ``device_mesh`` (a torch DeviceMesh
+    over paramplane's torch.distributed backend: 1-D, or 2-D (replicate, shard) for HYBRID_SHARD, whose shard
+    size is then ``intra_size``); ``ignored_modules``, ``ignored_states`` and ``param_init_fn`` are refused.
     """
 
     def __new__(cls, module: Any, *args: Any, **kwargs: Any) -> FSDP:
@@ -120,7 +121,7 @@ class FSDP:
             raise ValueError(
                 f"FSDP wraps a paramplane.nn.Module or a torch.nn.Module, got {type(module).__name__}"
             )
-        group = wrapper_group("FSDP", group, process_group)
+        group = wrapper_group("FSDP", group, process_group, device_mesh, hybrid=True)
         # FSDP1's cap on gathers in flight: prefetching here holds one unit ahead at most
         del limit_all_gathers
         strategy, units, backward_prefetch = fsdp1_args.translate(
@@ -136,9 +137,14 @@ class FSDP:
                 "ignored_modules": ignored_modules,
                 "ignored_states": ignored_states,
                 "param_init_fn": param_init_fn,
-                "device_mesh": device_mesh,
             },
         )
+        if getattr(device_mesh, "ndim", 1) == 2:  # FSDP1's HYBRID_SHARD mesh: (replicate, shard)
+            if not strategy.startswith("hybrid"):
+                raise ValueError(f"FSDP: a 2-D device_mesh is for a hybrid strategy, not {strategy!r}")
+            if intra_size not in (None, device_mesh.size(1)):
+                raise ValueError(f"FSDP: intra_size={intra_size} disagrees with the device_mesh's shard size")
+            intra_size = int(device_mesh.size(1))
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
         if comm_dtype not in COMM_DTYPES:
