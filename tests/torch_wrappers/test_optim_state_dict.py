@@ -25,3 +25,13 @@ def test_the_full_optimizer_state_equals_one_process_and_resumes_in_another_layo
     torch.save, into a fresh wrapper of another strategy, where one more step equals one process."""
     out = run_world(2, "optim_full.py", env={"PARAMPLANE_TIMEOUT": "30"}, timeout=150)
     out.check_ok(min_checks=32)
+
+
+def test_fsdp1s_older_optimizer_state_api_and_state_dict_settings_behave_as_torchs() -> None:
+    """GPT-2, world 2: ``FSDP.full_optim_state_dict`` (rank 0 only by default) equals torch FSDP1's and one
+    process's; ``rekey_optim_state_dict`` equals torch's both ways; ``shard_full_optim_state_dict`` and
+    ``scatter_full_optim_state_dict`` (rank 0 alone holding the dict) load into fresh wrappers of other
+    strategies where one more step equals one process; ``set_state_dict_type`` / ``get_state_dict_type`` /
+    ``fsdp_modules`` answer as torch's, a sharded type is refused."""
+    out = run_world(2, "optim_full.py", args=["older"], env={"PARAMPLANE_TIMEOUT": "30"}, timeout=150)
+    out.check_ok(min_checks=16)

@@ -198,5 +198,96 @@ def scenario(world: Any, rep: Report) -> None:
     )
 
 
+def older_api(world: Any, rep: Report) -> None:
+    """torch FSDP1's older optimizer-state API and its state-dict settings, as scripts from before
+    ``optim_state_dict`` call them: ``full_optim_state_dict`` (rank 0 only by default) equals torch FSDP1's
+    (gloo) and one process's; ``rekey_optim_state_dict`` to ids and back equals torch's; the name-keyed dict
+    loads through ``shard_full_optim_state_dict`` (without the optimizer: torch's one-group assumption) and
+    ``scatter_full_optim_state_dict`` (only rank 0 holds it) into fresh wrappers of other strategies, where one
+    more step equals one process."""
+    import torch
+    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, OptimStateKeyType
+    from torch.distributed.fsdp import StateDictType as SDT
+
+    g, n, rank = world.group, world.world_size, world.rank
+    ref = tm.build("gpt2")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    _train(ref, ref_opt, range(STEPS), None, n)
+    fsdp = pp.FSDP(tm.build("gpt2"), g, "full_shard")
+    opt = torch.optim.AdamW(fsdp.parameters(), lr=LR)
+    _train(fsdp, opt, range(STEPS), rank, n)
+    tm.init_gloo(world)
+    theirs_model = FullyShardedDataParallel(tm.build("gpt2"), device_id=torch.device("cpu"))
+    theirs_opt = torch.optim.AdamW(theirs_model.parameters(), lr=LR)
+    _train(theirs_model, theirs_opt, range(STEPS), rank, n)
+    theirs = FullyShardedDataParallel.full_optim_state_dict(theirs_model, theirs_opt)
+    ours = pp.FSDP.full_optim_state_dict(fsdp, opt)
+    if rank == 0:
+        _check_same_as_torch(rep, "full_optim_state_dict", ours, theirs)
+        _check_against(rep, "full_optim_state_dict", ours, ref, ref_opt)
+    else:
+        rep.check(
+            "rank0_only: the other ranks get {}, as torch's", ours == {} and theirs == {}, str(list(ours))
+        )
+    full = pp.FSDP.full_optim_state_dict(fsdp, opt, rank0_only=False)
+    _check_against(rep, "full_optim_state_dict(rank0_only=False)", full, ref, ref_opt)
+
+    plain = tm.build("gpt2")
+    by_id = pp.FSDP.rekey_optim_state_dict(full, OptimStateKeyType.PARAM_ID, plain)
+    want = FullyShardedDataParallel.rekey_optim_state_dict(full, OptimStateKeyType.PARAM_ID, plain)
+    rep.check(
+        "rekey to ids = torch's",
+        list(by_id["state"]) == list(want["state"]) and by_id["param_groups"] == want["param_groups"],
+        f"{list(by_id['state'])[:4]} vs {list(want['state'])[:4]}",
+    )
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR)
+    plain_opt.load_state_dict(by_id)
+    by_name = pp.FSDP.rekey_optim_state_dict(plain_opt.state_dict(), OptimStateKeyType.PARAM_NAME, plain)
+    rep.check("rekey back to names = what was saved", list(by_name["state"]) == list(full["state"]), "")
+    rep.check("... and their param groups", by_name["param_groups"] == full["param_groups"], "")
+
+    _train(ref, ref_opt, range(STEPS, STEPS + 1), None, n)
+    expected = ref.state_dict()
+    for how, strategy in (("shard_full_optim_state_dict", "shard_grad_op"), ("scatter", "no_shard")):
+        fresh = pp.FSDP(tm.build("gpt2", seed=1), g, strategy)
+        fresh.load_state_dict(fsdp.state_dict())
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+        if how == "scatter":
+            mine = pp.FSDP.scatter_full_optim_state_dict(
+                by_name if rank == 0 else None, fresh, optim=fresh_opt
+            )
+        else:
+            mine = pp.FSDP.shard_full_optim_state_dict(by_name, fresh)
+        fresh_opt.load_state_dict(mine)
+        rep.check(f"{how}: the saved learning rate is back", fresh_opt.param_groups[0]["lr"] == LR, "")
+        _train(fresh, fresh_opt, range(STEPS, STEPS + 1), rank, n)
+        got = fresh.state_dict()
+        bad = [k for k in expected if not _close(got[k].numpy(), expected[k].detach().numpy())]
+        rep.check(f"{how}: one more step after loading = one process", not bad, f"differ: {bad[:4]}")
+    rep.raises(
+        "scatter with nothing on rank 0 fails on every rank",
+        ValueError,
+        lambda: pp.FSDP.scatter_full_optim_state_dict(None, fsdp),
+        "rank 0 passes what full_optim_state_dict gave",
+    )
+
+    config = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+    before = pp.FSDP.set_state_dict_type(fsdp, SDT.FULL_STATE_DICT, config)
+    rep.check(
+        "set_state_dict_type returns the settings before", before.state_dict_type == SDT.FULL_STATE_DICT, ""
+    )
+    rep.check(
+        "get_state_dict_type gives the config set",
+        pp.FSDP.get_state_dict_type(fsdp).state_dict_config is config,
+    )
+    rep.raises(
+        "set_state_dict_type(SHARDED_STATE_DICT)",
+        ValueError,
+        lambda: pp.FSDP.set_state_dict_type(fsdp, SDT.SHARDED_STATE_DICT),
+        "sharded_state_dict()",
+    )
+    rep.check("fsdp_modules", pp.FSDP.fsdp_modules(fsdp) == [fsdp] and pp.FSDP.fsdp_modules(plain) == [], "")
+
+
 if __name__ == "__main__":
-    run_rank(scenario)
+    run_rank({"current": scenario, "older": older_api}[sys.argv[1] if len(sys.argv) > 1 else "current"])

@@ -44,7 +44,7 @@ from paramplane.nn.module import Array, LoadResult, Module, RemovableHandle
 from paramplane.node.arrays import DTYPES, array_module
 from paramplane.optim.optimizer import Optimizer
 from paramplane.parallel.ddp_buckets import COMM_DTYPES, broadcast_arrays
-from paramplane.parallel.fsdp import fsdp1_args, optim_full
+from paramplane.parallel.fsdp import fsdp1_args, fsdp1_static, optim_full
 from paramplane.parallel.fsdp import state as fsdp_state
 from paramplane.parallel.fsdp.config import (
     STRATEGIES,
@@ -188,6 +188,7 @@ class FSDP:
         self.output_dtype = np.dtype(mp.output_dtype) if mp.output_dtype is not None else None
         self.comm_dtype = np.dtype(DTYPES[comm_dtype]) if comm_dtype is not None else None
         self.units: list[FlatUnit] = []
+        self._state_dict_settings: Any = None  # set_state_dict_type's (FULL_STATE_DICT's configs)
         self.memory = MemoryTracker(self._lasting_bytes)
         self._named = named
         check_same_model(group, named)
@@ -479,6 +480,15 @@ class FSDP:
             )
         del state_dict_config, optim_state_dict_config
         yield
+
+    # torch FSDP1's other static methods (fsdp1_static.py)
+    set_state_dict_type = staticmethod(fsdp1_static.set_state_dict_type)
+    get_state_dict_type = staticmethod(fsdp1_static.get_state_dict_type)
+    full_optim_state_dict = staticmethod(fsdp1_static.full_optim_state_dict)
+    shard_full_optim_state_dict = staticmethod(fsdp1_static.shard_full_optim_state_dict)
+    scatter_full_optim_state_dict = staticmethod(fsdp1_static.scatter_full_optim_state_dict)
+    rekey_optim_state_dict = staticmethod(fsdp1_static.rekey_optim_state_dict)
+    fsdp_modules = staticmethod(fsdp1_static.fsdp_modules)
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> LoadResult:
         """Load a full state dict (``module.state_dict()``'s keys): every rank keeps its shard (no
