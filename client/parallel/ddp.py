@@ -533,15 +533,26 @@ class DDP:
             if self._tracer is not None:
                 self._tracer.mark("backward", start, time.monotonic())
 
-    def parameters(self) -> Iterator[Any]:
+    def parameters(self, recurse: bool = True) -> Iterator[Any]:
         """The module's parameters (torch tensors for a torch module, to hand to a torch optimizer); an
         iterator, as torch's (``next(model.parameters())`` works; take a ``list`` to use them twice)."""
-        return iter(self.module.parameters())
+        return (p for _, p in self.named_parameters(recurse=recurse))
 
-    def named_parameters(self) -> Iterator[tuple[str, Any]]:
-        return iter(self.module.named_parameters())
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, Any]]:
+        """The module's ``named_parameters`` (torch's arguments for a torch module)."""
+        if isinstance(self._path, TorchPath):
+            return iter(cast(Any, self.module).named_parameters(prefix, recurse, remove_duplicate))
+        return ((prefix + ("." if prefix else "") + n, p) for n, p in self.module.named_parameters())
 
-    def state_dict(self) -> dict[str, Array]:
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Array]:
+        """The module's ``state_dict`` (torch's arguments, ``keep_vars=True`` included, for a torch module):
+        its keys, without torch DDP's ``module.`` prefix."""
+        if args or kwargs:
+            if not isinstance(self._path, TorchPath):
+                raise ValueError("DDP.state_dict: arguments are a torch module's (prefix=, keep_vars=)")
+            return cast(dict[str, Array], cast(Any, self.module).state_dict(*args, **kwargs))
         return self.module.state_dict()
 
     def load_state_dict(self, state: dict[str, Array], strict: bool = True) -> LoadResult:

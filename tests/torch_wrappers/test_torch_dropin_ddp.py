@@ -112,6 +112,25 @@ def test_torch_ddp_keywords_are_accepted_and_checked(solo: pp.World) -> None:
             pp.DDP(_TwoInputs(), solo.group, **kwargs)
 
 
+def test_parameter_and_state_dict_calls_take_torchs_arguments(solo: pp.World) -> None:
+    """``named_parameters(prefix, recurse, remove_duplicate)``, ``parameters(recurse=)`` and
+    ``state_dict(keep_vars=True)`` as torch code calls them on a module (they were TypeErrors)."""
+    model = _TwoInputs()
+    ddp = pp.DDP(model, solo.group)
+    assert [n for n, _ in ddp.named_parameters("m", recurse=True)] == [
+        f"m.{n}" for n, _ in model.named_parameters()
+    ]
+    assert [id(p) for p in ddp.parameters(recurse=True)] == [id(p) for p in model.parameters()]
+    kept = ddp.state_dict(keep_vars=True)
+    assert list(kept) == list(model.state_dict()) and all(
+        v is p for v, p in zip(kept.values(), model.parameters())
+    )
+    ddp.remove_hooks()
+    fsdp = pp.FSDP(_TwoInputs(), solo.group)
+    assert [n for n, _ in fsdp.named_parameters(prefix="f")] == [f"f.{n}" for n, _ in fsdp.named_parameters()]
+    assert len(list(fsdp.parameters(recurse=False))) == len(list(fsdp.parameters()))
+
+
 def test_bucket_cap_mb_list_gives_torchs_buckets(solo: pp.World) -> None:
     """``bucket_cap_mb_list`` (torch 2.13): each bucket its own limit, the last for every bucket after, as
     torch's ``_compute_bucket_assignment_by_size`` assigns the parameters in backward order."""

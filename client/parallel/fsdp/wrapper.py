@@ -398,14 +398,20 @@ class FSDP:
         return self._path.norm(norm)
 
     # -- inspection --------------------------------------------------------------------------------
-    def parameters(self) -> Iterator[Any]:
+    def parameters(self, recurse: bool = True) -> Iterator[Any]:
         """This rank's flat shards (what an optimizer should step; torch Parameters for a torch module, one
         piece per original parameter with ``use_orig_params``); an iterator, as torch's (take a ``list`` to
-        use them twice)."""
-        return (p for _, p in self.named_parameters())
+        use them twice). ``recurse`` is torch's argument: every unit's shards are the wrapper's."""
+        return (p for _, p in self.named_parameters(recurse=recurse))
 
-    def named_parameters(self) -> Iterator[tuple[str, Any]]:
-        return iter(self._path.named_parameters(self.units))
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, Any]]:
+        """(name, shard) for ``parameters()``; torch's arguments: ``prefix`` goes before each name, and
+        ``recurse`` and ``remove_duplicate`` change nothing (every unit's shards, none twice)."""
+        del recurse, remove_duplicate
+        dot = prefix + "." if prefix else ""
+        return ((dot + n, p) for n, p in self._path.named_parameters(self.units))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for unit in self.units:
