@@ -11,6 +11,7 @@ as a zero-copy view, so that loading fills the caller's tensor in place. Arrays 
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -40,12 +41,23 @@ def _leaf(value: Any) -> Any:
     return from_foreign(value)[0]
 
 
+def _is_torch_optimizer(obj: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.optim.Optimizer)
+
+
 def _entries(state: Mapping[str, Any]) -> dict[str, Any]:
     """Every leaf of ``state`` under ``top/key``: ShardedArray, whole array, or plain value."""
     out: dict[str, Any] = {}
     for top, obj in state.items():
         if "/" in top:
             raise ValueError(f"checkpoint keys may not contain '/': {top!r}")
+        if _is_torch_optimizer(obj):
+            raise CheckpointError(
+                f"{top!r} is a torch.optim optimizer, whose state_dict() is keyed by position: pass the "
+                "wrapper's optim_state(opt) (pp.DDP, pp.FSDP, pp.Pipeline; pp.tp_optim_state(model, opt) for a "
+                "module), which keys it by parameter name"
+            )
         if hasattr(obj, "sharded_state_dict") and hasattr(obj, "load_sharded_state_dict"):
             leaves = obj.sharded_state_dict()
         elif (

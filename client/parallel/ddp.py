@@ -568,6 +568,20 @@ class DDP:
             )
         return self.module.load_state_dict(state, strict)
 
+    def optim_state(self, optimizer: Any, *, state_arrays: tuple[str, ...] | None = None) -> Any:
+        """A torch module's ``optimizer`` (a ``torch.optim`` one over ``parameters()``) as checkpoint state keyed
+        by parameter name (``pp.tp_optim_state`` of the module): ``pp.checkpoint.save({"model": ddp, "optim":
+        ddp.optim_state(opt)}, ...)`` and ``load`` / ``sync``. Its keys are ``fsdp.optim_state(opt)``'s, so
+        the checkpoint loads under pp.FSDP at any world size too. ``state_arrays`` names the optimizer's
+        per-parameter state tensors where paramplane does not know them (to load into a fresh optimizer)."""
+        from paramplane.parallel.tp_torch.optim import tp_optim_state
+
+        if not isinstance(self._path, TorchPath):
+            raise ValueError(
+                "optim_state is for torch modules: a paramplane.optim optimizer is checkpointable itself"
+            )
+        return tp_optim_state(self.module, optimizer, state_arrays=state_arrays)
+
     def sharded_state_dict(self) -> dict[str, Any]:
         """What checkpoints save: the module's ``sharded_state_dict`` (a torch module's ``state_dict``)."""
         own = getattr(self.module, "sharded_state_dict", None)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -16,10 +17,12 @@ from tests._world import WORKERS, run_world
 STEPS = 6
 
 
-def _train(fail_at: int, *, replace: bool, transport: str) -> list[dict[str, object]]:
+def _train(
+    fail_at: int, *, replace: bool, transport: str, worker: str = "reform.py"
+) -> list[dict[str, object]]:
     outcome = run_world(
         3,
-        "reform.py",
+        worker,
         env={"FAIL_AT": str(fail_at), "STEPS": str(STEPS), "PARAMPLANE_TRANSPORT": transport},
         replace={1: {}} if replace else None,
         timeout=120,
@@ -32,12 +35,26 @@ def _train(fail_at: int, *, replace: bool, transport: str) -> list[dict[str, obj
 
 
 @pytest.mark.timeout(180)  # its own bounds (120 s), not the global 120 s
-@pytest.mark.parametrize("transport", ["auto", "grpc"])  # shm on one host; the inter-host path
+@pytest.mark.parametrize(
+    ("transport", "worker"),
+    [
+        ("auto", "reform.py"),  # shm on one host
+        ("grpc", "reform.py"),  # the inter-host path
+        # a torch loop: GPT-2 under pp.DDP, torch's AdamW through ddp.optim_state(opt)
+        pytest.param(
+            "auto",
+            "reform_torch.py",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("transformers") is None, reason="needs the test extra"
+            ),
+        ),
+    ],
+)
 def test_a_replacement_rank_receives_state_live_and_training_ends_like_an_unbroken_run(
-    transport: str,
+    transport: str, worker: str
 ) -> None:
-    clean = _train(-1, replace=False, transport=transport)
-    broken = _train(3, replace=True, transport=transport)
+    clean = _train(-1, replace=False, transport=transport, worker=worker)
+    broken = _train(3, replace=True, transport=transport, worker=worker)
     for r in (0, 2):
         assert broken[r]["values"]["errors"], f"survivor {r} never saw the loss"  # type: ignore[index]
         assert broken[r]["values"]["resumed_at"] == 3  # type: ignore[index]

@@ -297,3 +297,11 @@ def test_torch_2_13_buffer_keywords_and_device_meshes_behave_as_torchs(mode: str
     one process; wrong meshes are ValueErrors."""
     out = run_world(2, "ddp_keywords.py", args=[mode], env={"PARAMPLANE_TIMEOUT": "30"}, timeout=150)
     out.check_ok(min_checks=len(dk.CONFIGS) + 1 if mode == "buffers" else 12)
+
+
+def test_a_torch_optimizer_under_ddp_checkpoints_by_name_and_loads_under_ddp_and_fsdp() -> None:
+    """``ddp.optim_state(opt)`` in a checkpoint (GPT-2, torch's AdamW, world 2) loads into fresh pp.DDP and
+    pp.FSDP wrappers with fresh optimizers, where one more step equals one process; a bare torch optimizer is a
+    CheckpointError naming ``optim_state`` (it was a JSON error about a tensor)."""
+    out = run_world(2, "ddp_optim_checkpoint.py", env={"PARAMPLANE_TIMEOUT": "30"}, timeout=150)
+    out.check_ok(min_checks=8)
