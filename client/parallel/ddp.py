@@ -189,9 +189,8 @@ class DDP:
                     f"bucket_cap_mb_list must be positive sizes in MiB, got {bucket_cap_mb_list!r}"
                 )
             caps = [max(1, int(c * MIB)) for c in bucket_cap_mb_list]
-            bucket_mb = max(
-                bucket_cap_mb_list
-            )  # the wrap-time broadcast's buckets (torch's bucket_bytes_cap)
+            # the wrap-time broadcast's buckets: the largest limit (torch's bucket_bytes_cap)
+            bucket_mb = max(bucket_cap_mb_list)
         if reduce_op not in _REDUCE_OPS:
             raise ValueError(f"reduce_op must be 'mean' or 'sum', got {reduce_op!r}")
         if comm_dtype not in COMM_DTYPES:

@@ -118,6 +118,11 @@ def wrapper_group(
                 f"{wrapper} runs over paramplane groups, got a torch.distributed group of another backend: pass "
                 "world.group, or a group of the backend pp.init_torch_distributed(world) sets up"
             )
+        if group is chosen and (isinstance(chosen, (int, str, list)) or type(chosen).__name__ == "device"):
+            raise ValueError(
+                f"{wrapper} needs a ProcessGroup, got {chosen!r} as its second argument (torch's DDP takes "
+                "device_ids there: pass world.group second and device_ids=[...] by keyword)"
+            )
         raise ValueError(f"{wrapper} needs a ProcessGroup, got {type(chosen).__name__}")
     return chosen
 

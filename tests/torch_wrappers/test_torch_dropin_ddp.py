@@ -168,6 +168,7 @@ def test_the_group_is_positional_or_torchs_process_group_keyword(solo: pp.World,
         ({"group": solo.group, "process_group": other}, "different groups"),
         ({"process_group": (solo.group, other)}, "intra_size"),
         ({"process_group": object()}, "needs a ProcessGroup, got object"),
+        ({"group": [0]}, "torch's DDP takes device_ids there"),  # DDP(model, [local_rank]), torch's call
     ):
         with pytest.raises(ValueError, match=words):
             wrap(_TwoInputs(), **kwargs)
