@@ -9,8 +9,10 @@ the module keep the wrapper, moving it after wrapping is refused.
 does (it used to compute with NaN placeholders); a sharded submodule called alone and ``module.state_dict()``
 raise instead of computing with or saving placeholders, an optimizer over the module's own parameters refuses
 to step (it would never see a gradient); inside ``summon_full_params()`` rank 0 alone samples
-and ``module.state_dict()`` holds the full state; FSDP2's ``set_requires_gradient_sync`` accumulates like one
-process; mixed precision casts keyword inputs too (GPT-2's ``inputs_embeds=``).
+and ``module.state_dict()`` holds the full state; FSDP2's accumulation recipe (``set_requires_gradient_sync``,
+``set_reshard_after_backward``, ``set_is_last_backward``) accumulates like one process, its
+``set_gradient_divide_factor(1.0)`` sums and ``set_reshard_after_forward(False)`` keeps units gathered until the
+backward; mixed precision casts keyword inputs too (GPT-2's ``inputs_embeds=``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,45 @@ def _grad_sum(model: Any) -> float:
 def _differs_across_ranks(world: Any, value: float) -> bool:
     got = world.group.all_gather(np.array([value]))
     return bool(got.max() - got.min() > 1e-9 * max(1.0, abs(float(got.max()))))
+
+
+def _fsdp2_setters(world: Any, rep: Report, fsdp: Any, batch: dict[str, Any]) -> None:
+    """FSDP2's ``set_gradient_divide_factor`` (1.0: the sum, n times the mean) and ``set_reshard_after_forward``
+    (False: the units stay gathered from the forward to the backward; the gradients unchanged)."""
+    n = world.world_size
+
+    def grads(factor: float, reshard: bool) -> tuple[list[Any], int]:
+        fsdp.set_gradient_divide_factor(factor)
+        fsdp.set_reshard_after_forward(reshard)
+        loss = fsdp(**batch).loss
+        held = fsdp.memory_stats()["params_gathered"]["current"]
+        loss.backward()
+        fsdp.finish_gradient_sync()
+        out = [p.grad.clone() for p in fsdp.parameters()]
+        fsdp.zero_grad(set_to_none=True)
+        return out, held
+
+    mean, held_resharded = grads(float(n), True)
+    summed, held_kept = grads(1.0, False)
+    rep.check(
+        "divide factor 1.0: the sum of the ranks' gradients",
+        all(bool((s - n * m).abs().max() <= 1e-12 * (1 + m.abs().max())) for s, m in zip(summed, mean)),
+    )
+    rep.check(
+        "reshard_after_forward=False keeps the units gathered until the backward",
+        held_kept > held_resharded,
+        f"{held_kept} vs {held_resharded} bytes",
+    )
+    fsdp.set_gradient_divide_factor(float(n))
+    fsdp.set_reshard_after_forward(True)
+    rep.raises("a divide factor of 0", ValueError, lambda: fsdp.set_gradient_divide_factor(0), "positive")
+    rep.raises(
+        "prefetching a module of no unit",
+        ValueError,
+        lambda: fsdp.set_modules_to_forward_prefetch([object()]),
+        "not modules of this FSDP's units",
+    )
+    fsdp.set_modules_to_forward_prefetch([fsdp.units[1].module])
 
 
 def ddp_loop(world: Any, rep: Report) -> None:
@@ -145,9 +186,12 @@ def fsdp_loop(world: Any, rep: Report) -> None:
     rep.check("parameters() is an iterator, as torch's", next(fsdp.parameters()).ndim == 1)  # a flat shard
     opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for step in range(STEPS):  # FSDP2's accumulation switch
+    for step in range(STEPS):  # FSDP2's accumulation recipe, word for word
         for micro in range(MICRO):
-            fsdp.set_requires_gradient_sync(micro == MICRO - 1)
+            last = micro == MICRO - 1
+            fsdp.set_requires_gradient_sync(last)
+            fsdp.set_reshard_after_backward(last)
+            fsdp.set_is_last_backward(last)
             (fsdp(**_micro(step, micro, world.rank)).loss / MICRO).backward()
         fsdp.clip_grad_norm_(1e9)  # the global norm: a collective every rank joins
         opt.step()
@@ -155,6 +199,7 @@ def fsdp_loop(world: Any, rep: Report) -> None:
         _reference_step(ref, ref_opt, step, n)
     with fsdp.summon_full_params():
         rep.close("accumulation equals one process", tm.flat_params(model), tm.flat_params(ref), 1e-9)
+    _fsdp2_setters(world, rep, fsdp, b)
 
     # after a step the units are resharded: their modules refuse to run alone, the state dict to hold NaNs
     x = torch.zeros(1, 2, model.config.n_embd, dtype=torch.float64)

@@ -54,6 +54,9 @@ class Reducer:
         self.replicate_group = replicate_group
         self.no_sync = False
         """Inside ``FSDP.no_sync()``: backwards accumulate full gradients locally."""
+        self.divide_factor: float | None = None
+        """What the summed gradients are divided by (FSDP2's ``set_gradient_divide_factor``); None: the
+        number of ranks (a mean)."""
         self.round_open = False
         """A synchronised backward ran since the last ``finish``."""
         self.queue: list[FlatUnit] = []
@@ -85,8 +88,11 @@ class Reducer:
         self.round_open = True
         flat = unit.flatten_grads(self.reduce_dtype, self.xp)
         if self.predivide:
-            flat *= flat.dtype.type(1.0 / self.group.size)
+            flat *= flat.dtype.type(1.0 / self._divisor())
         self.launch(unit, flat)
+
+    def _divisor(self) -> float:
+        return self.divide_factor if self.divide_factor is not None else float(self.group.size)
 
     def launch(self, unit: FlatUnit, flat: Array) -> None:
         if unit in self.queue:
@@ -153,7 +159,7 @@ class Reducer:
                 if holds_frozen(unit):
                     self.gather.release(unit)
                     unit.extra["pending_inputs"] = 0  # a forward whose backward never ran waits no more
-            scale = 1.0 if self.predivide else 1.0 / self.group.size
+            scale = 1.0 if self.predivide else 1.0 / self._divisor()
             for unit in self.queue:
                 if unit.replicate_work is not None:
                     unit.replicate_work.wait()

@@ -44,7 +44,7 @@ from paramplane.nn.module import Array, LoadResult, Module, RemovableHandle
 from paramplane.node.arrays import DTYPES, array_module
 from paramplane.optim.optimizer import Optimizer
 from paramplane.parallel.ddp_buckets import COMM_DTYPES, broadcast_arrays
-from paramplane.parallel.fsdp import fsdp1_args, fsdp1_static, optim_full
+from paramplane.parallel.fsdp import fsdp1_args, fsdp1_static, fsdp2_methods, optim_full
 from paramplane.parallel.fsdp import state as fsdp_state
 from paramplane.parallel.fsdp.config import (
     STRATEGIES,
@@ -369,6 +369,14 @@ class FSDP:
         if not isinstance(requires_gradient_sync, bool):
             raise ValueError(f"requires_gradient_sync must be a bool, got {requires_gradient_sync!r}")
         self._reducer.no_sync = not requires_gradient_sync
+
+    # FSDP2's FSDPModule setters (fsdp2_methods.py)
+    set_gradient_divide_factor = fsdp2_methods.set_gradient_divide_factor
+    set_reshard_after_forward = fsdp2_methods.set_reshard_after_forward
+    set_reshard_after_backward = fsdp2_methods.set_reshard_after_backward
+    set_is_last_backward = fsdp2_methods.set_is_last_backward
+    set_modules_to_forward_prefetch = fsdp2_methods.set_modules_to_forward_prefetch
+    set_modules_to_backward_prefetch = fsdp2_methods.set_modules_to_backward_prefetch
 
     # -- gradients ---------------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Any:
