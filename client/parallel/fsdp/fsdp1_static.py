@@ -141,8 +141,6 @@ def scatter_full_optim_state_dict(
     """torch FSDP1's ``FSDP.scatter_full_optim_state_dict(full_osd, model, optim=optim)``: group rank 0's full
     optimizer state dict (the others pass None) sent to every rank, then this rank's part of it, as
     ``shard_full_optim_state_dict``. A collective over the FSDP's group."""
-    import torch
-
     fsdp = _fsdp(model, "scatter_full_optim_state_dict")
     _no_torch_only("scatter_full_optim_state_dict", optim_input=optim_input, group=group)
     g = fsdp.group
@@ -162,10 +160,8 @@ def scatter_full_optim_state_dict(
             data = arrays[i] if g.rank == 0 else np.empty(spec, DTYPES[dtype])
             g.broadcast(data, src=0)
             value: Any = to_torch(data.copy() if g.rank == 0 else data)
-        elif kind == "tensor":
-            value = torch.tensor(spec, dtype=getattr(torch, dtype))
         else:
-            value = int(spec) if dtype == "int" else spec
+            value = optim_full.scalar_value(kind, dtype, spec)
         state.setdefault(name, {})[sname] = value
     groups = [
         {k: tuple(v) if k in tuples else v for k, v in values.items()}
@@ -191,10 +187,8 @@ def _describe(full: Any) -> tuple[dict[str, Any], list[np.ndarray]]:
                 entries.append([name, sname, "array", dtype_name(array.dtype), list(array.shape)])
                 arrays.append(array)
                 continue
-            if torch.is_tensor(value):
-                entries.append([name, sname, "tensor", str(value.dtype).removeprefix("torch."), value.item()])
-            elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                entries.append([name, sname, "number", type(value).__name__, value])
+            if torch.is_tensor(value) or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+                entries.append([name, sname, *optim_full.scalar_spec(value)])
             else:
                 raise ValueError(
                     f"FSDP.scatter_full_optim_state_dict: {name!r} state {sname!r} is a {type(value).__name__}; "

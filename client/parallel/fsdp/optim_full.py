@@ -62,11 +62,27 @@ def _is_per_element(value: Any, tensor: Any) -> bool:
     return hasattr(value, "shape") and tuple(value.shape) == tuple(tensor.shape) and value.dim() > 0
 
 
+def scalar_spec(value: Any) -> list[Any]:
+    """A scalar optimizer state value (a 0-d tensor or a number: a step count) as JSON: [kind, dtype, value]."""
+    import torch
+
+    if torch.is_tensor(value):
+        return ["tensor", str(value.dtype).removeprefix("torch."), float(value)]
+    return ["number", type(value).__name__, float(value)]
+
+
+def scalar_value(kind: str, dtype: str, value: float) -> Any:
+    """What ``scalar_spec`` described, again: a 0-d tensor of its dtype, or an int or a float."""
+    import torch
+
+    if kind == "tensor":
+        return torch.tensor(value, dtype=getattr(torch, dtype))
+    return int(value) if dtype == "int" else value
+
+
 def full_optim_state_dict(fsdp: FSDP, optimizer: Any) -> dict[str, Any]:
     """torch's full optimizer state dict keyed by parameter name (module docstring); CPU tensors, on every
     rank. A collective over ``fsdp.shard_group``: every rank calls it."""
-    import torch
-
     slots = _stepped(fsdp, optimizer, "optim_state_dict")
     pieces: list[tuple[str, str, ShardedArray]] = []
     offer: dict[str, Any] = {}  # name -> [group, {state: [kind, dtype, shape or value]}]
@@ -79,10 +95,8 @@ def full_optim_state_dict(fsdp: FSDP, optimizer: Any) -> dict[str, Any]:
                     pieces.append((name, sname, piece))
                     offer[name][1][sname] = ["array", str(piece.dtype), list(piece.global_shape)]
             elif value is not None:  # a step count: the same on every shard
-                kind = "tensor" if torch.is_tensor(value) else "number"
-                dtype = str(value.dtype).removeprefix("torch.") if kind == "tensor" else type(value).__name__
                 for name in _names(tensor, cut):
-                    offer[name][1][sname] = [kind, dtype, float(value)]
+                    offer[name][1][sname] = scalar_spec(value)
     merged: dict[str, Any] = {}
     for every in _gather_json(fsdp.shard_group, offer):
         for name, (g, states) in every.items():
@@ -110,10 +124,8 @@ def full_optim_state_dict(fsdp: FSDP, optimizer: Any) -> dict[str, Any]:
         for sname, (kind, dtype, spec) in sorted(merged[name][1].items()):
             if kind == "array":
                 entry[sname] = to_torch(arrays[name, sname].reshape(spec).copy())
-            elif kind == "tensor":
-                entry[sname] = torch.tensor(spec, dtype=getattr(torch, dtype))
             else:
-                entry[sname] = int(spec) if dtype == "int" else spec
+                entry[sname] = scalar_value(kind, dtype, spec)
     groups = [
         {**{k: v for k, v in group.items() if k != "params"}, "params": []}
         for group in optimizer.param_groups
