@@ -12,7 +12,7 @@ to step (it would never see a gradient); inside ``summon_full_params()`` rank 0 
 and ``module.state_dict()`` holds the full state; FSDP2's accumulation recipe (``set_requires_gradient_sync``,
 ``set_reshard_after_backward``, ``set_is_last_backward``) accumulates like one process, its
 ``set_gradient_divide_factor(1.0)`` sums and ``set_reshard_after_forward(False)`` keeps units gathered until the
-backward; mixed precision casts keyword inputs too (GPT-2's ``inputs_embeds=``).
+backward, ``unshard()`` / ``reshard()`` hold the full parameters between them; mixed precision casts keyword inputs too (GPT-2's ``inputs_embeds=``).
 """
 
 from __future__ import annotations
@@ -58,7 +58,10 @@ def _differs_across_ranks(world: Any, value: float) -> bool:
 
 def _fsdp2_setters(world: Any, rep: Report, fsdp: Any, batch: dict[str, Any]) -> None:
     """FSDP2's ``set_gradient_divide_factor`` (1.0: the sum, n times the mean) and ``set_reshard_after_forward``
-    (False: the units stay gathered from the forward to the backward; the gradients unchanged)."""
+    (False: the units stay gathered from the forward to the backward; the gradients unchanged); ``unshard`` /
+    ``reshard``."""
+    import torch
+
     n = world.world_size
 
     def grads(factor: float, reshard: bool) -> tuple[list[Any], int]:
@@ -93,6 +96,21 @@ def _fsdp2_setters(world: Any, rep: Report, fsdp: Any, batch: dict[str, Any]) ->
         "not modules of this FSDP's units",
     )
     fsdp.set_modules_to_forward_prefetch([fsdp.units[1].module])
+
+    # unshard(): the parameters readable (and a block callable alone) until reshard()
+    ref = fsdp.state_dict()
+    layer = fsdp.module.transformer.h[0].attn.c_attn
+    x = torch.ones(1, 2, layer.weight.shape[0], dtype=torch.float64)
+    fsdp.unshard(async_op=True).wait()
+    rep.check(
+        "unshard(): the full parameters in the module",
+        torch.equal(layer.weight.detach(), ref["transformer.h.0.attn.c_attn.weight"]),
+    )
+    with torch.no_grad():
+        rep.check("unshard(): a block's layer runs alone", torch.isfinite(layer(x)).all().item())
+        rep.check("unshard(): a forward as without it", torch.isfinite(fsdp(**batch).logits).all().item())
+    fsdp.reshard()
+    rep.raises("reshard(): sharded again", RuntimeError, lambda: layer(x), "sharded")
 
 
 def ddp_loop(world: Any, rep: Report) -> None:

@@ -1,9 +1,9 @@
-"""FSDP2's ``FSDPModule`` methods that training loops call, on pp.FSDP: ``fsdp.set_gradient_divide_factor(f)``,
-``set_reshard_after_forward``, and the ones that only trade memory or overlap for speed there
-(``set_reshard_after_backward``, ``set_is_last_backward``, ``set_modules_to_forward_prefetch`` /
-``..._backward_prefetch``), accepted so FSDP2 loops (its gradient accumulation recipe:
-``set_requires_gradient_sync(False)`` with ``set_reshard_after_backward(False)``) run unchanged, with the same
-results. Each is assigned as a method in ``wrapper.py``.
+"""FSDP2's ``FSDPModule`` methods that training loops call, on pp.FSDP: ``unshard()`` / ``reshard()``,
+``set_gradient_divide_factor(f)``, ``set_reshard_after_forward``, and the ones that only trade memory or
+overlap for speed there (``set_reshard_after_backward``, ``set_is_last_backward``,
+``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``), accepted so FSDP2 loops (its gradient
+accumulation recipe: ``set_requires_gradient_sync(False)`` with ``set_reshard_after_backward(False)``) run
+unchanged, with the same results. Each is assigned as a method in ``wrapper.py``.
 """
 
 from __future__ import annotations
@@ -15,12 +15,15 @@ if TYPE_CHECKING:
     from paramplane.parallel.fsdp.wrapper import FSDP
 
 __all__ = [
+    "UnshardHandle",
+    "reshard",
     "set_gradient_divide_factor",
     "set_is_last_backward",
     "set_modules_to_backward_prefetch",
     "set_modules_to_forward_prefetch",
     "set_reshard_after_backward",
     "set_reshard_after_forward",
+    "unshard",
 ]
 
 
@@ -71,6 +74,33 @@ def set_modules_to_backward_prefetch(self: FSDP, modules: Sequence[Any]) -> None
     """FSDP2's explicit backward prefetch: accepted; pp.FSDP prefetches the next unit in backward order
     itself (``backward_prefetch``)."""
     _check_units(self, modules, "set_modules_to_backward_prefetch")
+
+
+class UnshardHandle:
+    """What ``unshard(async_op=True)`` returns, as FSDP2's: ``wait()`` (the gathers are done already)."""
+
+    def wait(self) -> None:
+        return None
+
+
+def unshard(self: FSDP, async_op: bool = False) -> UnshardHandle | None:
+    """FSDP2's ``unshard``: every unit's parameters gathered in the module until ``reshard()`` (read them, or
+    run no_grad forwards, as after FSDP2's). A forward starts as always (each unit gathered when used, resharded
+    after it unless ``reshard_after_forward`` is False), so a forward after ``unshard()`` is what it would be
+    without it. ``async_op=True`` returns a handle whose ``wait()`` returns at once."""
+    self.finish_gradient_sync()
+    gather = self._gather
+    gather.discard_prefetches()
+    for unit in self.units:
+        gather.ensure_gathered(unit)
+    return UnshardHandle() if _flag("async_op", async_op) else None
+
+
+def reshard(self: FSDP) -> None:
+    """FSDP2's ``reshard``: every gathered unit freed; its parameters are placeholders again."""
+    for unit in self.units:
+        if unit.gathered:
+            self._gather.release(unit)
 
 
 def _check_units(self: FSDP, modules: Sequence[Any], call: str) -> None:

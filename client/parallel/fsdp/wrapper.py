@@ -370,7 +370,9 @@ class FSDP:
             raise ValueError(f"requires_gradient_sync must be a bool, got {requires_gradient_sync!r}")
         self._reducer.no_sync = not requires_gradient_sync
 
-    # FSDP2's FSDPModule setters (fsdp2_methods.py)
+    # FSDP2's FSDPModule methods (fsdp2_methods.py)
+    unshard = fsdp2_methods.unshard
+    reshard = fsdp2_methods.reshard
     set_gradient_divide_factor = fsdp2_methods.set_gradient_divide_factor
     set_reshard_after_forward = fsdp2_methods.set_reshard_after_forward
     set_reshard_after_backward = fsdp2_methods.set_reshard_after_backward
