@@ -64,7 +64,15 @@ def module_attribute(wrapper: Any, name: str) -> Any:
     wrapping. Private names (``_x``) are not passed on."""
     module = wrapper.__dict__.get("module")
     if module is None or name.startswith("_") or not is_torch_module(module):
-        raise AttributeError(f"{type(wrapper).__name__!r} object has no attribute {name!r}")
+        hint = ""
+        if (
+            module is not None and name.startswith("_") and name in vars(module)
+        ):  # torch code reading internals
+            hint = (
+                f" (pp.{type(wrapper).__name__.removeprefix('Torch')} is not a torch.nn.Module: pass its .module "
+                "to torch functions that take a module)"
+            )
+        raise AttributeError(f"{type(wrapper).__name__!r} object has no attribute {name!r}{hint}")
     if name in MOVES:
         raise RuntimeError(
             f"{type(wrapper).__name__}.{name}(): move or cast the module before wrapping it (the wrapper "
