@@ -114,7 +114,8 @@ def test_torch_ddp_keywords_are_accepted_and_checked(solo: pp.World) -> None:
 
 def test_parameter_and_state_dict_calls_take_torchs_arguments(solo: pp.World) -> None:
     """``named_parameters(prefix, recurse, remove_duplicate)``, ``parameters(recurse=)`` and
-    ``state_dict(keep_vars=True)`` as torch code calls them on a module (they were TypeErrors)."""
+    ``state_dict(keep_vars=True)`` as torch code calls them on a module (they were TypeErrors); torch code that
+    reads a module's internals is told to pass ``.module``."""
     model = _TwoInputs()
     ddp = pp.DDP(model, solo.group)
     assert [n for n, _ in ddp.named_parameters("m", recurse=True)] == [
@@ -125,6 +126,12 @@ def test_parameter_and_state_dict_calls_take_torchs_arguments(solo: pp.World) ->
     assert list(kept) == list(model.state_dict()) and all(
         v is p for v, p in zip(kept.values(), model.parameters())
     )
+    # torch functions that take an nn.Module read its internals: the wrapper says to pass its .module
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    with pytest.raises(AttributeError, match="not a torch.nn.Module: pass its .module"):
+        get_model_state_dict(ddp)
+    assert list(get_model_state_dict(ddp.module)) == list(model.state_dict())
     ddp.remove_hooks()
     fsdp = pp.FSDP(_TwoInputs(), solo.group)
     assert [n for n, _ in fsdp.named_parameters(prefix="f")] == [f"f.{n}" for n, _ in fsdp.named_parameters()]
