@@ -85,6 +85,7 @@ from paramplane.parallel.ddp_join import JoinState, joined_rounds
 from paramplane.parallel.ddp_torch import ModulePath, NNPath, TorchPath, comm_hook_dtype, torch_ddp_keywords
 from paramplane.parallel.fsdp.units import check_same_model
 from paramplane.parallel.torch_params import (
+    TorchModule,
     check_device_ids,
     claim_parameters,
     is_torch_module,
@@ -103,7 +104,7 @@ class DDP:
 
     def __init__(
         self,
-        module: Module,
+        module: Module | TorchModule,
         group: ProcessGroup | None = None,
         bucket_mb: float | None = None,
         broadcast_buffers: bool | None = None,

@@ -30,6 +30,7 @@ __all__ = [
     "CommStream",
     "EndOfBackward",
     "TorchFlatParam",
+    "TorchModule",
     "TorchParam",
     "check_device_ids",
     "is_torch_module",
@@ -43,6 +44,10 @@ __all__ = [
     "torch_params",
     "torch_stream",
 ]
+
+
+TorchModule = Any
+"""A ``torch.nn.Module`` in the wrappers' signatures (torch is an optional dependency, so it is typed loosely)."""
 
 
 def is_torch_module(module: Any) -> bool:

@@ -71,7 +71,22 @@ def test_a_replacement_rank_receives_state_live_and_training_ends_like_an_unbrok
 
 
 @pytest.mark.timeout(210)  # its own bounds (150 s), not the global 120 s
-def test_a_hybrid_shard_replacement_gets_its_shards_from_its_replica_and_ends_like_an_unbroken_run() -> None:
+@pytest.mark.parametrize(
+    "worker",
+    [
+        "reform.py",
+        # a torch loop: GPT-2 under pp.FSDP hybrid_shard, torch's AdamW through fsdp.optim_state(opt)
+        pytest.param(
+            "reform_torch.py",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("transformers") is None, reason="needs the test extra"
+            ),
+        ),
+    ],
+)
+def test_a_hybrid_shard_replacement_gets_its_shards_from_its_replica_and_ends_like_an_unbroken_run(
+    worker: str,
+) -> None:
     """HybridShard over two "hosts" (2 x 2): rank 1 dies; its replica on the other host (rank 3) sends the
     replacement its parameter and optimizer shards over the replicate group; fsdp.reform() on survivors."""
     hosts = {r: {"PARAMPLANE_HOST_ID": "ab"[r // 2]} for r in range(4)}
@@ -79,7 +94,7 @@ def test_a_hybrid_shard_replacement_gets_its_shards_from_its_replica_and_ends_li
     def train(fail_at: int) -> list[dict[str, object]]:
         outcome = run_world(
             4,
-            "reform.py",
+            worker,
             env={"FAIL_AT": str(fail_at), "STEPS": str(STEPS), "WRAPPER": "hybrid_shard"},
             rank_env=hosts,
             replace={1: hosts[1]} if fail_at >= 0 else None,

@@ -6,13 +6,14 @@ what the ranks reported.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from _world import run_world
+from _world import run_example, run_world
 
 import paramplane as pp
 
@@ -311,3 +312,25 @@ def test_a_torch_optimizer_under_ddp_checkpoints_by_name_and_loads_under_ddp_and
     CheckpointError naming ``optim_state`` (it was a JSON error about a tensor)."""
     out = run_world(2, "ddp_optim_checkpoint.py", env={"PARAMPLANE_TIMEOUT": "30"}, timeout=150)
     out.check_ok(min_checks=8)
+
+
+@pytest.mark.timeout(240)
+def test_the_torch_ddp_example_learns_and_resumes_to_the_parameters_of_an_unbroken_run(
+    tmp_path: Path,
+) -> None:
+    """``examples/train_torch_ddp.py`` (a torch DDP script ported line by line: DistributedSampler, DataLoader,
+    BatchNorm, AdamW with a cosine schedule, clipping, checkpoints of ``ddp.optim_state(opt)`` and the
+    scheduler) on 2 ranks: it learns the digits (well above chance), and a run interrupted after epoch 1 and
+    resumed ends with the digest of the parameters and buffers of a run that never stopped."""
+    pytest.importorskip("sklearn")
+    full = run_example(
+        "train_torch_ddp.py", 2, "--epochs", "2", "--checkpoint-dir", str(tmp_path / "a"),
+        "--digest", str(tmp_path / "a.sha"), timeout=120,
+    )  # fmt: skip
+    accuracy = re.search(r"final test accuracy ([0-9.]+)", full)
+    assert accuracy is not None and float(accuracy.group(1)) > 0.5, full[-1000:]  # 10 classes: chance is 0.1
+    common = ("--epochs", "2", "--checkpoint-dir", str(tmp_path / "b"))
+    run_example("train_torch_ddp.py", 2, *common, "--stop-after", "1", timeout=120)
+    resumed = run_example("train_torch_ddp.py", 2, *common, "--resume", "--digest", str(tmp_path / "b.sha"))
+    assert "resumed from" in resumed and "epoch_001" in resumed, resumed[-1000:]
+    assert (tmp_path / "b.sha").read_text() == (tmp_path / "a.sha").read_text()

@@ -66,7 +66,7 @@ from paramplane.parallel.fsdp.units import (
     units_by_class,
 )
 from paramplane.parallel.sharding import ShardedArray
-from paramplane.parallel.torch_params import is_torch_module, module_attribute, wrapper_group
+from paramplane.parallel.torch_params import TorchModule, is_torch_module, module_attribute, wrapper_group
 
 __all__ = ["FSDP", "STRATEGIES", "CPUOffload", "MixedPrecision", "TorchFSDP", "units_by_class"]
 
@@ -93,7 +93,7 @@ class FSDP:
 
     def __init__(
         self,
-        module: Module,
+        module: Module | TorchModule,
         group: ProcessGroup | None = None,
         strategy: str = "full_shard",
         *,
