@@ -280,6 +280,15 @@ def older_api(world: Any, rep: Report) -> None:
         "get_state_dict_type gives the config set",
         pp.FSDP.get_state_dict_type(fsdp).state_dict_config is config,
     )
+    inner = FullStateDictConfig(offload_to_cpu=False)
+    with pp.FSDP.state_dict_type(fsdp, SDT.FULL_STATE_DICT, inner):
+        rep.check(
+            "inside state_dict_type: its config", pp.FSDP.get_state_dict_type(fsdp).state_dict_config is inner
+        )
+    rep.check(
+        "after state_dict_type: the config before",
+        pp.FSDP.get_state_dict_type(fsdp).state_dict_config is config,
+    )
     rep.raises(
         "set_state_dict_type(SHARDED_STATE_DICT)",
         ValueError,

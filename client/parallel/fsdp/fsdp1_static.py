@@ -1,5 +1,5 @@
 """torch FSDP1's static methods on pp.FSDP, for scripts (and libraries) written against ``FullyShardedDataParallel``:
-``FSDP.set_state_dict_type`` / ``get_state_dict_type``, the older optimizer-state API
+``FSDP.state_dict_type`` (a context) / ``set_state_dict_type`` / ``get_state_dict_type``, the older optimizer-state API
 (``full_optim_state_dict``, ``shard_full_optim_state_dict``, ``scatter_full_optim_state_dict``,
 ``rekey_optim_state_dict``), ``fsdp_modules``.
 
@@ -10,7 +10,9 @@ others as JSON (names, state names, dtypes, shapes, scalars, param groups) and a
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,6 +33,7 @@ __all__ = [
     "scatter_full_optim_state_dict",
     "set_state_dict_type",
     "shard_full_optim_state_dict",
+    "state_dict_type",
 ]
 
 
@@ -60,33 +63,56 @@ def fsdp_modules(module: Any, root_only: bool = False) -> list[FSDP]:
     return [module] if isinstance(module, FSDP) else []
 
 
+@contextlib.contextmanager
+def state_dict_type(
+    module: Any, state_dict_type: Any, state_dict_config: Any = None, optim_state_dict_config: Any = None
+) -> Iterator[None]:
+    """torch FSDP1's ``with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):`` around
+    ``model.state_dict()``: the settings of ``set_state_dict_type`` inside, the ones before after. The full
+    state is what ``state_dict()`` always gives (CPU tensors, on every rank: a ``rank0_only`` config's rank 0
+    gets it as torch's does)."""
+    before = _set(module, state_dict_type, state_dict_config, optim_state_dict_config, "state_dict_type")
+    try:
+        yield
+    finally:
+        module._state_dict_settings = before
+
+
 def set_state_dict_type(
     module: Any, state_dict_type: Any, state_dict_config: Any = None, optim_state_dict_config: Any = None
 ) -> Any:
     """torch FSDP1's ``FSDP.set_state_dict_type``: only ``FULL_STATE_DICT`` (what ``state_dict()`` and
     ``FSDP.optim_state_dict`` always give; shards are ``sharded_state_dict()`` and ``pp.checkpoint``), else a
     ValueError. Returns the settings before, as torch's ``StateDictSettings``."""
+    before = get_state_dict_type(module)
+    _set(module, state_dict_type, state_dict_config, optim_state_dict_config, "set_state_dict_type")
+    return before
+
+
+def _set(module: Any, kind: Any, config: Any, optim_config: Any, call: str) -> Any:
+    """Set the settings (FULL_STATE_DICT only: a ValueError naming what saves shards otherwise); returns what
+    the wrapper held before (None: torch's defaults)."""
     from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictSettings
 
-    fsdp = _fsdp(module, "set_state_dict_type")
-    kind = getattr(state_dict_type, "name", str(state_dict_type))
-    if kind != "FULL_STATE_DICT":
+    fsdp = _fsdp(module, call)
+    name = getattr(kind, "name", str(kind))
+    if name != "FULL_STATE_DICT":
         raise ValueError(
-            f"FSDP.set_state_dict_type({kind}): only FULL_STATE_DICT (state_dict()); shards are "
+            f"FSDP.{call}({name}): only FULL_STATE_DICT (state_dict()); shards are "
             "fsdp.sharded_state_dict() and pp.checkpoint.save({'model': fsdp}, ...)"
         )
-    before = get_state_dict_type(fsdp)
+    before = fsdp._state_dict_settings
     fsdp._state_dict_settings = StateDictSettings(
-        state_dict_type,
-        state_dict_config if state_dict_config is not None else FullStateDictConfig(),
-        optim_state_dict_config if optim_state_dict_config is not None else FullOptimStateDictConfig(),
+        kind,
+        config if config is not None else FullStateDictConfig(),
+        optim_config if optim_config is not None else FullOptimStateDictConfig(),
     )
     return before
 
 
 def get_state_dict_type(module: Any) -> Any:
-    """torch FSDP1's ``FSDP.get_state_dict_type``: the settings ``set_state_dict_type`` made (torch's default,
-    ``FULL_STATE_DICT``, before)."""
+    """torch FSDP1's ``FSDP.get_state_dict_type``: the settings ``set_state_dict_type`` (or the
+    ``state_dict_type`` context around the call) made; torch's default, ``FULL_STATE_DICT``, before."""
     from torch.distributed.fsdp import (
         FullOptimStateDictConfig,
         FullStateDictConfig,
@@ -94,8 +120,7 @@ def get_state_dict_type(module: Any) -> Any:
         StateDictType,
     )
 
-    fsdp = _fsdp(module, "get_state_dict_type")
-    settings = getattr(fsdp, "_state_dict_settings", None)
+    settings = _fsdp(module, "get_state_dict_type")._state_dict_settings
     if settings is None:
         return StateDictSettings(
             StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()

@@ -477,27 +477,8 @@ class FSDP:
         module CPU torch tensors: ``plain.load_state_dict(fsdp.state_dict(), strict=True)`` loads it."""
         return self._path.state_dict(fsdp_state.full_values(self.units, self.shard_group, self.master_dtype))
 
-    @staticmethod
-    @contextlib.contextmanager
-    def state_dict_type(
-        module: FSDP, state_dict_type: Any, state_dict_config: Any = None, optim_state_dict_config: Any = None
-    ) -> Iterator[None]:
-        """torch FSDP1's ``with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):`` around
-        ``model.state_dict()``: the full state is what ``state_dict()`` always gives (CPU tensors, on every
-        rank: a ``rank0_only`` config's rank 0 gets it as torch's does). A sharded or local type is a
-        ValueError naming ``sharded_state_dict()`` and ``pp.checkpoint``, which save shards here."""
-        if not isinstance(module, FSDP):
-            raise ValueError(f"FSDP.state_dict_type takes a pp.FSDP, got {type(module).__name__}")
-        kind = getattr(state_dict_type, "name", str(state_dict_type))
-        if kind != "FULL_STATE_DICT":
-            raise ValueError(
-                f"FSDP.state_dict_type({kind}): only FULL_STATE_DICT (state_dict()); shards are "
-                "fsdp.sharded_state_dict() and pp.checkpoint.save({'model': fsdp}, ...)"
-            )
-        del state_dict_config, optim_state_dict_config
-        yield
-
-    # torch FSDP1's other static methods (fsdp1_static.py)
+    # torch FSDP1's static methods (fsdp1_static.py)
+    state_dict_type = staticmethod(fsdp1_static.state_dict_type)
     set_state_dict_type = staticmethod(fsdp1_static.set_state_dict_type)
     get_state_dict_type = staticmethod(fsdp1_static.get_state_dict_type)
     full_optim_state_dict = staticmethod(fsdp1_static.full_optim_state_dict)
