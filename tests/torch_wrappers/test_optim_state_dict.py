@@ -32,7 +32,6 @@ def test_fsdp1s_older_optimizer_state_api_and_state_dict_settings_behave_as_torc
     process's; ``rekey_optim_state_dict`` equals torch's both ways; ``shard_full_optim_state_dict`` and
     ``scatter_full_optim_state_dict`` (rank 0 alone holding the dict) load into fresh wrappers of other
     strategies where one more step equals one process; ``state_dict_type`` / ``set_state_dict_type`` /
-    ``get_state_dict_type`` /
-    ``fsdp_modules`` answer as torch's, a sharded type is refused."""
+    ``get_state_dict_type`` / ``fsdp_modules`` answer as torch's, a sharded type is refused."""
     out = run_world(2, "optim_full.py", args=["older"], env={"PARAMPLANE_TIMEOUT": "30"}, timeout=150)
     out.check_ok(min_checks=18)
