@@ -256,18 +256,19 @@ def rekey_optim_state_dict(
         raise ValueError(
             "FSDP.rekey_optim_state_dict: optim steps tensors that are not the model's parameters"
         )
-    to_names = getattr(optim_state_key_type, "name", str(optim_state_key_type)) == "PARAM_NAME"
-    if to_names:
+    kind = getattr(optim_state_key_type, "name", str(optim_state_key_type))
+    if kind == "PARAM_NAME":
         key: dict[Any, Any] = dict(enumerate(names))
-    elif getattr(optim_state_key_type, "name", str(optim_state_key_type)) == "PARAM_ID":
+    elif kind == "PARAM_ID":
         key = {n: i for i, n in enumerate(names)}
     else:
         raise ValueError(f"FSDP.rekey_optim_state_dict: unknown key type {optim_state_key_type!r}")
+    wanted = set(key.values())
 
     def rekey(k: Any) -> Any:
         if k in key:
             return key[k]
-        if k in (key.values()):  # already of the requested kind
+        if k in wanted:  # already of the requested kind
             return k
         raise ValueError(f"FSDP.rekey_optim_state_dict: {k!r} names none of the model's parameters")
 
