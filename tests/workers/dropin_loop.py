@@ -12,7 +12,8 @@ to step (it would never see a gradient); inside ``summon_full_params()`` rank 0 
 and ``module.state_dict()`` holds the full state; FSDP2's accumulation recipe (``set_requires_gradient_sync``,
 ``set_reshard_after_backward``, ``set_is_last_backward``) accumulates like one process, its
 ``set_gradient_divide_factor(1.0)`` sums and ``set_reshard_after_forward(False)`` keeps units gathered until the
-backward, ``unshard()`` / ``reshard()`` hold the full parameters between them; mixed precision casts keyword inputs too (GPT-2's ``inputs_embeds=``).
+backward, ``unshard()`` / ``reshard()`` hold the full parameters between them; transformers' ``save_pretrained``
+inside ``summon_full_params()`` writes the full model (on the wrapper it refuses); mixed precision casts keyword inputs too (GPT-2's ``inputs_embeds=``).
 """
 
 from __future__ import annotations
@@ -111,6 +112,26 @@ def _fsdp2_setters(world: Any, rep: Report, fsdp: Any, batch: dict[str, Any]) ->
         rep.check("unshard(): a forward as without it", torch.isfinite(fsdp(**batch).logits).all().item())
     fsdp.reshard()
     rep.raises("reshard(): sharded again", RuntimeError, lambda: layer(x), "sharded")
+
+
+def _save_pretrained(world: Any, rep: Report, fsdp: Any) -> None:
+    """transformers' ``save_pretrained`` under pp.FSDP: called on the wrapper it refuses (the module's state
+    would hold placeholders) and names ``fsdp.state_dict()``; inside ``summon_full_params()`` rank 0 writes the
+    full model, which ``from_pretrained`` loads back equal to ``fsdp.state_dict()`` on every rank."""
+    import os
+
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    where = os.path.join(os.environ["PARAMPLANE_TEST_OUT"], "pretrained")
+    rep.raises("save_pretrained on the sharded module", RuntimeError, lambda: fsdp.save_pretrained(where),
+               "fsdp.state_dict()")  # fmt: skip
+    with fsdp.summon_full_params():
+        fsdp.module.save_pretrained(where, is_main_process=world.rank == 0)
+    world.barrier()
+    loaded = GPT2LMHeadModel.from_pretrained(where, dtype=torch.float64).state_dict()
+    full = fsdp.state_dict()
+    rep.check("from_pretrained = fsdp.state_dict()", all(torch.equal(loaded[k], full[k]) for k in full))
 
 
 def ddp_loop(world: Any, rep: Report) -> None:
@@ -218,6 +239,7 @@ def fsdp_loop(world: Any, rep: Report) -> None:
     with fsdp.summon_full_params():
         rep.close("accumulation equals one process", tm.flat_params(model), tm.flat_params(ref), 1e-9)
     _fsdp2_setters(world, rep, fsdp, b)
+    _save_pretrained(world, rep, fsdp)
 
     # after a step the units are resharded: their modules refuse to run alone, the state dict to hold NaNs
     x = torch.zeros(1, 2, model.config.n_embd, dtype=torch.float64)
