@@ -415,7 +415,9 @@ class TorchFlatParam(TorchParam):
 
 def check_wrappable(module: Any, wrapper: str) -> None:
     """Refuse, before any communication, what the wrappers cannot take: parameters a lazy module has not made
-    yet (torch's DDP refuses them too) and embeddings with sparse gradients (not reduced here)."""
+    yet (torch's DDP refuses them too), embeddings with sparse gradients (not reduced here), and torch's
+    ``SyncBatchNorm`` layers where torch.distributed is not initialised (they would silently normalise each
+    rank's batch alone, where the script asked for the whole batch's statistics)."""
     import torch
 
     for name, p in module.named_parameters():
@@ -429,6 +431,13 @@ def check_wrappable(module: Any, wrapper: str) -> None:
             raise ValueError(
                 f"{wrapper}: {name!r} has sparse=True, whose sparse gradients {wrapper} does not reduce: use "
                 "sparse=False (dense gradients)"
+            )
+        if type(m) is torch.nn.SyncBatchNorm and not torch.distributed.is_initialized():
+            raise ValueError(
+                f"{wrapper}: {name or 'the module'!r} is torch's SyncBatchNorm, which synchronises only over an "
+                "initialised torch.distributed (none here): it would normalise each rank's batch alone. Convert "
+                "with pp.convert_sync_batchnorm(model, world.group) before wrapping (it takes torch's "
+                "SyncBatchNorm layers too)"
             )
 
 

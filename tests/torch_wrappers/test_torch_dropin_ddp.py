@@ -137,6 +137,27 @@ def test_parameter_and_state_dict_calls_take_torchs_arguments(solo: pp.World) ->
     assert len(list(fsdp.parameters(recurse=False))) == len(list(fsdp.parameters()))
 
 
+@pytest.mark.parametrize("wrapper", ["DDP", "FSDP"])
+def test_torchs_sync_batchnorm_without_torch_distributed_is_refused_and_converts(
+    solo: pp.World, wrapper: str
+) -> None:
+    """A script's ``torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)`` line kept as is: torch's layers need
+    an initialised torch.distributed, and without one they normalise each rank's batch alone, silently; the
+    wrappers refuse them, naming the layer and ``pp.convert_sync_batchnorm``, which converts them."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # the situation of a script that replaced init_process_group by pp.init
+    model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(
+        torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 2))
+    )
+    with pytest.raises(ValueError, match=r"'1' is torch's SyncBatchNorm.*pp\.convert_sync_batchnorm"):
+        getattr(pp, wrapper)(model, solo.group)
+    converted = pp.convert_sync_batchnorm(model, solo.group)
+    assert isinstance(converted[1], pp.SyncBatchNorm)
+    wrapped = getattr(pp, wrapper)(converted, solo.group)
+    wrapped(torch.randn(5, 4)).sum().backward()
+
+
 def test_bucket_cap_mb_list_gives_torchs_buckets(solo: pp.World) -> None:
     """``bucket_cap_mb_list`` (torch 2.13): each bucket its own limit, the last for every bucket after, as
     torch's ``_compute_bucket_assignment_by_size`` assigns the parameters in backward order."""
