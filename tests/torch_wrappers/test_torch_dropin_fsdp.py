@@ -108,9 +108,10 @@ def test_bert_t5_mixtral_gptneox_under_ddp_and_fsdp_match_one_process() -> None:
 def test_two_forwards_two_backwards_teacher_and_retained_graphs_train_as_one_process() -> None:
     """Loops with more than one forward or backward per step (two forwards then one backward, two backwards
     without ``no_sync``, a ``no_grad`` teacher forward, ``retain_graph``) under pp.DDP, full_shard and
-    shard_grad_op: parameters equal one process on the whole batch after 2 AdamW steps with clipping."""
+    shard_grad_op: parameters equal one process on the whole batch after 2 AdamW steps with clipping, as
+    torch's DDP over gloo does in the same loops (but retain_graph, where torch's DDP does not)."""
     out = run_world(2, "dropin_patterns.py", env={"PARAMPLANE_TIMEOUT": "30"}, timeout=150)
-    results = out.check_ok(min_checks=len(dp.PATTERNS) * len(dp.WRAPPERS))
+    results = out.check_ok(min_checks=len(dp.PATTERNS) * len(dp.WRAPPERS) + len(dp.PATTERNS) - 1)
     assert set(results[0]["digests"]) == {f"{p}/{w}" for p in dp.PATTERNS for w in dp.WRAPPERS}
     assert all(r["digests"] == results[0]["digests"] for r in results), (
         "ranks ended with different parameters"
