@@ -44,7 +44,8 @@ torch modules: ``DDP(torch_module, group)`` (CPU or CUDA tensors) behaves as tor
 seen through a DLPack view (``parallel/torch_params.py``), buckets fill from torch's post-accumulate-grad hooks
 during ``loss.backward()``, and the sync finishes in an autograd callback, so every ``.grad`` is averaged
 when ``loss.backward()`` returns (clipping between backward and step sees the averaged gradients).
-``attach`` is then optional (a ``torch.optim`` optimizer; a no-op wait). Usage is discovered every step,
+``attach`` is then optional (a ``torch.optim`` optimizer; a no-op wait). The wrapper is a ``torch.nn.Module``
+itself, a view of its module under the module's names (``module_view.py``). Usage is discovered every step,
 so parameters unused in some steps need no flag: ``find_unused_parameters`` is accepted for torch's call
 shape and changes nothing.
 
@@ -62,7 +63,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 
@@ -84,11 +85,13 @@ from paramplane.parallel.ddp_experts import clip_grad_norm, expert_pieces, scale
 from paramplane.parallel.ddp_join import JoinState, joined_rounds
 from paramplane.parallel.ddp_torch import ModulePath, NNPath, TorchPath, comm_hook_dtype, torch_ddp_keywords
 from paramplane.parallel.fsdp.units import check_same_model
+from paramplane.parallel.module_view import module_view_class
 from paramplane.parallel.torch_params import (
     TorchModule,
     check_device_ids,
     claim_parameters,
     is_torch_module,
+    is_wrapper,
     module_attribute,
     release_parameters,
     wrapper_group,
@@ -100,7 +103,15 @@ _REDUCE_OPS = ("mean", "sum")
 
 
 class DDP:
-    """Wrap ``module`` for data parallelism over ``group`` (see the module docstring)."""
+    """Wrap ``module`` for data parallelism over ``group`` (see the module docstring). Over a torch module the
+    wrapper is a ``torch.nn.Module`` itself, a view of its module (``module_view.py``)."""
+
+    WRAPS_A_MODULE: ClassVar[bool] = True
+
+    def __new__(cls, module: Any, *args: Any, **kwargs: Any) -> DDP:
+        if cls is DDP and is_torch_module(module) and not is_wrapper(module):
+            return cast(DDP, super().__new__(module_view_class(DDP)))
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -153,6 +164,10 @@ class DDP:
         ``skip_all_reduce_unused_params`` and ``batched_grad_copy`` change nothing here
         (``ddp_torch.torch_ddp_keywords`` says why); ``delay_all_reduce_named_params``,
         ``param_to_hook_all_reduce`` and ``mixed_precision`` are refused."""
+        if is_wrapper(module):
+            raise ValueError(
+                f"DDP was given a pp.{type(module).__name__.removeprefix('Torch')} wrapper: wrap the module itself, once"
+            )
         group = wrapper_group("DDP", group, process_group, device_mesh)
         torch_module = is_torch_module(module)
         if bucket_cap_mb is not None:
@@ -555,9 +570,18 @@ class DDP:
             return cast(dict[str, Array], cast(Any, self.module).state_dict(*args, **kwargs))
         return self.module.state_dict()
 
-    def load_state_dict(self, state: dict[str, Array], strict: bool = True) -> LoadResult:
-        """The module's ``load_state_dict``; a state saved from torch's DDP (every key ``module.``-prefixed,
-        as ``torch_ddp.state_dict()`` writes them) loads too, the prefix dropped."""
+    def load_state_dict(
+        self, state_dict: dict[str, Array], strict: bool = True, assign: bool = False
+    ) -> LoadResult:
+        """The module's ``load_state_dict`` (torch's arguments); a state saved from torch's DDP (every key
+        ``module.``-prefixed, as ``torch_ddp.state_dict()`` writes them) loads too, the prefix dropped.
+        ``assign=True`` (the state's tensors replacing the parameters) is refused: the wrapper holds views of
+        them."""
+        if assign:
+            raise ValueError(
+                "DDP.load_state_dict: assign=True would replace the parameters the wrapper holds views of"
+            )
+        state = state_dict
         prefix = "module."
         if isinstance(self._path, TorchPath) and state and all(k.startswith(prefix) for k in state):
             own = cast(Any, self.module).state_dict(keep_vars=True)  # the keys (no copies)

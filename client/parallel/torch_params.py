@@ -34,9 +34,11 @@ __all__ = [
     "TorchParam",
     "check_device_ids",
     "is_torch_module",
+    "is_wrapper",
     "module_attribute",
     "output_tensors",
     "queue_backward_callback",
+    "refuse_move",
     "to_array",
     "to_tensor",
     "to_torch",
@@ -70,19 +72,16 @@ def module_attribute(wrapper: Any, name: str) -> Any:
     module = wrapper.__dict__.get("module")
     if module is None or name.startswith("_") or not is_torch_module(module):
         hint = ""
-        if (
-            module is not None and name.startswith("_") and name in vars(module)
-        ):  # torch code reading internals
-            hint = (
-                f" (pp.{type(wrapper).__name__.removeprefix('Torch')} is not a torch.nn.Module: pass its .module "
-                "to torch functions that take a module)"
+        if module is not None and name.startswith("_") and name in vars(module):
+            hint = (  # torch code reading internals
+                f" (it is its module's: .module.{name})"
+                if is_torch_module(wrapper)
+                else f" (pp.{type(wrapper).__name__.removeprefix('Torch')} is not a torch.nn.Module: pass its "
+                ".module to torch functions that take a module)"
             )
         raise AttributeError(f"{type(wrapper).__name__!r} object has no attribute {name!r}{hint}")
     if name in MOVES:
-        raise RuntimeError(
-            f"{type(wrapper).__name__}.{name}(): move or cast the module before wrapping it (the wrapper "
-            "holds views of its parameters and gradients)"
-        )
+        refuse_move(wrapper, name)
     value = getattr(module, name)
     if not callable(value) or getattr(value, "__self__", None) is not module:
         return value
@@ -94,6 +93,19 @@ def module_attribute(wrapper: Any, name: str) -> Any:
     call.__name__ = name
     call.__doc__ = value.__doc__
     return call
+
+
+def is_wrapper(obj: Any) -> bool:
+    """Whether ``obj`` is a pp.DDP or pp.FSDP (over any module)."""
+    return bool(getattr(type(obj), "WRAPS_A_MODULE", False))
+
+
+def refuse_move(wrapper: Any, name: str) -> None:
+    """The RuntimeError of a move or cast (``MOVES``) of a wrapper."""
+    raise RuntimeError(
+        f"{type(wrapper).__name__.removeprefix('Torch')}.{name}(): move or cast the module before wrapping it (the wrapper holds views "
+        "of its parameters and gradients)"
+    )
 
 
 def wrapper_group(

@@ -116,7 +116,8 @@ def test_torch_ddp_keywords_are_accepted_and_checked(solo: pp.World) -> None:
 def test_parameter_and_state_dict_calls_take_torchs_arguments(solo: pp.World) -> None:
     """``named_parameters(prefix, recurse, remove_duplicate)``, ``parameters(recurse=)`` and
     ``state_dict(keep_vars=True)`` as torch code calls them on a module (they were TypeErrors); torch code that
-    reads a module's internals is told to pass ``.module``."""
+    reads a module's internals reads its module's (pp.DDP is an nn.Module sharing them), and on pp.FSDP, which is
+    not one, is told to pass ``.module``."""
     model = _TwoInputs()
     ddp = pp.DDP(model, solo.group)
     assert [n for n, _ in ddp.named_parameters("m", recurse=True)] == [
@@ -127,12 +128,13 @@ def test_parameter_and_state_dict_calls_take_torchs_arguments(solo: pp.World) ->
     assert list(kept) == list(model.state_dict()) and all(
         v is p for v, p in zip(kept.values(), model.parameters())
     )
-    # torch functions that take an nn.Module may read its internals: the wrapper says to pass its .module
-    with pytest.raises(AttributeError, match=r"not a torch\.nn\.Module: pass its \.module"):
-        _ = ddp._non_persistent_buffers_set
+    # torch functions that take an nn.Module may read its internals
+    assert ddp._non_persistent_buffers_set is model._non_persistent_buffers_set
     assert not hasattr(ddp, "_no_such_attribute")
     ddp.remove_hooks()
     fsdp = pp.FSDP(_TwoInputs(), solo.group)
+    with pytest.raises(AttributeError, match=r"not a torch\.nn\.Module: pass its \.module"):
+        _ = fsdp._non_persistent_buffers_set
     assert [n for n, _ in fsdp.named_parameters(prefix="f")] == [f"f.{n}" for n, _ in fsdp.named_parameters()]
     assert len(list(fsdp.parameters(recurse=False))) == len(list(fsdp.parameters()))
 
@@ -175,6 +177,67 @@ def test_bucket_cap_mb_list_gives_torchs_buckets(solo: pp.World) -> None:
     assert [b.params for b in ddp._buckets] == [[last - j for j in bucket] for bucket in theirs]
     assert len(theirs) > len(caps_mb)  # the last limit served more than one bucket
     assert ddp.bucket_mb == max(caps_mb)
+    ddp.remove_hooks()
+
+
+class _Net(torch.nn.Module):  # type: ignore[misc]
+    """Children, a parameter and a non-persistent buffer of the root's own, BatchNorm buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Linear(4, 8)
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.head = torch.nn.Linear(8, 2)
+        self.scale = torch.nn.Parameter(torch.ones(()))
+        self.register_buffer("calls", torch.zeros(()), persistent=False)
+
+    def forward(self, x: Any) -> Any:
+        return self.head(self.bn(self.emb(x))) * self.scale
+
+
+def test_ddp_of_a_torch_module_is_an_nn_module_under_the_modules_names(solo: pp.World) -> None:
+    """As torch's DDP, pp.DDP of a torch module is a ``torch.nn.Module`` (code checks ``isinstance``, registers
+    hooks on it, walks its modules, nests it in a larger module); every name it gives is its module's (the names
+    of its ``state_dict``), moving it after wrapping and wrapping it again are refused."""
+    model = _Net()
+    ddp = pp.DDP(model, solo.group)
+    assert isinstance(ddp, torch.nn.Module) and isinstance(ddp, pp.DDP)
+    assert [n for n, _ in ddp.named_modules()] == [n for n, _ in model.named_modules()]
+    assert [(n, id(b)) for n, b in ddp.named_buffers()] == [(n, id(b)) for n, b in model.named_buffers()]
+    assert [n for n, _ in ddp.named_children()] == ["emb", "bn", "head"]
+    assert ddp.get_submodule("bn") is model.bn and ddp.scale is model.scale
+    assert ddp.eval() is ddp and not ddp.training and not any(m.training for m in model.modules())
+    ddp.train()
+    assert ddp.training and all(m.training for m in model.modules())
+    # hooks on the wrapper run around its forward (a pre-hook may replace the arguments)
+    seen: list[Any] = []
+    pre = ddp.register_forward_pre_hook(lambda m, args: (args[0] * 0,))
+    post = ddp.register_forward_hook(lambda m, args, out: seen.append((m, tuple(out.shape))))
+    ddp.eval()
+    out = ddp(torch.randn(5, 4))
+    assert seen == [(ddp, (5, 2))]
+    torch.testing.assert_close(out, model(torch.zeros(5, 4)))
+    pre.remove()
+    post.remove()
+    visited: list[Any] = []
+    assert ddp.apply(visited.append) is ddp and visited == [*model.children(), model]
+    # a child of a larger module: the plain model's keys and parameter names, strict loading both ways
+    parent = torch.nn.Sequential(ddp, torch.nn.Linear(2, 2))
+    plain = torch.nn.Sequential(_Net(), torch.nn.Linear(2, 2))
+    assert list(parent.state_dict()) == list(plain.state_dict())
+    assert [n for n, _ in parent.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    parent.load_state_dict(plain.state_dict())
+    torch.testing.assert_close(model.state_dict(), plain[0].state_dict(), rtol=0, atol=0)
+    with torch.no_grad():
+        model.scale.fill_(3.0)
+    plain.load_state_dict(parent.state_dict())
+    assert float(plain[0].scale.detach()) == 3.0
+    for name, move in (("to", lambda: ddp.to("cpu")), ("double", ddp.double), ("cpu", ddp.cpu)):
+        with pytest.raises(RuntimeError, match=rf"^DDP\.{name}\(\): move or cast the module before wrapping"):
+            move()
+    for wrap in (pp.DDP, pp.FSDP):
+        with pytest.raises(ValueError, match=r"given a pp\.DDP wrapper: wrap the module itself, once"):
+            wrap(ddp, solo.group)
     ddp.remove_hooks()
 
 
@@ -355,3 +418,11 @@ def test_the_torch_ddp_example_learns_and_resumes_to_the_parameters_of_an_unbrok
     resumed = run_example("train_torch_ddp.py", 2, *common, "--resume", "--digest", str(tmp_path / "b.sha"))
     assert "resumed from" in resumed and "epoch_001" in resumed, resumed[-1000:]
     assert (tmp_path / "b.sha").read_text() == (tmp_path / "a.sha").read_text()
+
+
+def test_torch_distributed_checkpoint_takes_ddp_as_torchs_ddp() -> None:
+    """``torch.distributed.checkpoint.state_dict.get_state_dict(ddp, opt)`` (it took only ``ddp.module``) gives
+    what it gives for torch's DDP in the same GPT-2 loop (keys, values, optimizer state by name); ``dcp.save`` /
+    ``dcp.load`` and ``set_state_dict`` into a fresh pp.DDP and AdamW resume to the unbroken run's next step."""
+    out = run_world(2, "ddp_module_view.py", env={"PARAMPLANE_TIMEOUT": "30"}, timeout=150)
+    out.check_ok(min_checks=7)

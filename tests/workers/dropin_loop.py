@@ -189,7 +189,9 @@ def ddp_loop(world: Any, rep: Report) -> None:
             rep.check("moving after wrapping is refused", False)
         except RuntimeError as e:
             rep.check("moving after wrapping is refused", "before wrapping" in str(e), str(e))
-    rep.check("private names stay the wrapper's", not hasattr(ddp, "_modules"))
+    rep.check("nn.Module's stores are the module's", ddp._modules is model._modules)
+    model._pp_private = 1
+    rep.check("the module's private attributes are not passed on", not hasattr(ddp, "_pp_private"))
     rep.check("a missing attribute is an AttributeError", not hasattr(ddp, "no_such_attribute"))
     ids = _micro(9, 0, world.rank)["input_ids"][:, :3]
     with torch.no_grad():
@@ -430,13 +432,17 @@ def more_models(world: Any, rep: Report) -> None:
 def compiled(world: Any, rep: Report) -> None:
     """``torch.compile(model)`` (the aot_eager backend: torch's graph capture and AOT autograd without a C++
     toolchain) under pp.DDP and pp.FSDP: parameters equal one process after 3 AdamW steps, and the wrapper's
-    state dict has the compiled module's keys (``_orig_mod.`` first, as torch's)."""
+    state dict has the compiled module's keys (``_orig_mod.`` first, as torch's). And ``torch.compile(ddp)``, the
+    order torch's DDP documents (pp.DDP is an nn.Module): the same."""
     import torch
 
     n, rank = world.world_size, world.rank
-    for how in ("ddp", "full_shard"):
-        model = torch.compile(tm.build("gpt2", seed=0), backend="aot_eager")
-        wrapped = pp.DDP(model, world.group) if how == "ddp" else pp.FSDP(model, world.group, how)
+    for how in ("ddp", "full_shard", "compile(ddp)"):
+        if how == "compile(ddp)":
+            wrapped = torch.compile(pp.DDP(tm.build("gpt2", seed=0), world.group), backend="aot_eager")
+        else:
+            model = torch.compile(tm.build("gpt2", seed=0), backend="aot_eager")
+            wrapped = pp.DDP(model, world.group) if how == "ddp" else pp.FSDP(model, world.group, how)
         ref = tm.build("gpt2", seed=0)
         opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)

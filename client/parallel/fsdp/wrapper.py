@@ -35,7 +35,7 @@ import contextlib
 import math
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 
@@ -66,7 +66,13 @@ from paramplane.parallel.fsdp.units import (
     units_by_class,
 )
 from paramplane.parallel.sharding import ShardedArray
-from paramplane.parallel.torch_params import TorchModule, is_torch_module, module_attribute, wrapper_group
+from paramplane.parallel.torch_params import (
+    TorchModule,
+    is_torch_module,
+    is_wrapper,
+    module_attribute,
+    wrapper_group,
+)
 
 __all__ = ["FSDP", "STRATEGIES", "CPUOffload", "MixedPrecision", "TorchFSDP", "units_by_class"]
 
@@ -86,8 +92,10 @@ class FSDP:
     size is then ``intra_size``); ``ignored_modules``, ``ignored_states`` and ``param_init_fn`` are refused.
     """
 
+    WRAPS_A_MODULE: ClassVar[bool] = True
+
     def __new__(cls, module: Any, *args: Any, **kwargs: Any) -> FSDP:
-        if cls is FSDP and is_torch_module(module):
+        if cls is FSDP and is_torch_module(module) and not is_wrapper(module):
             return cast(FSDP, super().__new__(TorchFSDP))
         return super().__new__(cls)
 
@@ -117,6 +125,11 @@ class FSDP:
         param_init_fn: Any = None,
         device_mesh: Any = None,
     ) -> None:
+        if is_wrapper(module):
+            raise ValueError(
+                f"FSDP was given a pp.{type(module).__name__.removeprefix('Torch')} wrapper: wrap the module "
+                "itself, once"
+            )
         if not isinstance(module, Module) and not is_torch_module(module):
             raise ValueError(
                 f"FSDP wraps a paramplane.nn.Module or a torch.nn.Module, got {type(module).__name__}"
