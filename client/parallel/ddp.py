@@ -93,6 +93,7 @@ from paramplane.parallel.torch_params import (
     is_torch_module,
     is_wrapper,
     module_attribute,
+    refuse_copy,
     release_parameters,
     wrapper_group,
 )
@@ -107,6 +108,9 @@ class DDP:
     wrapper is a ``torch.nn.Module`` itself, a view of its module (``module_view.py``)."""
 
     WRAPS_A_MODULE: ClassVar[bool] = True
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        refuse_copy(self)
 
     def __new__(cls, module: Any, *args: Any, **kwargs: Any) -> DDP:
         if cls is DDP and is_torch_module(module) and not is_wrapper(module):

@@ -38,6 +38,7 @@ __all__ = [
     "module_attribute",
     "output_tensors",
     "queue_backward_callback",
+    "refuse_copy",
     "refuse_move",
     "to_array",
     "to_tensor",
@@ -98,6 +99,20 @@ def module_attribute(wrapper: Any, name: str) -> Any:
 def is_wrapper(obj: Any) -> bool:
     """Whether ``obj`` is a pp.DDP or pp.FSDP (over any module)."""
     return bool(getattr(type(obj), "WRAPS_A_MODULE", False))
+
+
+def refuse_copy(wrapper: Any) -> None:
+    """The TypeError of ``copy.copy`` / ``copy.deepcopy`` / ``pickle`` of a wrapper (its ``__reduce_ex__``)."""
+    name = type(wrapper).__name__.removeprefix("Torch")
+    plain = (
+        "copy.deepcopy(ddp.module)"
+        if name == "DDP"
+        else "copy.deepcopy(fsdp.module) inside fsdp.summon_full_params()"
+    )
+    raise TypeError(
+        f"pp.{name} holds a live group and gradient hooks: it cannot be copied or pickled; for a plain copy of the "
+        f"model take {plain}, to keep its state save its state_dict()"
+    )
 
 
 def refuse_move(wrapper: Any, name: str) -> None:

@@ -242,6 +242,24 @@ def test_ddp_of_a_torch_module_is_an_nn_module_under_the_modules_names(solo: pp.
 
 
 @pytest.mark.parametrize("wrapper", ["DDP", "FSDP"])
+def test_copying_or_pickling_a_wrapper_is_a_clear_error(solo: pp.World, wrapper: str) -> None:
+    """``copy.deepcopy(model)`` of a wrapped model (an EMA or teacher copy) and pickling were TypeErrors about
+    ``__new__``'s arguments or a class lookup; they name the plain copy to take instead."""
+    import copy
+    import pickle
+
+    wrapped = getattr(pp, wrapper)(_TwoInputs(), solo.group)
+    plain = "ddp.module" if wrapper == "DDP" else r"fsdp.module\) inside fsdp.summon_full_params"
+    for attempt in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match=rf"^pp\.{wrapper} holds a live group .* copy.deepcopy\({plain}"):
+            attempt(wrapped)
+    if wrapper == "DDP":
+        twin = copy.deepcopy(wrapped.module)
+        assert all(torch.equal(a, b) for a, b in zip(twin.parameters(), wrapped.parameters(), strict=True))
+        wrapped.remove_hooks()
+
+
+@pytest.mark.parametrize("wrapper", ["DDP", "FSDP"])
 def test_the_group_is_positional_or_torchs_process_group_keyword(solo: pp.World, wrapper: str) -> None:
     """torch's ``process_group=`` names the group as the positional argument does; no group, two different
     ones, FSDP1's (intra, inter) pair or a torch process group are ValueErrors saying what to pass."""

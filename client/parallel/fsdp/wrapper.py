@@ -71,6 +71,7 @@ from paramplane.parallel.torch_params import (
     is_torch_module,
     is_wrapper,
     module_attribute,
+    refuse_copy,
     wrapper_group,
 )
 
@@ -93,6 +94,9 @@ class FSDP:
     """
 
     WRAPS_A_MODULE: ClassVar[bool] = True
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        refuse_copy(self)
 
     def __new__(cls, module: Any, *args: Any, **kwargs: Any) -> FSDP:
         if cls is FSDP and is_torch_module(module) and not is_wrapper(module):
