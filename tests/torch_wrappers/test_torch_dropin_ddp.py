@@ -219,6 +219,14 @@ def test_ddp_of_a_torch_module_is_an_nn_module_under_the_modules_names(solo: pp.
     torch.testing.assert_close(out, model(torch.zeros(5, 4)))
     pre.remove()
     post.remove()
+    grads_out: list[Any] = []
+    back = ddp.register_full_backward_hook(
+        lambda m, gi, go: grads_out.append((m, tuple(gi[0].shape), tuple(go[0].shape)))
+    )
+    ddp.train()
+    ddp(torch.randn(5, 4, requires_grad=True)).sum().backward()
+    assert grads_out == [(ddp, (5, 4), (5, 2))] and model.emb.weight.grad is not None
+    back.remove()
     visited: list[Any] = []
     assert ddp.apply(visited.append) is ddp and visited == [*model.children(), model]
     # a child of a larger module: the plain model's keys and parameter names, strict loading both ways
