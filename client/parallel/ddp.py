@@ -94,6 +94,7 @@ from paramplane.parallel.torch_params import (
     is_wrapper,
     module_attribute,
     refuse_copy,
+    refuse_wrapper,
     release_parameters,
     wrapper_group,
 )
@@ -168,10 +169,7 @@ class DDP:
         ``skip_all_reduce_unused_params`` and ``batched_grad_copy`` change nothing here
         (``ddp_torch.torch_ddp_keywords`` says why); ``delay_all_reduce_named_params``,
         ``param_to_hook_all_reduce`` and ``mixed_precision`` are refused."""
-        if is_wrapper(module):
-            raise ValueError(
-                f"DDP was given a pp.{type(module).__name__.removeprefix('Torch')} wrapper: wrap the module itself, once"
-            )
+        refuse_wrapper(module, "DDP")
         group = wrapper_group("DDP", group, process_group, device_mesh)
         torch_module = is_torch_module(module)
         if bucket_cap_mb is not None:
@@ -585,16 +583,12 @@ class DDP:
             raise ValueError(
                 "DDP.load_state_dict: assign=True would replace the parameters the wrapper holds views of"
             )
-        state = state_dict
         prefix = "module."
-        if isinstance(self._path, TorchPath) and state and all(k.startswith(prefix) for k in state):
+        if isinstance(self._path, TorchPath) and state_dict and all(k.startswith(prefix) for k in state_dict):
             own = cast(Any, self.module).state_dict(keep_vars=True)  # the keys (no copies)
-            state = (
-                state
-                if any(k.startswith(prefix) for k in own)
-                else {k[len(prefix) :]: v for k, v in state.items()}
-            )
-        return self.module.load_state_dict(state, strict)
+            if not any(k.startswith(prefix) for k in own):
+                state_dict = {k[len(prefix) :]: v for k, v in state_dict.items()}
+        return self.module.load_state_dict(state_dict, strict)
 
     def optim_state(self, optimizer: Any, *, state_arrays: tuple[str, ...] | None = None) -> Any:
         """A torch module's ``optimizer`` (a ``torch.optim`` one over ``parameters()``) as checkpoint state keyed

@@ -77,9 +77,6 @@ class ModuleView:
         self.training = mode
         return self
 
-    def eval(self) -> Any:
-        return self.train(False)
-
     def apply(self, fn: Any) -> Any:
         """``fn`` on every module of the wrapped one (its root included, as on the module); returns the wrapper."""
         self.module.apply(fn)

@@ -40,6 +40,7 @@ __all__ = [
     "queue_backward_callback",
     "refuse_copy",
     "refuse_move",
+    "refuse_wrapper",
     "to_array",
     "to_tensor",
     "to_torch",
@@ -99,6 +100,15 @@ def module_attribute(wrapper: Any, name: str) -> Any:
 def is_wrapper(obj: Any) -> bool:
     """Whether ``obj`` is a pp.DDP or pp.FSDP (over any module)."""
     return bool(getattr(type(obj), "WRAPS_A_MODULE", False))
+
+
+def refuse_wrapper(module: Any, wrapper: str) -> None:
+    """A ValueError when ``module`` is a pp.DDP or pp.FSDP already: a module is wrapped once."""
+    if is_wrapper(module):
+        raise ValueError(
+            f"{wrapper} was given a pp.{type(module).__name__.removeprefix('Torch')} wrapper: wrap the module "
+            "itself, once"
+        )
 
 
 def refuse_copy(wrapper: Any) -> None:

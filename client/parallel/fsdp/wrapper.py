@@ -72,6 +72,7 @@ from paramplane.parallel.torch_params import (
     is_wrapper,
     module_attribute,
     refuse_copy,
+    refuse_wrapper,
     wrapper_group,
 )
 
@@ -129,11 +130,7 @@ class FSDP:
         param_init_fn: Any = None,
         device_mesh: Any = None,
     ) -> None:
-        if is_wrapper(module):
-            raise ValueError(
-                f"FSDP was given a pp.{type(module).__name__.removeprefix('Torch')} wrapper: wrap the module "
-                "itself, once"
-            )
+        refuse_wrapper(module, "FSDP")
         if not isinstance(module, Module) and not is_torch_module(module):
             raise ValueError(
                 f"FSDP wraps a paramplane.nn.Module or a torch.nn.Module, got {type(module).__name__}"
