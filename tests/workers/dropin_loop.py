@@ -433,33 +433,38 @@ def compiled(world: Any, rep: Report) -> None:
     """``torch.compile(model)`` (the aot_eager backend: torch's graph capture and AOT autograd without a C++
     toolchain) under pp.DDP and pp.FSDP: parameters equal one process after 3 AdamW steps, and the wrapper's
     state dict has the compiled module's keys (``_orig_mod.`` first, as torch's). And ``torch.compile(ddp)``, the
-    order torch's DDP documents (pp.DDP is an nn.Module): the same."""
+    order torch's DDP documents (pp.DDP is an nn.Module): the same, and equal to torch's DDP (gloo) compiled so."""
     import torch
+    from torch.nn.parallel import DistributedDataParallel
 
     n, rank = world.world_size, world.rank
+
+    def train(model: Any, batch: Any) -> Any:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(3):
+            model(**batch(step)).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return model.state_dict()
+
+    want = train(tm.build("gpt2", seed=0), lambda step: tm.global_batch("gpt2", step, n))
+    flat_want = np.concatenate([v.double().reshape(-1).numpy() for v in want.values()])
     for how in ("ddp", "full_shard", "compile(ddp)"):
         if how == "compile(ddp)":
             wrapped = torch.compile(pp.DDP(tm.build("gpt2", seed=0), world.group), backend="aot_eager")
         else:
             model = torch.compile(tm.build("gpt2", seed=0), backend="aot_eager")
             wrapped = pp.DDP(model, world.group) if how == "ddp" else pp.FSDP(model, world.group, how)
-        ref = tm.build("gpt2", seed=0)
-        opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-        for step in range(3):
-            wrapped(**tm.batch("gpt2", step, rank)).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            ref(**tm.global_batch("gpt2", step, n)).loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad(set_to_none=True)
-        state = wrapped.state_dict()
-        want = ref.state_dict()
+        state = train(wrapped, lambda step: tm.batch("gpt2", step, rank))
         rep.check(f"{how}: the compiled module's keys", list(state) == [f"_orig_mod.{k}" for k in want])
         got = np.concatenate([v.double().reshape(-1).numpy() for v in state.values()])
-        rep.close(f"{how}: compiled = one process", got,
-                  np.concatenate([v.double().reshape(-1).numpy() for v in want.values()]), 1e-9)  # fmt: skip
+        rep.close(f"{how}: compiled = one process", got, flat_want, 1e-9)
         rep.digests[how] = digest(got)
+    tm.init_gloo(world)
+    theirs = torch.compile(DistributedDataParallel(tm.build("gpt2", seed=0)), backend="aot_eager")
+    state = train(theirs, lambda step: tm.batch("gpt2", step, rank))
+    rep.close("compile(ddp) = torch's compiled DDP", got,
+              np.concatenate([v.double().reshape(-1).numpy() for v in state.values()]), 1e-12)  # fmt: skip
 
 
 if __name__ == "__main__":
