@@ -9,7 +9,8 @@ buffers and children *are* the module's (the same dicts), so every name it gives
 torch DDP's ``module.`` prefix, as pp.DDP's ``state_dict`` has always been. Calling it goes through
 ``nn.Module.__call__`` (the wrapper's forward and backward hooks run around pp.DDP's forward); attributes
 that are neither the wrapper's nor ``nn.Module``'s are the module's (``model.config``, ``model.generate``).
-Moving or casting the wrapper (``to``, ``cuda``, ``float``, ...) is refused: move the module before wrapping.
+Moving or casting the wrapper (``to``, ``cuda``, ``float``, ...) is refused: move the module before wrapping (a
+``to`` or ``cpu`` that changes nothing returns the wrapper).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def module_view_class(wrapper: type) -> type:
                 "__doc__": wrapper.__doc__,
                 "__call__": torch.nn.Module.__call__,
                 **{name: _refused(name) for name in MOVES},
+                "to": _to,
+                "cpu": _cpu,
             },
         )
     return cls
@@ -84,6 +87,32 @@ class ModuleView:
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         refuse_move(self, "_apply")
+
+
+def _to(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """``to(...)`` that changes nothing (the tensors are on that device, in that dtype) returns the wrapper, as
+    on torch's DDP; any real move or cast is refused."""
+    import torch
+
+    device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    return _unmoved(self, "to", device, dtype, memory_format)
+
+
+def _cpu(self: Any) -> Any:
+    import torch
+
+    return _unmoved(self, "cpu", torch.device("cpu"), None, None)
+
+
+def _unmoved(view: Any, name: str, device: Any, dtype: Any, memory_format: Any) -> Any:
+    tensors = [*view.module.parameters(), *view.module.buffers()]
+    if memory_format is None and all(
+        (device is None or t.device == device)
+        and (dtype is None or not (t.is_floating_point() or t.is_complex()) or t.dtype == dtype)
+        for t in tensors
+    ):
+        return view
+    refuse_move(view, name)
 
 
 def _refused(name: str) -> Any:

@@ -240,9 +240,19 @@ def test_ddp_of_a_torch_module_is_an_nn_module_under_the_modules_names(solo: pp.
         model.scale.fill_(3.0)
     plain.load_state_dict(parent.state_dict())
     assert float(plain[0].scale.detach()) == 3.0
-    for name, move in (("to", lambda: ddp.to("cpu")), ("double", ddp.double), ("cpu", ddp.cpu)):
+    # a move that changes nothing is accepted (as on torch's DDP), a real one refused
+    assert ddp.to("cpu") is ddp and ddp.cpu() is ddp and ddp.to(torch.float32) is ddp
+    assert ddp.to(torch.zeros(1), non_blocking=True) is ddp
+    for name, move in (
+        ("to", lambda: ddp.to(torch.float64)),
+        ("to", lambda: ddp.to("meta")),
+        ("to", lambda: ddp.to(memory_format=torch.channels_last)),
+        ("double", ddp.double),
+        ("cuda", ddp.cuda),
+    ):
         with pytest.raises(RuntimeError, match=rf"^DDP\.{name}\(\): move or cast the module before wrapping"):
             move()
+    assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in model.parameters())
     for wrap in (pp.DDP, pp.FSDP):
         with pytest.raises(ValueError, match=r"given a pp\.DDP wrapper: wrap the module itself, once"):
             wrap(ddp, solo.group)
