@@ -39,8 +39,8 @@ def module_view_class(wrapper: type) -> type:
                 "__module__": wrapper.__module__,
                 "__doc__": wrapper.__doc__,
                 "__call__": torch.nn.Module.__call__,
-                **{name: _refused(name) for name in MOVES},
-                "to": _to,
+                **{name: _refused(name) for name in MOVES - {"to", "cpu"}},
+                "to": _to,  # the two that may change nothing
                 "cpu": _cpu,
             },
         )
